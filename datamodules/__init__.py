@@ -1,0 +1,3 @@
+from datamodules.mnist import MNISTDataModule
+
+__all__ = ["MNISTDataModule"]

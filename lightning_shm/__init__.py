@@ -1,0 +1,17 @@
+"""lightning_shm: Lightning strategies that train one model on N CPU processes through shared memory.
+
+Importing the package registers the strategy names ("shm_ddp", ...) with Lightning, so
+``Trainer(strategy="shm_ddp", accelerator="cpu", devices=4)`` works.
+"""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_shm.models import MNISTClassifier, build_mlp
+from lightning_shm.strategies import SHMDDPStrategy, SHMStrategyBase
+
+__version__ = "0.1.0"
+
+for _cls in (SHMDDPStrategy,):
+    _cls.register_strategies(StrategyRegistry)
+
+__all__ = ["MNISTClassifier", "SHMDDPStrategy", "SHMStrategyBase", "build_mlp"]

@@ -1,0 +1,4 @@
+from lightning_shm.cli import main
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,220 @@
+"""Data-parallel gradient averaging with gradients that live in shared memory.
+
+Data movement in one step (W ranks, one bucket shown)::
+
+    rank r backward:  autograd accumulates dL_r/dp straight into param.grad, a view of
+                      bucket.local (rank r's region of a SharedBuffer)          -- no copy
+    last grad of the bucket accumulated (post-accumulate-grad hook):
+        group.all_reduce(bucket, "mean")  -> zero-copy path: rank r reads part r of all W regions,
+                                             writes the mean into part r of all W regions
+    optimizer.step(): reads param.grad (the bucket views), now the mean over ranks
+
+Buckets are filled in reverse registration order (roughly the order backward produces gradients)
+and reduced strictly in bucket order, so every rank issues the same collectives in the same
+order. ``no_sync()`` (gradient accumulation) skips the reduction; gradients keep accumulating in
+the bucket views and are reduced on the last micro-step.
+
+Unused parameters (no gradient in this backward) would leave a bucket incomplete: by default that
+is an error naming the parameters; with ``find_unused_parameters=True`` the remaining buckets are
+reduced at the end of backward (their unused parts hold zeros, or the accumulated gradient).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import torch
+from torch import nn
+
+from lightning_shm.runtime.group import Group, SharedBuffer
+
+
+@dataclass
+class Bucket:
+    buffer: SharedBuffer
+    start: int
+    end: int
+    params: list[nn.Parameter] = field(default_factory=list)
+    pending: int = 0
+
+    @property
+    def flat(self) -> torch.Tensor:
+        return self.buffer.local[self.start:self.end]
+
+
+class GradReducer:
+    """Owns the gradient buckets of ``named_params`` on ``group`` and averages them during backward."""
+
+    def __init__(self, named_params: Sequence[tuple[str, nn.Parameter]], group: Group,
+                 bucket_cap_mb: float = 25.0, find_unused_parameters: bool = False, tag: str = "ddp") -> None:
+        if bucket_cap_mb <= 0:
+            raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
+        self.group = group
+        self.find_unused_parameters = find_unused_parameters
+        params = [(n, p) for n, p in named_params if p.requires_grad]
+        if not params:
+            raise ValueError("the module has no parameters that require gradients: nothing to train")
+        self._names = {p: n for n, p in params}
+        ordered = list(reversed(params))  # backward produces the last layers' gradients first
+        self.buckets: list[Bucket] = []
+        self._bucket_of: dict[nn.Parameter, Bucket] = {}
+        self._views: dict[nn.Parameter, torch.Tensor] = {}
+        cap = int(bucket_cap_mb * 2**20)
+        for dtype in sorted({p.dtype for _, p in ordered}, key=str):
+            group_params = [p for _, p in ordered if p.dtype == dtype]
+            total = sum(p.numel() for p in group_params)
+            buf = group.alloc_shared(total, dtype, tag=f"{tag}-grads")
+            buf.local.zero_()
+            off, bucket = 0, None
+            for p in group_params:
+                nbytes = p.numel() * p.element_size()
+                if bucket is None or (bucket.end - bucket.start) * p.element_size() + nbytes > cap:
+                    bucket = Bucket(buf, off, off)
+                    self.buckets.append(bucket)
+                bucket.params.append(p)
+                bucket.end = off + p.numel()
+                view = buf.local[off:off + p.numel()].view_as(p)
+                self._views[p] = view
+                self._bucket_of[p] = bucket
+                off += p.numel()
+        self._buffers = {b.buffer for b in self.buckets}
+        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for _, p in params]
+        self._sync = True
+        self._in_backward = False
+        self._synced_since_post = False
+        self._next = 0
+        self._ready: set[nn.Parameter] = set()
+        self._attach_grads(zero=True)
+
+    # ------------------------------------------------------------------ grads as bucket views
+    def _attach_grads(self, zero: bool) -> None:
+        if zero:
+            for buf in self._buffers:
+                buf.local.zero_()
+        for p, view in self._views.items():
+            p.grad = view
+
+    def prepare_for_backward(self) -> None:
+        """Point every ``param.grad`` at its bucket view again (``zero_grad(set_to_none=True)`` cleared them)."""
+        detached = [p for p, v in self._views.items() if p.grad is None or p.grad.data_ptr() != v.data_ptr()]
+        if not detached:
+            return
+        if len(detached) == len(self._views) and all(p.grad is None for p in detached):
+            self._attach_grads(zero=True)  # the common case: one memset, no copies
+            return
+        for p in detached:
+            v = self._views[p]
+            if p.grad is None:
+                v.zero_()
+            else:
+                v.copy_(p.grad)
+            p.grad = v
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally (no communication) inside the context."""
+        prev, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = prev
+
+    # ------------------------------------------------------------------ autograd hooks
+    def _on_grad_ready(self, p: nn.Parameter) -> None:
+        view = self._views[p]
+        if p.grad is not None and p.grad.data_ptr() != view.data_ptr():  # grad was stolen: bring it home
+            view.copy_(p.grad)
+            p.grad = view
+        if not self._sync:
+            return
+        if not self._in_backward:
+            self._in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+        if p in self._ready:
+            return
+        self._ready.add(p)
+        bucket = self._bucket_of[p]
+        bucket.pending += 1
+        self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        while self._next < len(self.buckets):
+            b = self.buckets[self._next]
+            if b.pending < len(b.params):
+                return
+            self.group.all_reduce(b.flat, "mean")
+            self._next += 1
+
+    def _finish_backward(self) -> None:
+        try:
+            if self._next < len(self.buckets):
+                unused = [p for b in self.buckets[self._next:] for p in b.params if p not in self._ready]
+                if not self.find_unused_parameters:
+                    names = [self._names[p] for p in unused]
+                    raise RuntimeError(
+                        f"{len(names)} parameter(s) received no gradient in this backward pass: {names[:10]}"
+                        f"{' ...' if len(names) > 10 else ''}. Every rank must produce a gradient for every "
+                        "trainable parameter, or pass find_unused_parameters=True to the strategy (their "
+                        "gradient is then taken as zero), or freeze them with requires_grad_(False)."
+                    )
+                for b in self.buckets[self._next:]:
+                    self.group.all_reduce(b.flat, "mean")
+        finally:
+            self._reset()
+
+    def _reset(self) -> None:
+        self._synced_since_post = True
+        self._in_backward = False
+        self._next = 0
+        self._ready.clear()
+        for b in self.buckets:
+            b.pending = 0
+
+    def post_backward(self) -> None:
+        """Called after ``loss.backward()``: a backward that produced no gradient at all still syncs."""
+        if self._sync and not self._synced_since_post:
+            self._in_backward = True
+            self._finish_backward()
+        self._synced_since_post = False
+
+    # ------------------------------------------------------------------ lifecycle
+    def close(self) -> None:
+        """Remove hooks and move gradients out of shared memory (the segments go away with the run)."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        for p, v in self._views.items():
+            if p.grad is not None and p.grad.data_ptr() == v.data_ptr():
+                p.grad = p.grad.clone()
+        for buf in self._buffers:
+            self.group.release_shared(buf)
+
+    @property
+    def numel(self) -> int:
+        return sum(b.end - b.start for b in self.buckets)
+
+
+def broadcast_module_state(module: nn.Module, group: Group, src: int = 0) -> None:
+    """Make every rank's parameters and buffers equal to member ``src``'s.
+
+    Explicit on purpose: pickling the model to spawned workers, ``fork``, and weights created in
+    ``configure_model`` with different RNG states must all end up identical.
+    """
+    broadcast_tensors(list(module.parameters()) + list(module.buffers()), group, src)
+
+
+def broadcast_tensors(tensors: Sequence[torch.Tensor], group: Group, src: int = 0) -> None:
+    """In-place broadcast of ``tensors`` from member ``src``: one collective per dtype, not per tensor."""
+    tensors = [t for t in tensors if t.numel()]
+    for dtype in sorted({t.dtype for t in tensors}, key=str):
+        same = [t for t in tensors if t.dtype == dtype]
+        flat = torch.cat([t.detach().reshape(-1) for t in same])
+        group.broadcast(flat, src)
+        if group.index != src:
+            off = 0
+            with torch.no_grad():
+                for t in same:
+                    t.copy_(flat[off:off + t.numel()].view_as(t))
+                    off += t.numel()

@@ -1,0 +1,114 @@
+"""A barrier made of per-rank generation counters, with a descriptor of the collective being entered.
+
+Layout (int64 words, one 128-byte row per member so no two ranks ever write the same cache line
+or its prefetch neighbour)::
+
+    row i:  [gen | seq op dtype numel root (even gens) | .. | seq op dtype numel root (odd gens) | ..]
+             0     1   2  3     4     5                  8    9  10 11    12    13
+
+Protocol for member ``i`` entering generation ``g = previous + 1``:
+
+1. write its descriptor of the collective into the slot of parity ``g % 2`` of row ``i``;
+2. store ``g`` into ``row[i].gen`` -- the only write that publishes anything;
+3. wait until every other row's ``gen >= g``; then read their descriptors for parity ``g % 2`` and
+   compare with its own.
+
+Ordering argument. Every word has exactly one writer (its row's rank), so there are no write
+races. A rank writes its data (scratch slots, descriptors) *before* its ``gen`` store, and readers
+load ``gen`` *before* they load the data. x86-64 keeps stores in program order and loads in program
+order (TSO), and every load/store here is a separate C call the compiler cannot reorder, so a reader
+that sees ``gen >= g`` also sees everything written before it. (On weakly ordered CPUs, e.g. ARM,
+this protocol would need explicit fences; the runtime targets x86-64.)
+
+Why two descriptor slots: a peer can be at most one generation ahead (to reach ``g + 2`` it needs
+everyone at ``g + 1``), so parity-indexed slots are never overwritten while still being read.
+The same argument makes double-buffered scratch safe in :mod:`lightning_shm.runtime.group`.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from lightning_shm.runtime.errors import CollectiveMismatchError
+from lightning_shm.runtime.ops import dtype_name, op_name
+from lightning_shm.runtime.wait import Waiter
+
+ROW_WORDS = 16
+DESC_FIELDS = ("seq", "op", "dtype", "numel", "root")
+_DESC_BASE = (1, 9)  # word offset of the descriptor slot for even / odd generations
+
+
+class Barrier:
+    """Generation-counter barrier for the members ``ranks`` whose rows start at ``base_word``."""
+
+    def __init__(self, words: memoryview, base_word: int, ranks: Sequence[int], index: int, waiter: Waiter,
+                 label: str) -> None:
+        size = len(ranks)
+        if not 0 <= index < size:
+            raise ValueError(f"member index {index} outside group of size {size}")
+        self._ranks = list(ranks)
+        self._w = words
+        self._rows = [base_word + j * ROW_WORDS for j in range(size)]
+        self._me = self._rows[index]
+        self._peers = [(j, r) for j, r in enumerate(self._rows) if j != index]
+        self._index = index
+        self._size = size
+        self._waiter = waiter
+        self._label = label
+        self.gen = words[self._me]  # 0 on a fresh segment
+
+    def wait(self, seq: int, op: int, dtype: int, numel: int, root: int, check_numel: bool = True,
+             check: bool = True) -> int:
+        """Enter the next generation announcing (seq, op, dtype, numel, root); return the generation."""
+        w = self._w
+        g = self.gen + 1
+        self.gen = g
+        d = self._me + _DESC_BASE[g & 1]
+        w[d] = seq
+        w[d + 1] = op
+        w[d + 2] = dtype
+        w[d + 3] = numel
+        w[d + 4] = root
+        w[self._me] = g  # publish: everything above is visible to whoever sees this
+        for j, row in self._peers:
+            if w[row] < g:
+                self._waiter.wait_ge(w, row, g, lambda: self._timeout_message(g, seq, op))
+        if check:
+            self._check(g, seq, op, dtype, numel, root, check_numel)
+        return g
+
+    def peer_field(self, member: int, g: int, field: str) -> int:
+        """A field of ``member``'s descriptor for generation ``g`` (valid right after ``wait``)."""
+        return self._w[self._rows[member] + _DESC_BASE[g & 1] + DESC_FIELDS.index(field)]
+
+    def _check(self, g: int, seq: int, op: int, dtype: int, numel: int, root: int, check_numel: bool) -> None:
+        w = self._w
+        base = _DESC_BASE[g & 1]
+        for j, row in self._peers:
+            d = row + base
+            if w[d] != seq or w[d + 1] != op or w[d + 2] != dtype or w[d + 4] != root or (
+                check_numel and w[d + 3] != numel
+            ):
+                mine = dict(zip(DESC_FIELDS, (seq, op, dtype, numel, root)))
+                theirs = dict(zip(DESC_FIELDS, (w[d + k] for k in range(5))))
+                raise CollectiveMismatchError(
+                    f"{self._label}: rank {self._ranks[self._index]} entered {_fmt(mine)} but rank "
+                    f"{self._ranks[j]} entered "
+                    f"{_fmt(theirs)}. Every rank of a group must call the same collectives in the same "
+                    f"order with matching dtypes and sizes."
+                )
+
+    def _timeout_message(self, g: int, seq: int, op: int) -> str:
+        missing = [self._ranks[j] for j, row in self._peers if self._w[row] < g]
+        return (
+            f"{self._label}: {op_name(op)} (collective #{seq}, generation {g}) timed out after "
+            f"{self._waiter.policy.timeout_s:g} s on rank {self._ranks[self._index]}: rank(s) {missing} "
+            f"did not arrive"
+        )
+
+
+def _fmt(d: dict) -> str:
+    return (
+        f"{op_name(d['op'])}(collective #{d['seq']}, dtype={dtype_name(d['dtype'])}, numel={d['numel']}, "
+        f"root={d['root']})"
+    )

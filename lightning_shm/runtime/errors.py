@@ -1,0 +1,49 @@
+"""Exceptions of the shared-memory runtime.
+
+Each one names the values that went wrong (ranks, sizes, ops) so that a failure in one of W
+processes can be understood from the single traceback the main process re-raises.
+"""
+
+from __future__ import annotations
+
+
+class SHMRuntimeError(RuntimeError):
+    """Base class of every runtime failure."""
+
+
+class SharedMemoryFullError(SHMRuntimeError):
+    """/dev/shm has too little free space for the segments a run needs."""
+
+
+class PeerAbortedError(SHMRuntimeError):
+    """Raised in a waiting rank when another process failed and the main process set the abort flag.
+
+    It is a consequence, never the cause: the launcher reports the failing worker's own exception.
+    """
+
+
+class BarrierTimeoutError(SHMRuntimeError, TimeoutError):
+    """A wait exceeded its timeout; the message names the ranks that did not arrive."""
+
+
+class CollectiveMismatchError(SHMRuntimeError):
+    """Ranks of one group entered different collectives (op, dtype, size, root or sequence number)."""
+
+
+class WorkerDiedError(SHMRuntimeError):
+    """A worker process exited without reporting a result (SIGKILL, os._exit, segfault, OOM killer)."""
+
+
+class WorkerTraceback(Exception):
+    """Carries the traceback text of a worker as the ``__cause__`` of the re-raised exception.
+
+    Like ``concurrent.futures.process._RemoteTraceback``: printing the main-process exception shows
+    the worker's original stack under "The above exception was the direct cause of ...".
+    """
+
+    def __init__(self, text: str) -> None:
+        super().__init__(text)
+        self.text = text
+
+    def __str__(self) -> str:
+        return self.text

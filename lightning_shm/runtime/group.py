@@ -1,0 +1,432 @@
+"""A process group on shared memory: barrier and every collective the strategies use.
+
+This is where the all-reduce happens (:meth:`Group.all_reduce`).
+
+Memory of a group of ``W`` members (one segment, created by the main process on first request)::
+
+    [ W barrier rows | scratch buffer 0: W slots of slot_bytes | scratch buffer 1: W slots ]
+
+Member ``i`` is the only writer of slot ``i``; everyone reads every slot. Collectives on tensors
+that do not fit a slot run in rounds of at most one slot each. Rounds alternate between the two
+buffers, which makes one barrier per round enough: before a rank writes a buffer again it has
+passed the next round's barrier, which every rank reaches only after it finished reading that
+buffer (see :mod:`lightning_shm.runtime.barrier` for the ordering argument).
+
+``all_reduce`` picks one of three paths (all give bit-identical results on every rank, because
+the fold runs in member order):
+
+* **one-shot** (``nbytes <= oneshot_max_bytes``): publish the whole tensor, one barrier, every rank
+  folds all W slots. Cheapest in latency.
+* **reduce-scatter + all-gather** (larger private tensors): per round, rank ``r`` publishes only
+  the parts the others reduce, folds its own 1/W part (its own contribution read in place), posts
+  the result in its slot, and after the second barrier copies the other parts' results. Each rank
+  reduces 1/W of the data instead of all of it.
+* **zero-copy** (tensor lives in a :class:`SharedBuffer` of this group, e.g. DDP gradient buckets):
+  nothing is copied in or out; rank ``r`` folds part ``r`` straight from the W members' buffers and
+  writes the result back into all of them. Per rank this reads N bytes and writes N bytes, the
+  memory-traffic minimum.
+"""
+
+from __future__ import annotations
+
+import math
+import pickle
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from lightning_shm.runtime.barrier import ROW_WORDS, Barrier
+from lightning_shm.runtime.ops import Coll, ReduceOp, check_reducible, dtype_code, even_split, fold
+from lightning_shm.runtime.segment import Segment, align_up
+from lightning_shm.runtime.wait import Waiter
+
+_SHARED_FLAG = 16  # added to the descriptor's op field when the zero-copy path is taken
+_PAGE = 4096
+
+
+@dataclass(frozen=True)
+class GroupConfig:
+    """Scratch sizing. ``slot_bytes`` bounds memory: a group uses ``2 * W * slot_bytes``."""
+
+    slot_bytes: int = 1 << 20
+    oneshot_max_bytes: int = 64 << 10
+
+    def __post_init__(self) -> None:
+        if self.slot_bytes < 4096 or self.slot_bytes % 64:
+            raise ValueError(f"slot_bytes must be a multiple of 64 and >= 4096, got {self.slot_bytes}")
+        if not 0 <= self.oneshot_max_bytes <= self.slot_bytes:
+            raise ValueError(
+                f"oneshot_max_bytes must be in [0, slot_bytes={self.slot_bytes}], got {self.oneshot_max_bytes}"
+            )
+
+    def segment_bytes(self, size: int) -> int:
+        return align_up(size * ROW_WORDS * 8, _PAGE) + 2 * size * self.slot_bytes
+
+
+class SharedBuffer:
+    """``numel`` elements per member, each member's copy readable and writable by all members.
+
+    ``local`` is this rank's copy (e.g. a gradient bucket whose views are ``param.grad``);
+    collectives on tensors inside ``local`` take the zero-copy path.
+    """
+
+    def __init__(self, segment: Segment, dtype: torch.dtype, numel: int, size: int, index: int) -> None:
+        self.segment = segment
+        self.dtype = dtype
+        self.numel = numel
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        self._stride = align_up(max(numel * itemsize, 1), _PAGE)
+        self._regions = [segment.tensor(dtype, j * self._stride, numel) for j in range(size)]
+        self.local = self._regions[index]
+        self._lo = self.local.data_ptr()
+        self._hi = self._lo + numel * itemsize
+        self._itemsize = itemsize
+
+    @staticmethod
+    def segment_bytes(dtype: torch.dtype, numel: int, size: int) -> int:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return size * align_up(max(numel * itemsize, 1), _PAGE)
+
+    def region(self, member: int) -> torch.Tensor:
+        return self._regions[member]
+
+    def offset_of(self, t: torch.Tensor) -> Optional[int]:
+        """Element offset of contiguous ``t`` inside ``local``, or None if it is not inside."""
+        if t.dtype != self.dtype:
+            return None
+        p = t.data_ptr()
+        if self._lo <= p and p + t.numel() * self._itemsize <= self._hi:
+            return (p - self._lo) // self._itemsize
+        return None
+
+
+class Group:
+    """Collectives among ``ranks`` (global ranks, sorted); member index = position in ``ranks``.
+
+    ``src`` arguments are member indices. Every member must call the same collectives in the same
+    order; a mismatch raises :class:`CollectiveMismatchError` on every member instead of corrupting
+    data or hanging.
+    """
+
+    def __init__(self, ranks: Sequence[int], global_rank: int, segment: Segment, waiter: Waiter,
+                 alloc: Callable[[str, int], Segment], key: str, config: GroupConfig) -> None:
+        self.ranks = tuple(ranks)
+        self.size = len(self.ranks)
+        self.index = self.ranks.index(global_rank)
+        self.global_rank = global_rank
+        self.key = key
+        self.config = config
+        self._seg = segment
+        self._alloc = alloc
+        self._waiter = waiter
+        self._barrier = Barrier(segment.words(), 0, self.ranks, self.index, waiter, f"group {list(self.ranks)}")
+        self._seq = 0
+        self._buf = 0
+        scratch0 = align_up(self.size * ROW_WORDS * 8, _PAGE)
+        sb = config.slot_bytes
+        self._raw = [[segment.tensor(torch.uint8, scratch0 + (b * self.size + j) * sb, sb) for j in range(self.size)]
+                     for b in (0, 1)]
+        self._typed: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
+        self._shared: list[SharedBuffer] = []
+
+    def __repr__(self) -> str:
+        return f"Group(ranks={list(self.ranks)}, index={self.index})"
+
+    # ------------------------------------------------------------------ plumbing
+    def _slots(self, dtype: torch.dtype) -> list[torch.Tensor]:
+        """Typed views of the next scratch buffer's W slots (alternates buffers)."""
+        b = self._buf
+        self._buf ^= 1
+        views = self._typed.get((b, dtype))
+        if views is None:
+            views = [raw.view(dtype) for raw in self._raw[b]]
+            self._typed[(b, dtype)] = views
+        return views
+
+    def _cap(self, dtype: torch.dtype) -> int:
+        return self.config.slot_bytes // torch.empty((), dtype=dtype).element_size()
+
+    def _sync(self, op: int, dtype: int, numel: int, root: int, check: bool, check_numel: bool = True) -> int:
+        return self._barrier.wait(self._seq, op, dtype, numel, root, check_numel=check_numel, check=check)
+
+    def _find_shared(self, flat: torch.Tensor) -> Optional[tuple[SharedBuffer, int]]:
+        for buf in self._shared:
+            off = buf.offset_of(flat)
+            if off is not None:
+                return buf, off
+        return None
+
+    # ------------------------------------------------------------------ shared buffers
+    def alloc_shared(self, numel: int, dtype: torch.dtype = torch.float32, tag: str = "buf") -> SharedBuffer:
+        """Collectively allocate a :class:`SharedBuffer` (every member calls with the same arguments)."""
+        if numel < 0:
+            raise ValueError(f"numel must be >= 0, got {numel}")
+        key = f"{self.key}/{tag}/{numel}/{str(dtype).replace('torch.', '')}"
+        seg = self._alloc(key, SharedBuffer.segment_bytes(dtype, numel, self.size))
+        buf = SharedBuffer(seg, dtype, numel, self.size, self.index)
+        self._shared.append(buf)
+        return buf
+
+    def release_shared(self, buf: SharedBuffer) -> None:
+        """Stop routing collectives on ``buf`` through the zero-copy path (memory is freed at exit)."""
+        self._shared = [b for b in self._shared if b is not buf]
+
+    # ------------------------------------------------------------------ barrier
+    def barrier(self) -> None:
+        self._seq += 1
+        self._sync(Coll.BARRIER, 0, 0, 0, check=True)
+
+    # ------------------------------------------------------------------ all-reduce
+    def all_reduce(self, tensor: torch.Tensor, op: Any = "sum") -> torch.Tensor:
+        """In-place reduction of ``tensor`` over the group; returns ``tensor``."""
+        op = ReduceOp.parse(op)
+        check_reducible(tensor.dtype, op)
+        if self.size == 1:
+            return tensor
+        flat, contiguous = _flat(tensor)
+        self._seq += 1
+        hit = self._find_shared(flat) if contiguous else None
+        if hit is not None:
+            self._all_reduce_shared(flat, hit[0], hit[1], op)
+        elif flat.numel() * flat.element_size() <= self.config.oneshot_max_bytes:
+            self._all_reduce_oneshot(flat, op)
+        else:
+            self._all_reduce_rsag(flat, op)
+        if not contiguous:
+            tensor.copy_(flat.view(tensor.shape))
+        return tensor
+
+    def _all_reduce_oneshot(self, flat: torch.Tensor, op: ReduceOp) -> None:
+        n = flat.numel()
+        slots = self._slots(flat.dtype)
+        slots[self.index][:n].copy_(flat)
+        self._sync(Coll.ALL_REDUCE, dtype_code(flat.dtype), n, int(op), check=True)
+        fold(op, [s[:n] for s in slots], flat, self.size)
+
+    def _all_reduce_rsag(self, flat: torch.Tensor, op: ReduceOp) -> None:
+        W, r, n = self.size, self.index, flat.numel()
+        dc, cap = dtype_code(flat.dtype), self._cap(flat.dtype)
+        for c0 in range(0, n, cap):
+            L = min(cap, n - c0)
+            xc = flat[c0:c0 + L]
+            slots = self._slots(flat.dtype)
+            mine = slots[r]
+            b = even_split(L, W)
+            lo, hi = b[r], b[r + 1]
+            if lo > 0:  # publish the parts other ranks reduce
+                mine[:lo].copy_(xc[:lo])
+            if hi < L:
+                mine[hi:L].copy_(xc[hi:])
+            self._sync(Coll.ALL_REDUCE, dc, n, int(op), check=c0 == 0)
+            if hi > lo:  # reduce my part (own contribution read in place), post the result in my slot
+                pub = mine[lo:hi]
+                fold(op, [xc[lo:hi] if j == r else slots[j][lo:hi] for j in range(W)], pub, W)
+                xc[lo:hi].copy_(pub)
+            self._sync(Coll.ALL_REDUCE, dc, n, int(op), check=False)
+            for k in range(W):  # collect the other parts' results
+                if k != r and b[k] < b[k + 1]:
+                    xc[b[k]:b[k + 1]].copy_(slots[k][b[k]:b[k + 1]])
+
+    def _all_reduce_shared(self, flat: torch.Tensor, buf: SharedBuffer, off: int, op: ReduceOp) -> None:
+        n, W, r = flat.numel(), self.size, self.index
+        dc = dtype_code(flat.dtype)
+        self._sync(Coll.ALL_REDUCE, dc, n, int(op) + _SHARED_FLAG, check=True)  # everyone's data is final
+        b = even_split(n, W)
+        lo, hi = off + b[r], off + b[r + 1]
+        if hi > lo:
+            parts = [buf.region(j)[lo:hi] for j in range(W)]
+            fold(op, parts, parts[0], W)
+            for p in parts[1:]:
+                p.copy_(parts[0])
+        self._sync(Coll.ALL_REDUCE, dc, n, int(op) + _SHARED_FLAG, check=False)  # every result written
+
+    # ------------------------------------------------------------------ reduce-scatter
+    def reduce_scatter(self, tensor: torch.Tensor, op: Any = "sum", out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Reduce ``tensor`` (flattened, n elements) and return this member's part.
+
+        Parts follow :func:`even_split` (the first ``n % W`` members get one element more).
+        ``out`` must not overlap ``tensor``.
+        """
+        op = ReduceOp.parse(op)
+        check_reducible(tensor.dtype, op)
+        flat, contiguous = _flat(tensor)
+        W, r, n = self.size, self.index, flat.numel()
+        bounds = even_split(n, W)
+        mine_n = bounds[r + 1] - bounds[r]
+        if out is None:
+            out = torch.empty(mine_n, dtype=flat.dtype)
+        elif out.numel() != mine_n or out.dtype != flat.dtype or not out.is_contiguous():
+            raise ValueError(
+                f"reduce_scatter: out must be a contiguous {flat.dtype} tensor of {mine_n} elements "
+                f"(member {r} of {W}, input numel {n}), got {tuple(out.shape)} {out.dtype}"
+            )
+        o = out.view(-1)
+        if W == 1:
+            o.copy_(flat)
+            return out
+        self._seq += 1
+        dc = dtype_code(flat.dtype)
+        hit = self._find_shared(flat) if contiguous else None
+        if hit is not None:
+            buf, off = hit
+            self._sync(Coll.REDUCE_SCATTER, dc, n, int(op) + _SHARED_FLAG, check=True)
+            if mine_n:
+                lo, hi = off + bounds[r], off + bounds[r + 1]
+                fold(op, [buf.region(j)[lo:hi] for j in range(W)], o, W)
+            # nobody may overwrite its input while others still read it
+            self._sync(Coll.REDUCE_SCATTER, dc, n, int(op) + _SHARED_FLAG, check=False)
+            return out
+        cp = max(self._cap(flat.dtype) // W, 1)  # elements of each destination per round
+        rounds = max(1, math.ceil((bounds[1] - bounds[0]) / cp))
+        for c in range(rounds):
+            slots = self._slots(flat.dtype)
+            mine = slots[r]
+            for k in range(W):
+                a = bounds[k] + c * cp
+                e = min(bounds[k + 1], a + cp)
+                if k != r and e > a:
+                    mine[k * cp:k * cp + (e - a)].copy_(flat[a:e])
+            self._sync(Coll.REDUCE_SCATTER, dc, n, int(op), check=c == 0)
+            a = bounds[r] + c * cp
+            m = min(bounds[r + 1], a + cp) - a
+            if m > 0:
+                srcs = [flat[a:a + m] if j == r else slots[j][r * cp:r * cp + m] for j in range(W)]
+                fold(op, srcs, o[c * cp:c * cp + m], W)
+        return out
+
+    # ------------------------------------------------------------------ all-gather
+    def all_gather(self, tensor: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Stack every member's equally shaped ``tensor``: returns ``[W, *tensor.shape]``."""
+        flat, _ = _flat(tensor)
+        W, r, n = self.size, self.index, flat.numel()
+        if out is None:
+            out = torch.empty((W, *tensor.shape), dtype=tensor.dtype)
+        elif out.shape != (W, *tensor.shape) or out.dtype != tensor.dtype or not out.is_contiguous():
+            raise ValueError(f"all_gather: out must be contiguous {(W, *tensor.shape)} {tensor.dtype}, "
+                             f"got {tuple(out.shape)} {out.dtype}")
+        o = out.view(W, n)
+        if W == 1:
+            o[0].copy_(flat)
+            return out
+        self._seq += 1
+        dc, cap = dtype_code(flat.dtype), self._cap(flat.dtype)
+        for c0 in range(0, max(n, 1), cap):
+            L = min(cap, n - c0)
+            slots = self._slots(flat.dtype)
+            slots[r][:L].copy_(flat[c0:c0 + L])
+            self._sync(Coll.ALL_GATHER, dc, n, 0, check=c0 == 0)
+            for j in range(W):
+                o[j, c0:c0 + L].copy_(flat[c0:c0 + L] if j == r else slots[j][:L])
+        return out
+
+    def all_gather_v(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Gather 1-D tensors of *different* lengths: returns one tensor per member.
+
+        Lengths travel in the barrier descriptors, so no extra round is needed to learn them.
+        """
+        flat, _ = _flat(tensor)
+        W, r, n = self.size, self.index, flat.numel()
+        if W == 1:
+            return [flat.clone()]
+        self._seq += 1
+        dc, cap = dtype_code(flat.dtype), self._cap(flat.dtype)
+        outs: list[torch.Tensor] = []
+        c0, rounds, c = 0, 1, 0
+        while c < rounds:
+            slots = self._slots(flat.dtype)
+            L = max(0, min(cap, n - c0))
+            slots[r][:L].copy_(flat[c0:c0 + L])
+            g = self._sync(Coll.ALL_GATHER_V, dc, n, 0, check=c == 0, check_numel=False)
+            if c == 0:
+                sizes = [n if j == r else self._barrier.peer_field(j, g, "numel") for j in range(W)]
+                outs = [torch.empty(s, dtype=flat.dtype) for s in sizes]
+                rounds = max(1, math.ceil(max(sizes) / cap))
+            for j in range(W):
+                Lj = max(0, min(cap, outs[j].numel() - c0))
+                if Lj:
+                    outs[j][c0:c0 + Lj].copy_(flat[c0:c0 + Lj] if j == r else slots[j][:Lj])
+            c0 += cap
+            c += 1
+        return outs
+
+    # ------------------------------------------------------------------ broadcast
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Copy member ``src``'s ``tensor`` into every member's ``tensor`` (in place)."""
+        if not 0 <= src < self.size:
+            raise ValueError(f"broadcast src must be a member index in [0, {self.size}), got {src}")
+        if self.size == 1:
+            return tensor
+        flat, contiguous = _flat(tensor)
+        n, r = flat.numel(), self.index
+        self._seq += 1
+        dc = dtype_code(flat.dtype)
+        hit = self._find_shared(flat) if contiguous else None
+        if hit is not None:
+            buf, off = hit
+            self._sync(Coll.BROADCAST, dc, n, src + _SHARED_FLAG, check=True)
+            if r != src:
+                flat.copy_(buf.region(src)[off:off + n])
+            self._sync(Coll.BROADCAST, dc, n, src + _SHARED_FLAG, check=False)  # src may not modify before
+        else:
+            cap = self._cap(flat.dtype)
+            for c0 in range(0, max(n, 1), cap):
+                L = min(cap, n - c0)
+                slots = self._slots(flat.dtype)
+                if r == src:
+                    slots[src][:L].copy_(flat[c0:c0 + L])
+                self._sync(Coll.BROADCAST, dc, n, src, check=c0 == 0)
+                if r != src:
+                    flat[c0:c0 + L].copy_(slots[src][:L])
+        if not contiguous and r != src:
+            tensor.copy_(flat.view(tensor.shape))
+        return tensor
+
+    # ------------------------------------------------------------------ python objects
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """Pickle ``obj`` on member ``src`` and return it on every member (any size)."""
+        if not 0 <= src < self.size:
+            raise ValueError(f"broadcast_object src must be a member index in [0, {self.size}), got {src}")
+        if self.size == 1:
+            return obj
+        r, cap = self.index, self.config.slot_bytes
+        self._seq += 1
+        dc = dtype_code(torch.uint8)
+        data = _to_bytes_tensor(obj) if r == src else None
+        n = data.numel() if data is not None else -1
+        c0, rounds, c = 0, 1, 0
+        recv: Optional[torch.Tensor] = None
+        while c < rounds:
+            slots = self._slots(torch.uint8)
+            if data is not None:
+                L = min(cap, n - c0)
+                slots[src][:L].copy_(data[c0:c0 + L])
+            g = self._sync(Coll.BROADCAST_OBJECT, dc, n, src, check=c == 0, check_numel=False)
+            if c == 0:
+                n = self._barrier.peer_field(src, g, "numel") if data is None else n
+                rounds = max(1, math.ceil(n / cap))
+                recv = torch.empty(n, dtype=torch.uint8) if data is None else None
+            if recv is not None:
+                L = min(cap, n - c0)
+                recv[c0:c0 + L].copy_(slots[src][:L])
+            c0 += cap
+            c += 1
+        return obj if recv is None else pickle.loads(recv.numpy().tobytes())
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every member's picklable ``obj``, in member order."""
+        if self.size == 1:
+            return [obj]
+        parts = self.all_gather_v(_to_bytes_tensor(obj))
+        return [pickle.loads(p.numpy().tobytes()) for p in parts]
+
+
+def _flat(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """A 1-D view of ``t`` if contiguous, else a contiguous copy (caller writes it back)."""
+    if t.is_contiguous():
+        return t.view(-1), True
+    return t.contiguous().view(-1), False
+
+
+def _to_bytes_tensor(obj: Any) -> torch.Tensor:
+    return torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)

@@ -1,0 +1,125 @@
+"""Reduction operators, collective/dtype codes and the elementwise fold every reduction uses.
+
+The fold always combines contributions in member order ``0, 1, ..., W-1``. Floating-point addition
+is not associative, so a rank-dependent order would leave replicas differing in the last bits and
+drifting apart over training; with one canonical order every rank computes bit-identical results.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Sequence, Union
+
+import torch
+
+
+class ReduceOp(enum.IntEnum):
+    SUM = 1
+    MEAN = 2
+    MAX = 3
+    MIN = 4
+
+    @classmethod
+    def parse(cls, op: Union[str, "ReduceOp", object]) -> "ReduceOp":
+        """Accept "sum"/"mean"/"avg"/"max"/"min", our enum, or ``torch.distributed.ReduceOp``."""
+        if isinstance(op, ReduceOp):
+            return op
+        if isinstance(op, str):
+            key = op.lower()
+        else:  # torch.distributed.ReduceOp / RedOpType without importing torch.distributed
+            key = str(getattr(op, "name", op)).rsplit(".", 1)[-1].lower()
+        aliases = {"sum": cls.SUM, "mean": cls.MEAN, "avg": cls.MEAN, "max": cls.MAX, "min": cls.MIN}
+        if key not in aliases:
+            raise ValueError(f"unsupported reduce op {op!r}; use one of {sorted(aliases)}")
+        return aliases[key]
+
+
+class Coll(enum.IntEnum):
+    """Codes written into barrier descriptors, so mismatched calls are named in errors."""
+
+    BARRIER = 1
+    ALL_REDUCE = 2
+    REDUCE_SCATTER = 3
+    ALL_GATHER = 4
+    ALL_GATHER_V = 5
+    BROADCAST = 6
+    BROADCAST_OBJECT = 7
+
+
+_DTYPES: list[torch.dtype] = [
+    torch.float32, torch.float64, torch.bfloat16, torch.float16,
+    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+]
+DTYPE_CODE = {dt: i + 1 for i, dt in enumerate(_DTYPES)}
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    try:
+        return DTYPE_CODE[dtype]
+    except KeyError:
+        raise TypeError(f"dtype {dtype} is not supported by the shared-memory collectives") from None
+
+
+def dtype_name(code: int) -> str:
+    return str(_DTYPES[code - 1]).replace("torch.", "") if 0 < code <= len(_DTYPES) else f"<none:{code}>"
+
+
+def op_name(code: int) -> str:
+    try:
+        return Coll(code).name.lower()
+    except ValueError:
+        return f"<op {code}>"
+
+
+def check_reducible(dtype: torch.dtype, op: ReduceOp) -> None:
+    if dtype == torch.bool:
+        raise TypeError("reductions of bool tensors are not supported; convert to uint8/int64 first")
+    if op == ReduceOp.MEAN and not (dtype.is_floating_point or dtype.is_complex):
+        raise TypeError(f"mean of an integer tensor ({dtype}) is not defined; reduce with 'sum' and divide")
+
+
+def even_split(n: int, parts: int) -> list[int]:
+    """Boundaries of ``n`` elements split into ``parts`` contiguous pieces, the first ``n % parts`` one longer.
+
+    Same sizes as ``torch.tensor_split``; returns ``parts + 1`` offsets.
+    """
+    q, r = divmod(n, parts)
+    bounds = [0]
+    for i in range(parts):
+        bounds.append(bounds[-1] + q + (1 if i < r else 0))
+    return bounds
+
+
+def fold(op: ReduceOp, srcs: Sequence[torch.Tensor], out: torch.Tensor, size: int) -> None:
+    """``out = srcs[0] (op) srcs[1] (op) ...`` in member order; ``mean`` divides by ``size``.
+
+    ``out`` may alias ``srcs[0]`` or ``srcs[1]`` (elementwise, read-before-write per index) but
+    no later source. bfloat16/float16 accumulate in float32 and round once, like ``torch.sum``.
+    """
+    if len(srcs) == 1:
+        if out.data_ptr() != srcs[0].data_ptr():
+            out.copy_(srcs[0])
+        return
+    if out.dtype in _LOW_PRECISION and op in (ReduceOp.SUM, ReduceOp.MEAN):
+        acc = srcs[0].float()
+        for s in srcs[1:]:
+            acc.add_(s)
+        if op == ReduceOp.MEAN:
+            acc.div_(size)
+        out.copy_(acc)
+        return
+    if op in (ReduceOp.SUM, ReduceOp.MEAN):
+        torch.add(srcs[0], srcs[1], out=out)
+        for s in srcs[2:]:
+            out.add_(s)
+        if op == ReduceOp.MEAN:
+            out.div_(size)
+    elif op == ReduceOp.MAX:
+        torch.maximum(srcs[0], srcs[1], out=out)
+        for s in srcs[2:]:
+            torch.maximum(out, s, out=out)
+    else:
+        torch.minimum(srcs[0], srcs[1], out=out)
+        for s in srcs[2:]:
+            torch.minimum(out, s, out=out)

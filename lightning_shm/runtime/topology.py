@@ -1,0 +1,107 @@
+"""The dp x tp x pp grid: which ranks form which group.
+
+Rank layout (tp fastest, then dp, then pp -- Megatron's order, so a tensor-parallel group is a block
+of neighbouring ranks)::
+
+    rank = (pp_rank * dp + dp_rank) * tp + tp_rank
+
+    W=8, pp=2, dp=2, tp=2:   stage 0: [0 1] [2 3]    stage 1: [4 5] [6 7]
+                                      tp     tp               tp     tp
+    tp groups {0,1} {2,3} {4,5} {6,7}; dp groups {0,2} {1,3} {4,6} {5,7}; pp groups {0,4} {1,5} {2,6} {3,7}
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from lightning_shm.runtime.group import Group
+    from lightning_shm.runtime.world import World
+
+
+@dataclass(frozen=True)
+class Coords:
+    dp: int
+    tp: int
+    pp: int
+
+
+@dataclass(frozen=True)
+class Topology:
+    """A validated grid; ``world_size`` must equal ``dp * tp * pp``."""
+
+    world_size: int
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+
+    def __post_init__(self) -> None:
+        sizes = {"world_size": self.world_size, "dp": self.dp, "tp": self.tp, "pp": self.pp}
+        bad = {k: v for k, v in sizes.items() if not isinstance(v, int) or isinstance(v, bool) or v < 1}
+        if bad:
+            raise ValueError(f"every grid size must be a positive int, got {bad} (all sizes: {sizes})")
+        if self.dp * self.tp * self.pp != self.world_size:
+            raise ValueError(
+                f"world_size={self.world_size} must equal dp*tp*pp = {self.dp}*{self.tp}*{self.pp} = "
+                f"{self.dp * self.tp * self.pp}"
+            )
+
+    @classmethod
+    def infer(cls, world_size: int, tp: int = 1, pp: int = 1) -> "Topology":
+        """dp = world_size / (tp * pp); a clear error when it does not divide."""
+        for name, v in (("world_size", world_size), ("tp", tp), ("pp", pp)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r} (world_size={world_size}, tp={tp}, pp={pp})")
+        if world_size % (tp * pp):
+            raise ValueError(
+                f"devices (world_size={world_size}) must be divisible by tp*pp = {tp}*{pp} = {tp * pp}"
+            )
+        return cls(world_size, world_size // (tp * pp), tp, pp)
+
+    def coords(self, rank: int) -> Coords:
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} outside world of size {self.world_size}")
+        tp = rank % self.tp
+        dp = (rank // self.tp) % self.dp
+        pp = rank // (self.tp * self.dp)
+        return Coords(dp=dp, tp=tp, pp=pp)
+
+    def rank_of(self, dp: int, tp: int, pp: int) -> int:
+        return (pp * self.dp + dp) * self.tp + tp
+
+    def tp_ranks(self, rank: int) -> list[int]:
+        c = self.coords(rank)
+        return [self.rank_of(c.dp, t, c.pp) for t in range(self.tp)]
+
+    def dp_ranks(self, rank: int) -> list[int]:
+        c = self.coords(rank)
+        return [self.rank_of(d, c.tp, c.pp) for d in range(self.dp)]
+
+    def pp_ranks(self, rank: int) -> list[int]:
+        c = self.coords(rank)
+        return [self.rank_of(c.dp, c.tp, p) for p in range(self.pp)]
+
+    def groups(self, world: "World") -> "ParallelGroups":
+        """This rank's dp, tp and pp groups (each member calls; groups are created on first use)."""
+        if world.size != self.world_size:
+            raise ValueError(f"topology is for {self.world_size} ranks, world has {world.size}")
+        r = world.rank
+        return ParallelGroups(
+            topology=self,
+            coords=self.coords(r),
+            world=world.group(),
+            dp=world.group(self.dp_ranks(r)),
+            tp=world.group(self.tp_ranks(r)),
+            pp=world.group(self.pp_ranks(r)),
+        )
+
+
+@dataclass(frozen=True)
+class ParallelGroups:
+    topology: Topology
+    coords: Coords
+    world: "Group"
+    dp: "Group"
+    tp: "Group"
+    pp: "Group"

@@ -1,0 +1,6 @@
+"""Lightning strategies: thin adapters of the parallelism code to the Trainer."""
+
+from lightning_shm.strategies.base import SHMStrategyBase
+from lightning_shm.strategies.ddp import SHMDDPStrategy
+
+__all__ = ["SHMDDPStrategy", "SHMStrategyBase"]

@@ -1,0 +1,226 @@
+"""The Lightning contract shared by the four shared-memory strategies.
+
+A thin adapter: ranks and world size come from the runtime :class:`World` the launcher hands to
+each worker; ``reduce`` / ``barrier`` / ``broadcast`` / ``all_gather`` / metric syncing run on its
+groups; subclasses add only their parallelism (gradient reducer, FSDP units, TP layers, stages).
+
+Lightning checks (read ``lightning/pytorch/strategies/ddp.py``, ``parallel.py``) that matter here:
+
+* ``is_distributed = True``, else Lightning silently skips the DistributedSampler and ``sync_dist``;
+* ``set_world_ranks`` must set ``rank_zero_only.rank`` so only rank 0 logs and prints;
+* the inherited ``all_gather`` silently returns its input without ``torch.distributed``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Optional, Union
+
+import torch
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.accelerators import CPUAccelerator
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor
+
+import lightning.pytorch as pl
+from lightning_shm.runtime import Group, RuntimeConfig, Topology, World
+from lightning_shm.runtime.launcher import START_METHODS
+from lightning_shm.strategies import collectives
+from lightning_shm.strategies.launcher import SHMLauncher
+from lightning_shm.strategies.predictions import merge_predictions
+
+
+class SHMStrategyBase(ParallelStrategy):
+    """Base of ``shm_ddp``, ``shm_fsdp``, ``shm_tp``, ``shm_pipeline``: CPU processes on one machine.
+
+    Args:
+        start_method: "spawn" (default) or "fork" (faster start, Linux, no CUDA in the parent).
+        timeout: seconds any wait may block before raising with the ranks that did not arrive.
+        runtime: full runtime configuration (overrides ``timeout``).
+    """
+
+    strategy_name = "shm"
+
+    def __init__(self, accelerator: Optional["pl.accelerators.Accelerator"] = None,
+                 parallel_devices: Optional[list[torch.device]] = None,
+                 cluster_environment: Optional[ClusterEnvironment] = None,
+                 checkpoint_io: Optional[CheckpointIO] = None, precision_plugin: Optional[Precision] = None,
+                 start_method: str = "spawn", timeout: float = 300.0, runtime: Optional[RuntimeConfig] = None) -> None:
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
+                         precision_plugin=precision_plugin)
+        if start_method not in START_METHODS:
+            raise ValueError(f"start_method must be one of {START_METHODS}, got {start_method!r}")
+        self._start_method = start_method
+        self.runtime_config = runtime or RuntimeConfig(timeout_s=timeout)
+        self._num_nodes = 1
+        self._world: Optional[World] = None
+        self._group: Optional[Group] = None
+        self._metric_state: list = []
+
+    # ------------------------------------------------------------------ topology
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    def topology(self) -> Topology:
+        """The dp x tp x pp grid of this strategy (pure data parallel here)."""
+        return Topology(world_size=max(self.num_processes, 1), dp=max(self.num_processes, 1))
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        if num_nodes != 1:
+            raise ValueError(
+                f"{type(self).__name__} runs W processes on one machine through shared memory; got "
+                f"num_nodes={num_nodes}. For several machines use Lightning's strategy='ddp' (the same "
+                f"LightningModule trains there unchanged)."
+            )
+        self._num_nodes = num_nodes
+
+    @property
+    def root_device(self) -> torch.device:
+        return torch.device("cpu")
+
+    @property
+    def is_distributed(self) -> bool:
+        return True
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        topo = self.topology()
+        return {"num_replicas": topo.dp, "rank": topo.coords(self.global_rank).dp}
+
+    @property
+    def group(self) -> Group:
+        if self._group is None:
+            raise RuntimeError(f"{type(self).__name__} has no process group outside its worker processes")
+        return self._group
+
+    # ------------------------------------------------------------------ launch & environment
+    def _configure_launcher(self) -> None:
+        if self.accelerator is not None and not isinstance(self.accelerator, CPUAccelerator):
+            raise ValueError(
+                f"{type(self).__name__} trains on CPU processes; got accelerator "
+                f"{type(self.accelerator).__name__}. Pass Trainer(accelerator='cpu', ...)."
+            )
+        if self.num_processes < 1:
+            raise ValueError(f"{type(self).__name__} needs devices >= 1, got {self.num_processes}")
+        self.topology()  # validate the grid in the main process, before any worker starts
+        self._launcher = SHMLauncher(self, self._start_method)
+
+    def attach_world(self, world: World) -> None:
+        """Called by the launcher in each worker before the Trainer's entry point runs."""
+        self._world = world
+        self._group = world.world_group
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self.set_world_ranks()
+        reset_seed()
+
+    def set_world_ranks(self) -> None:
+        rank = self._world.rank if self._world is not None else 0
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(rank)
+            self.cluster_environment.set_world_size(self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = rank
+
+    @property
+    def global_rank(self) -> int:
+        return self._world.rank if self._world is not None else 0
+
+    @property
+    def local_rank(self) -> int:
+        return self.global_rank
+
+    @property
+    def world_size(self) -> int:
+        return max(self.num_processes, 1)
+
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    def _check_unsupported(self, trainer: "pl.Trainer") -> None:
+        if self._layer_sync is not None and trainer.state.fn == TrainerFn.FITTING:
+            raise ValueError(f"{type(self).__name__} does not support sync_batchnorm=True (it needs torch.distributed)")
+
+    # ------------------------------------------------------------------ collectives for Lightning
+    def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Union[str, Any]] = "mean") -> Any:
+        g = group if isinstance(group, Group) else self._group
+        if g is None:
+            return tensor
+        return collectives.reduce(g, tensor, reduce_op)
+
+    def barrier(self, name: Optional[str] = None) -> None:
+        if self._group is not None:
+            self._group.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if self._group is None:
+            return obj
+        return self._group.broadcast_object(obj, src)
+
+    def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
+        g = group if isinstance(group, Group) else self._group
+        if g is None:
+            return tensor.unsqueeze(0) if isinstance(tensor, Tensor) else tensor
+        return collectives.all_gather(g, tensor, sync_grads=sync_grads)
+
+    def attach_metrics(self) -> None:
+        """Make every torchmetrics Metric of the module sync over the data-parallel group."""
+        assert self.lightning_module is not None
+        self._metric_state = collectives.attach_metric_sync(self.lightning_module, self.metric_group())
+
+    def metric_group(self) -> Group:
+        return self.group
+
+    # ------------------------------------------------------------------ results for the main process
+    def full_state_dict(self) -> dict[str, Any]:
+        """The plain module's state dict (collective for sharded strategies); meaningful on rank 0."""
+        assert self.lightning_module is not None
+        return self.lightning_module.state_dict()
+
+    def gather_predictions(self, trainer: "pl.Trainer", results: Any) -> Any:
+        """All ranks' predictions on rank 0, in dataset order (collective)."""
+        loop = trainer.predict_loop
+        combined = loop._combined_loader
+        loaders = combined.flattened if combined is not None else []
+        outputs = results if loop.num_dataloaders > 1 else [results]
+        indices = []
+        sizes = []
+        for dl in loaders:
+            bs = getattr(dl, "batch_sampler", None)
+            indices.append(list(getattr(bs, "seen_batch_indices", None) or []) or None)
+            sizes.append(int(getattr(dl, "batch_size", None) or getattr(bs, "batch_size", 1) or 1))
+        gathered = self.prediction_group().all_gather_object((outputs, indices, sizes))
+        if self.global_rank != 0:
+            return None
+        merged = merge_predictions(gathered)
+        return merged if loop.num_dataloaders > 1 else merged[0]
+
+    def prediction_group(self) -> Group:
+        return self.group
+
+    # ------------------------------------------------------------------ lifecycle
+    @contextlib.contextmanager
+    def block_backward_sync(self) -> Iterator[None]:
+        yield None
+
+    def teardown(self) -> None:
+        collectives.detach_metric_sync(self._metric_state)
+        self._metric_state = []
+        if self.cluster_environment is not None:
+            self.cluster_environment.teardown()
+        if self.accelerator is None:  # never connected to a Trainer: nothing else was set up
+            return
+        super(ParallelStrategy, self).teardown()

@@ -1,0 +1,46 @@
+"""Shared fixtures. Every test is checked for leaked /dev/shm entries (a full /dev/shm is a bus error)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+MNIST_DIR = (ROOT / ".." / "shared" / "data" / "mnist").resolve()
+
+
+def _shm_entries() -> set[str]:
+    try:
+        return set(os.listdir("/dev/shm"))
+    except FileNotFoundError:
+        return set()
+
+
+@pytest.fixture(autouse=True)
+def no_shm_leak():
+    """Fail any test that leaves a new entry in /dev/shm behind."""
+    before = _shm_entries()
+    yield
+    leaked = sorted(_shm_entries() - before)
+    if leaked:
+        pytest.fail(f"test left shared-memory entries behind in /dev/shm: {leaked}")
+
+
+@pytest.fixture(autouse=True)
+def _single_thread_torch():
+    """Tests run many processes on 2 cores; keep the main process from oversubscribing them."""
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(prev)
+
+
+@pytest.fixture
+def mnist_dir() -> Path:
+    """The real MNIST test split (IDX files) at ../shared/data/mnist."""
+    if not (MNIST_DIR / "t10k-images-idx3-ubyte.gz").is_file():
+        pytest.fail(f"the MNIST test split is expected at {MNIST_DIR} (see README: Data)")
+    return MNIST_DIR

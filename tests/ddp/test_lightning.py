@@ -1,0 +1,237 @@
+"""shm_ddp as a Lightning user sees it: the contract, logging, metrics, checkpoints, loops, errors."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+from lightning.pytorch.demos.boring_classes import BoringModel, RandomDataset
+from lightning.pytorch.strategies import StrategyRegistry
+from torch.utils.data import DataLoader
+from torchmetrics import SumMetric
+
+import lightning_shm
+from lightning_shm import SHMDDPStrategy
+from lightning_shm.models import MNISTClassifier
+from tests.helpers import flat_params, loader, mnist_like, trainer
+
+
+# ---------------------------------------------------------------------- contract
+def test_registered_names_and_start_methods():
+    assert {"shm_ddp", "shm_ddp_fork"} <= set(StrategyRegistry.available_strategies())
+    t = trainer(strategy="shm_ddp_fork", devices=3)
+    assert isinstance(t.strategy, SHMDDPStrategy) and t.strategy._start_method == "fork"
+    assert t.strategy.is_distributed and t.world_size == 3 and t.num_devices == 3
+    assert t.strategy.distributed_sampler_kwargs == {"num_replicas": 3, "rank": 0}
+    assert t.strategy.root_device == torch.device("cpu")
+    assert trainer(strategy="shm_ddp", devices=2).strategy._start_method == "spawn"
+
+
+def test_multi_node_is_refused_with_pointer_to_ddp():
+    with pytest.raises(ValueError, match="num_nodes=2.*strategy='ddp'"):
+        trainer(strategy="shm_ddp", devices=2, num_nodes=2)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="bucket_cap_mb must be > 0, got 0"):
+        SHMDDPStrategy(bucket_cap_mb=0)
+    with pytest.raises(ValueError, match="start_method must be one of"):
+        SHMDDPStrategy(start_method="thread")
+
+
+def test_teardown_of_a_strategy_never_set_up():
+    SHMDDPStrategy().teardown()
+
+
+# ---------------------------------------------------------------------- logging & metrics
+class RankLogging(BoringModel):
+    """Logs rank-dependent values: sync_dist must give the mean over ranks; all_gather must stack."""
+
+    def __init__(self):
+        super().__init__()
+        self.metric = SumMetric()
+
+    def training_step(self, batch, batch_idx):
+        out = super().training_step(batch, batch_idx)
+        self.metric.update(self.global_rank + 1)
+        self.log("metric_sum", self.metric, on_step=False, on_epoch=True)
+        self.log("rank_mean", float(self.global_rank), sync_dist=True, on_step=False, on_epoch=True)
+        self.log("rank_max", float(self.global_rank), sync_dist=True, reduce_fx="max", on_epoch=True, on_step=False)
+        gathered = self.all_gather(torch.tensor(float(self.global_rank)))
+        self.log("gathered_sum", gathered.sum(), on_step=False, on_epoch=True)
+        x = torch.ones(2, requires_grad=True) * (self.global_rank + 1)
+        g = self.all_gather(x, sync_grads=True)
+        (grad,) = torch.autograd.grad(g.sum() * 1.0, x)
+        self.log("ag_grad", grad.sum(), on_step=False, on_epoch=True)
+        return out
+
+
+def test_sync_dist_all_gather_and_metrics_across_ranks():
+    model = RankLogging()
+    t = trainer(strategy="shm_ddp_fork", devices=2, max_epochs=1, limit_train_batches=6, limit_val_batches=0)
+    t.fit(model)
+    m = t.callback_metrics
+    assert float(m["rank_mean"]) == pytest.approx(0.5)
+    assert float(m["rank_max"]) == 1.0
+    assert float(m["gathered_sum"]) == 1.0
+    assert float(m["ag_grad"]) == pytest.approx(2 * 2)  # d(sum of all ranks' copies)/dx summed over 2 ranks
+    # SumMetric updated with rank+1 on each of 6 steps on 2 ranks: 6*1 + 6*2 = 18 (not 36)
+    assert float(m["metric_sum"]) == 18.0
+
+
+class AccModule(MNISTClassifier):
+    pass
+
+
+def test_torchmetrics_accuracy_is_computed_over_all_ranks():
+    """val_acc from 2 ranks must equal the accuracy of one process over the same samples."""
+    pl.seed_everything(3)
+    ds = mnist_like(64, seed=5)
+    model = MNISTClassifier()
+    single = trainer(devices=1).validate(model, DataLoader(ds, batch_size=8), verbose=False)[0]
+    multi = trainer(strategy="shm_ddp_fork", devices=2).validate(model, DataLoader(ds, batch_size=8), verbose=False)[0]
+    assert multi["val_acc"] == pytest.approx(single["val_acc"], abs=1e-6)
+    assert multi["val_loss"] == pytest.approx(single["val_loss"], abs=1e-5)
+
+
+# ---------------------------------------------------------------------- loops, results, checkpoints
+def test_fit_returns_weights_metrics_and_best_model_path(tmp_path):
+    pl.seed_everything(0)
+    model = MNISTClassifier()
+    before = flat_params(model).clone()
+    ckpt = ModelCheckpoint(dirpath=tmp_path, monitor="val_loss", save_top_k=1)
+    ds = mnist_like(96)
+    t = trainer(strategy="shm_ddp_fork", devices=2, max_epochs=2, enable_checkpointing=True, callbacks=[ckpt])
+    t.fit(model, loader(ds, 8), DataLoader(ds, batch_size=16))
+    assert not torch.equal(flat_params(model), before), "trained weights did not come back to the main process"
+    assert t.state.finished and "val_loss" in t.callback_metrics
+    assert ckpt.best_model_path and os.path.isfile(ckpt.best_model_path)
+    assert sorted(os.listdir(tmp_path)) == [os.path.basename(ckpt.best_model_path)]  # one writer: rank 0
+    # the checkpoint holds the plain module's keys and loads in a single process
+    restored = MNISTClassifier.load_from_checkpoint(ckpt.best_model_path)
+    assert set(restored.state_dict()) == set(model.state_dict())
+    # a second Trainer.fit in the same script works
+    t2 = trainer(strategy="shm_ddp_fork", devices=2, max_epochs=1)
+    t2.fit(model, loader(ds, 8))
+    assert t2.state.finished
+
+
+def test_resume_from_checkpoint_equals_uninterrupted_training(tmp_path):
+    ds = mnist_like(64)
+
+    def run(max_epochs, ckpt_path=None, save=False):
+        pl.seed_everything(1)
+        model = MNISTClassifier(optimizer="adam", lr=1e-3)
+        cb = [ModelCheckpoint(dirpath=tmp_path, save_last=True)] if save else []
+        t = trainer(strategy="shm_ddp_fork", devices=2, max_epochs=max_epochs, enable_checkpointing=save,
+                    callbacks=cb, precision="64-true")
+        t.fit(model, loader(ds, 8), ckpt_path=ckpt_path)
+        return flat_params(model).double()
+
+    straight = run(3)
+    run(1, save=True)
+    resumed = run(3, ckpt_path=str(tmp_path / "last.ckpt"))
+    torch.testing.assert_close(resumed, straight, rtol=0, atol=1e-6)  # main-process model is float32: 1e-6 ~ a few ulp
+
+
+class NeverImproves(BoringModel):
+    def validation_step(self, batch, batch_idx):
+        self.log("score", torch.tensor(1.0 + self.global_rank), sync_dist=True)
+
+    def on_train_epoch_end(self):
+        self.log("epochs_run", float(self.current_epoch + 1), sync_dist=True)
+
+
+def test_early_stopping_stops_all_ranks_together():
+    t = trainer(strategy="shm_ddp_fork", devices=2, max_epochs=20, limit_train_batches=2, limit_val_batches=2,
+                callbacks=[EarlyStopping("score", patience=2, mode="min")])
+    t.fit(NeverImproves())
+    assert float(t.callback_metrics["epochs_run"]) == 3.0  # best at epoch 0, 2 epochs of patience
+    assert float(t.callback_metrics["score"]) == pytest.approx(1.5)
+
+
+def test_validate_test_and_predict_return_results_of_all_ranks():
+    pl.seed_everything(0)
+    model = MNISTClassifier()
+    ds = mnist_like(101)  # odd size: rank 0 predicts 51 samples, rank 1 50
+    dl = DataLoader(ds, batch_size=10)
+    single = trainer(devices=1).predict(model, dl)
+    multi = trainer(strategy="shm_ddp_fork", devices=2).predict(model, dl)
+    assert [len(b) for b in multi] == [len(b) for b in single]
+    assert torch.equal(torch.cat(multi), torch.cat(single))
+    res = trainer(strategy="shm_ddp_fork", devices=2).test(model, DataLoader(ds, batch_size=10), verbose=False)
+    assert "test_acc" in res[0]
+
+
+def test_boring_model_trains():
+    model = BoringModel()
+    before = flat_params(model).clone()
+    t = trainer(strategy="shm_ddp_fork", devices=2, max_epochs=1, limit_train_batches=4, limit_val_batches=2)
+    t.fit(model)
+    assert not torch.equal(flat_params(model), before)
+
+
+def test_spawn_start_method_end_to_end():
+    pl.seed_everything(0)
+    model = MNISTClassifier()
+    before = flat_params(model).clone()
+    t = trainer(strategy="shm_ddp", devices=2, max_epochs=1)
+    t.fit(model, loader(mnist_like(64), 8))
+    assert not torch.equal(flat_params(model), before) and t.state.finished
+
+
+class ConfigureModel(pl.LightningModule):
+    """Weights created in configure_model with a rank-dependent seed must still agree after setup."""
+
+    def configure_model(self):
+        torch.manual_seed(1000 + self.global_rank)
+        self.layer = torch.nn.Linear(4, 3)
+
+    def training_step(self, batch, batch_idx):
+        gathered = self.all_gather(self.layer.weight.detach())
+        self.log("replica_spread", (gathered - gathered[0]).abs().max(), on_step=False, on_epoch=True)
+        return self.layer(batch).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        return DataLoader(torch.randn(8, 4), batch_size=2)
+
+
+def test_weights_created_in_configure_model_start_equal():
+    t = trainer(strategy="shm_ddp_fork", devices=2, max_epochs=1)
+    t.fit(ConfigureModel())
+    assert float(t.callback_metrics["replica_spread"]) == 0.0
+
+
+class FailsOnRank1(BoringModel):
+    def training_step(self, batch, batch_idx):
+        if self.global_rank == 1 and batch_idx == 2:
+            raise KeyError("rank 1 could not find key 'x'")
+        return super().training_step(batch, batch_idx)
+
+
+def test_error_in_one_rank_is_raised_in_main_process_quickly():
+    t0 = time.monotonic()
+    with pytest.raises(KeyError, match="rank 1 could not find key"):
+        trainer(strategy="shm_ddp_fork", devices=2, max_epochs=1, limit_train_batches=5).fit(FailsOnRank1())
+    assert time.monotonic() - t0 < 15
+
+
+def test_unused_parameter_error_reaches_the_user():
+    class Unused(BoringModel):
+        def __init__(self):
+            super().__init__()
+            self.extra = torch.nn.Linear(2, 2)
+
+    with pytest.raises(RuntimeError, match="extra.(weight|bias)"):
+        trainer(strategy="shm_ddp_fork", devices=2, max_epochs=1, limit_train_batches=2).fit(Unused())
+    ok = trainer(strategy=SHMDDPStrategy(start_method="fork", find_unused_parameters=True), devices=2, max_epochs=1,
+                 limit_train_batches=2, limit_val_batches=0)
+    ok.fit(Unused())
+    assert ok.state.finished

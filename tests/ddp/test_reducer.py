@@ -1,0 +1,126 @@
+"""The gradient reducer on the bare runtime (no Trainer): buckets, hooks, no_sync, unused parameters."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_shm.models import build_mlp
+from lightning_shm.parallel.ddp import GradReducer, broadcast_module_state
+from lightning_shm.runtime import launch
+
+
+def _counting(group):
+    calls = []
+    orig = group.all_reduce
+
+    def counted(t, op="sum"):
+        calls.append(t.numel())
+        return orig(t, op)
+
+    group.all_reduce = counted
+    return calls
+
+
+def _mean_grads(world, bucket_cap_mb):
+    torch.manual_seed(world.rank)  # different init per rank: the broadcast must fix it
+    model = build_mlp()
+    g = world.group()
+    broadcast_module_state(model, g)
+    reducer = GradReducer(list(model.named_parameters()), g, bucket_cap_mb=bucket_cap_mb)
+    calls = _counting(g)
+    x = torch.randn(8, 1, 28, 28, generator=torch.Generator().manual_seed(100 + world.rank))
+    y = torch.randint(0, 10, (8,), generator=torch.Generator().manual_seed(200 + world.rank))
+    model.zero_grad(set_to_none=True)
+    reducer.prepare_for_backward()
+    nn.functional.cross_entropy(model(x), y).backward()
+    reducer.post_backward()
+    views_ok = all(p.grad.data_ptr() == reducer._views[p].data_ptr() for p in model.parameters())
+    grads = [p.grad.clone() for p in model.parameters()]
+    # the reference: every rank recomputes the mean gradient over all ranks' samples locally
+    ref_model = build_mlp()
+    ref_model.load_state_dict(model.state_dict())
+    ref_grads = [torch.zeros_like(p) for p in ref_model.parameters()]
+    for r in range(world.size):
+        xr = torch.randn(8, 1, 28, 28, generator=torch.Generator().manual_seed(100 + r))
+        yr = torch.randint(0, 10, (8,), generator=torch.Generator().manual_seed(200 + r))
+        ref_model.zero_grad()
+        nn.functional.cross_entropy(ref_model(xr), yr).backward()
+        for acc, p in zip(ref_grads, ref_model.parameters()):
+            acc += p.grad / world.size
+    ok = all(torch.allclose(a, b, atol=1e-6) for a, b in zip(grads, ref_grads))
+    return ok, views_ok, len(reducer.buckets), calls
+
+
+@pytest.mark.parametrize("bucket_cap_mb", [25.0, 0.05])
+def test_bucket_views_average_gradients(bucket_cap_mb):
+    results = launch(_mean_grads, 3, bucket_cap_mb, start_method="fork")
+    for ok, views_ok, n_buckets, calls in results:
+        assert ok and views_ok
+        assert len(calls) == n_buckets  # one all-reduce per bucket, no more
+    # 50 KiB cap: [last Linear + 2nd LayerNorm + 2nd Linear bias] [256x64 weight] [LN1 + Linear1 bias] [784x256 weight]
+    assert results[0][2] == (1 if bucket_cap_mb == 25.0 else 4)
+
+
+def _accumulate(world):
+    model = build_mlp([16])
+    g = world.group()
+    broadcast_module_state(model, g)
+    reducer = GradReducer(list(model.named_parameters()), g)
+    calls = _counting(g)
+    x = torch.randn(4, 1, 28, 28, generator=torch.Generator().manual_seed(world.rank))
+    model.zero_grad(set_to_none=True)
+    for micro in range(3):
+        reducer.prepare_for_backward()
+        if micro < 2:
+            with reducer.no_sync():
+                model(x).sum().backward()
+                reducer.post_backward()
+            after_no_sync = len(calls)
+        else:
+            model(x).sum().backward()
+            reducer.post_backward()
+    return after_no_sync, len(calls), [p.grad.clone() for p in model.parameters()]
+
+
+def test_no_sync_accumulates_locally_and_syncs_once():
+    (n0, n1, g0), (m0, m1, g1) = launch(_accumulate, 2, start_method="fork")
+    assert n0 == m0 == 0 and n1 == m1 == 1
+    for a, b in zip(g0, g1):
+        torch.testing.assert_close(a, b)
+
+
+class TwoHeads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 2)
+        self.b = nn.Linear(4, 2)
+
+    def forward(self, x, use_b):
+        return self.a(x) + (self.b(x) if use_b else 0)
+
+
+def _unused(world, find_unused):
+    torch.manual_seed(0)
+    model = TwoHeads()
+    g = world.group()
+    reducer = GradReducer(list(model.named_parameters()), g, find_unused_parameters=find_unused)
+    model.zero_grad(set_to_none=True)
+    reducer.prepare_for_backward()
+    x = torch.ones(3, 4) * (world.rank + 1)
+    model(x, use_b=world.rank == 0).sum().backward()  # rank 1 never touches head b
+    reducer.post_backward()
+    return model.b.weight.grad.clone(), model.a.weight.grad.clone()
+
+
+def test_unused_parameters_raise_naming_them():
+    with pytest.raises(RuntimeError, match=r"received no gradient.*'b\.(weight|bias)'.*find_unused_parameters=True"):
+        launch(_unused, 2, False, start_method="fork")
+
+
+def test_find_unused_parameters_takes_zero_gradient():
+    (b0, a0), (b1, a1) = launch(_unused, 2, True, start_method="fork")
+    torch.testing.assert_close(b0, b1)
+    torch.testing.assert_close(b0, torch.full_like(b0, 3 / 2))  # rank 0's grad 3 (1*3 rows), rank 1's zero
+    torch.testing.assert_close(a0, torch.full_like(a0, (3 + 6) / 2))

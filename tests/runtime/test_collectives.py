@@ -1,0 +1,218 @@
+"""Every collective x sizes x W x dtypes against a torch reference computed from all ranks' inputs.
+
+Small scratch slots (64 KiB) force the one-shot, multi-round and reduce-scatter/all-gather paths
+with modest sizes; each rank regenerates every other rank's input from its seed for the reference.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_shm.runtime import GroupConfig, RuntimeConfig, launch
+from lightning_shm.runtime.ops import even_split
+
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.int64]
+SMALL = RuntimeConfig(timeout_s=60, group=GroupConfig(slot_bytes=64 << 10, oneshot_max_bytes=4 << 10))
+
+
+def sizes_for(world: int) -> list[int]:
+    # 0, 1, odd, not divisible by W, one-shot limit +- 1, several rounds of a 64 KiB slot
+    return [0, 1, 7, world * 3 + 1, 1023, 1025, 50_001, 3 * 16384 + 5]
+
+
+def make(rank: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * rank + n)
+    if dtype.is_floating_point:
+        return (torch.randn(n, generator=g, dtype=torch.float64) * 4).to(dtype)
+    return torch.randint(-1000, 1000, (n,), generator=g, dtype=dtype)
+
+
+def close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> bool:
+    if a.shape != b.shape:
+        return False
+    if not dtype.is_floating_point:
+        return torch.equal(a, b)
+    tol = {torch.float32: 1e-5, torch.float64: 1e-12, torch.bfloat16: 2 ** -7}[dtype]
+    return torch.allclose(a.double(), b.double(), rtol=tol, atol=tol)
+
+
+def reference(op: str, parts: list[torch.Tensor]) -> torch.Tensor:
+    stacked = torch.stack([p.double() if p.is_floating_point() else p for p in parts])
+    if op == "sum":
+        return stacked.sum(0)
+    if op == "mean":
+        return stacked.mean(0)
+    if op == "max":
+        return stacked.max(0).values
+    return stacked.min(0).values
+
+
+def check_all_reduce(world) -> list[str]:
+    g, errors = world.group(), []
+    for dtype in DTYPES:
+        for op in ("sum", "mean", "max", "min"):
+            if op == "mean" and not dtype.is_floating_point:
+                continue
+            for n in sizes_for(world.size):
+                x = make(world.rank, n, dtype)
+                g.all_reduce(x, op)
+                ref = reference(op, [make(r, n, dtype) for r in range(world.size)]).to(dtype)
+                if not close(x, ref, dtype):
+                    errors.append(f"all_reduce {op} {dtype} n={n}")
+    return errors
+
+
+def check_all_reduce_shared(world) -> list[str]:
+    """Zero-copy path: the tensor lives in a SharedBuffer of the group (like DDP gradient buckets)."""
+    g, errors = world.group(), []
+    for dtype in DTYPES:
+        for n in sizes_for(world.size):
+            buf = g.alloc_shared(n + 3, dtype, tag="t")
+            view = buf.local[3:3 + n]  # an offset inside the buffer, as for a bucket
+            view.copy_(make(world.rank, n, dtype))
+            g.all_reduce(view, "sum")
+            ref = reference("sum", [make(r, n, dtype) for r in range(world.size)]).to(dtype)
+            if not close(view, ref, dtype):
+                errors.append(f"shared all_reduce {dtype} n={n}")
+            g.release_shared(buf)
+    return errors
+
+
+def check_reduce_scatter(world) -> list[str]:
+    g, errors = world.group(), []
+    for dtype in DTYPES:
+        for op in ("sum", "max"):
+            for n in sizes_for(world.size):
+                out = g.reduce_scatter(make(world.rank, n, dtype), op)
+                b = even_split(n, world.size)
+                ref = reference(op, [make(r, n, dtype) for r in range(world.size)]).to(dtype)
+                if not close(out, ref[b[g.index]:b[g.index + 1]], dtype):
+                    errors.append(f"reduce_scatter {op} {dtype} n={n}")
+    return errors
+
+
+def check_all_gather(world) -> list[str]:
+    g, errors = world.group(), []
+    for dtype in DTYPES:
+        for n in sizes_for(world.size):
+            out = g.all_gather(make(world.rank, n, dtype).view(1, n) if n else make(world.rank, n, dtype))
+            ref = torch.stack([make(r, n, dtype) for r in range(world.size)])
+            if not torch.equal(out.reshape(world.size, n), ref):
+                errors.append(f"all_gather {dtype} n={n}")
+            # unequal sizes: rank r sends n + r elements
+            parts = g.all_gather_v(make(world.rank, n + world.rank, dtype))
+            if [p.numel() for p in parts] != [n + r for r in range(world.size)] or not all(
+                torch.equal(p, make(r, n + r, dtype)) for r, p in enumerate(parts)
+            ):
+                errors.append(f"all_gather_v {dtype} n={n}")
+    return errors
+
+
+def check_broadcast(world) -> list[str]:
+    g, errors = world.group(), []
+    for dtype in DTYPES:
+        for n in sizes_for(world.size):
+            for src in {0, world.size - 1}:
+                x = make(world.rank, n, dtype)
+                g.broadcast(x, src)
+                if not torch.equal(x, make(src, n, dtype)):
+                    errors.append(f"broadcast {dtype} n={n} src={src}")
+    big = {"rank": world.rank, "blob": b"x" * 200_000, "t": torch.arange(5)}
+    got = g.broadcast_object(big if world.rank == world.size - 1 else None, src=world.size - 1)
+    if got["rank"] != world.size - 1 or got["blob"] != big["blob"] or not torch.equal(got["t"], big["t"]):
+        errors.append("broadcast_object")
+    objs = g.all_gather_object({"r": world.rank, "pad": "y" * (70_000 * world.rank)})
+    if [o["r"] for o in objs] != list(range(world.size)) or [len(o["pad"]) for o in objs] != [
+        70_000 * r for r in range(world.size)
+    ]:
+        errors.append("all_gather_object")
+    return errors
+
+
+CHECKS = {
+    "all_reduce": check_all_reduce,
+    "all_reduce_shared": check_all_reduce_shared,
+    "reduce_scatter": check_reduce_scatter,
+    "all_gather": check_all_gather,
+    "broadcast": check_broadcast,
+}
+
+
+def _run(world, name):
+    return CHECKS[name](world)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("name", sorted(CHECKS))
+def test_collective_matches_torch_reference(name, world_size):
+    results = launch(_run, world_size, name, start_method="fork", runtime=SMALL)
+    errors = [f"rank {r}: {e}" for r, errs in enumerate(results) for e in errs]
+    assert not errors, errors
+
+
+def _default_config_large(world):
+    g = world.group()
+    n = (3 << 20) + 3  # 12 MiB of float32: several rounds of the default 1 MiB slot
+    x = make(world.rank, n, torch.float32)
+    g.all_reduce(x, "mean")
+    ref = reference("mean", [make(r, n, torch.float32) for r in range(world.size)]).float()
+    return bool(torch.allclose(x, ref, rtol=1e-5, atol=1e-6))
+
+
+def test_large_all_reduce_with_default_config():
+    assert launch(_default_config_large, 2, start_method="fork") == [True, True]
+
+
+def _bitwise_identical(world):
+    """Every rank must get the *same bits* (canonical fold order), else replicas drift apart."""
+    g = world.group()
+    out = []
+    for n in (5, 3000, 70_000):
+        x = make(world.rank, n, torch.float32)
+        g.all_reduce(x, "sum")
+        out.append(x)
+    return out
+
+
+@pytest.mark.parametrize("world_size", [3, 4])
+def test_results_are_bitwise_identical_on_every_rank(world_size):
+    results = launch(_bitwise_identical, world_size, start_method="fork", runtime=SMALL)
+    for r in range(1, world_size):
+        for a, b in zip(results[0], results[r]):
+            assert torch.equal(a, b)
+
+
+def _non_contiguous(world):
+    g = world.group()
+    x = make(world.rank, 60, torch.float32).view(6, 10).t()  # non-contiguous
+    g.all_reduce(x, "sum")
+    ref = reference("sum", [make(r, 60, torch.float32) for r in range(world.size)]).float().view(6, 10).t()
+    return bool(torch.allclose(x, ref))
+
+
+def test_non_contiguous_tensor_is_reduced_in_place():
+    assert launch(_non_contiguous, 2, start_method="fork") == [True, True]
+
+
+def _errors(world):
+    g = world.group()
+    out = []
+    for call in (lambda: g.all_reduce(torch.arange(3), "mean"),
+                 lambda: g.all_reduce(torch.ones(3), "median"),
+                 lambda: g.broadcast(torch.ones(3), src=5),
+                 lambda: g.reduce_scatter(torch.ones(10), out=torch.empty(2))):
+        try:
+            call()
+            out.append("no error")
+        except (TypeError, ValueError) as e:
+            out.append(str(e))
+    return out
+
+
+def test_bad_arguments_raise_before_communicating():
+    msgs = launch(_errors, 2, start_method="fork")[0]
+    assert "mean of an integer tensor" in msgs[0]
+    assert "median" in msgs[1]
+    assert "src must be a member index in [0, 2), got 5" in msgs[2]
+    assert "5 elements" in msgs[3]

@@ -1,0 +1,139 @@
+"""Point-to-point channels (pipeline transport), the dp x tp x pp grid, and the thread budget."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from lightning_shm.runtime import ChannelConfig, RuntimeConfig, Topology, launch
+from lightning_shm.runtime.launcher import _fork_safe_threads
+from lightning_shm.runtime.world import thread_budget
+
+SMALL_CH = RuntimeConfig(channel=ChannelConfig(slots=2, slot_bytes=4096))
+
+
+def _ping_pong(world):
+    fwd = world.channel(0, 1, "act")
+    bwd = world.channel(1, 0, "grad")
+    shapes = [(), (0,), (3,), (2, 3, 4), (5000,), (7, 1000)]  # 0-d, empty, multi-fragment (>4 KiB slots)
+    dtypes = [torch.float32, torch.bfloat16, torch.int64, torch.bool]
+    received = []
+    for i, shape in enumerate(shapes):
+        for dt in dtypes:
+            t = (torch.arange(int(torch.tensor(shape).prod()) if shape else 1) % 3 + i).reshape(shape).to(dt)
+            if world.rank == 0:
+                fwd.send(t)
+                back = bwd.recv()
+                received.append(torch.equal(back, t * 2 if dt != torch.bool else t))
+            else:
+                got = fwd.recv()
+                received.append(got.shape == t.shape and got.dtype == dt and torch.equal(got, t))
+                bwd.send(got * 2 if dt != torch.bool else got)
+    return received
+
+
+def test_channels_carry_shape_dtype_and_any_size():
+    r0, r1 = launch(_ping_pong, 2, start_method="fork", runtime=SMALL_CH)
+    assert all(r0) and all(r1) and len(r0) == 24
+
+
+def _stream(world):
+    """The sender runs ahead by up to `slots` messages: no lock-step, no world barrier."""
+    ch = world.channel(0, 1, "stream")
+    n = 500
+    if world.rank == 0:
+        for i in range(n):
+            ch.send(torch.full((10,), float(i)))
+        return ch.bytes_sent
+    return [float(ch.recv()[0]) for _ in range(n)]
+
+
+def test_channel_preserves_order_under_streaming():
+    sent, got = launch(_stream, 2, start_method="fork", runtime=SMALL_CH)
+    assert got == [float(i) for i in range(500)] and sent == 500 * 40
+
+
+def test_channel_wrong_end_raises():
+    def body(world):
+        ch = world.channel(0, 1)
+        try:
+            (ch.recv if world.rank == 0 else ch.send)(torch.ones(1))
+        except (RuntimeError, TypeError) as e:
+            return str(e)
+        return "no error"
+
+    msgs = launch(body, 2, start_method="fork")
+    assert "sending end" in msgs[0] or "receiving end" in msgs[1]
+
+
+def test_topology_layout_and_groups():
+    topo = Topology(world_size=8, dp=2, tp=2, pp=2)
+    assert topo.tp_ranks(5) == [4, 5]
+    assert topo.dp_ranks(5) == [5, 7]
+    assert topo.pp_ranks(5) == [1, 5]
+    assert [topo.rank_of(**vars(topo.coords(r))) for r in range(8)] == list(range(8))
+    assert Topology.infer(4, tp=2) == Topology(4, dp=2, tp=2, pp=1)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(world_size=4, dp=2, tp=3, pp=1), r"world_size=4 must equal dp\*tp\*pp = 2\*3\*1 = 6"),
+        (dict(world_size=4, dp=0, tp=2, pp=2), r"positive int.*'dp': 0"),
+    ],
+)
+def test_bad_grid_names_every_size(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Topology(**kwargs)
+
+
+def test_infer_rejects_indivisible_devices():
+    with pytest.raises(ValueError, match=r"devices \(world_size=6\) must be divisible by tp\*pp = 4\*1 = 4"):
+        Topology.infer(6, tp=4)
+
+
+def _groups(world):
+    pg = Topology(world_size=4, dp=2, tp=2).groups(world)
+    x = torch.tensor([float(world.rank)])
+    pg.tp.all_reduce(x)
+    y = torch.tensor([float(world.rank)])
+    pg.dp.all_reduce(y)
+    return pg.coords, float(x), float(y)
+
+
+def test_topology_groups_reduce_over_the_right_ranks():
+    res = launch(_groups, 4, start_method="fork")
+    assert [r[1] for r in res] == [1.0, 1.0, 5.0, 5.0]  # tp groups {0,1} {2,3}
+    assert [r[2] for r in res] == [2.0, 4.0, 2.0, 4.0]  # dp groups {0,2} {1,3}
+
+
+def _threads(world):
+    return torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
+
+
+def test_thread_budget_is_cores_over_world_unless_user_set(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    cores = len(os.sched_getaffinity(0))
+    assert [thread_budget(w) for w in (1, 2, 4)] == [max(1, cores // w) for w in (1, 2, 4)]
+    assert launch(_threads, 2, start_method="fork") == [(max(1, cores // 2), str(max(1, cores // 2)))] * 2
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert thread_budget(2) == 3
+    assert launch(_threads, 2, start_method="spawn") == [(3, "3")] * 2
+
+
+def test_fork_from_a_multithreaded_parent_runs_workers_single_threaded(monkeypatch):
+    """libgomp hangs in a child forked after the parent's OpenMP pool started (seen: a mul kernel)."""
+    import threading
+
+    stop = threading.Event()
+    t = threading.Thread(target=stop.wait)
+    t.start()
+    try:
+        assert _fork_safe_threads(4) == 1
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")
+        assert launch(_threads, 1, start_method="fork") == [(1, "1")]
+    finally:
+        stop.set()
+        t.join()

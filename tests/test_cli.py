@@ -1,0 +1,41 @@
+"""The CLI: python -m lightning_shm, configs under scripts/configs, strategy names and class paths."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lightning_shm.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = sorted((ROOT / "scripts" / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=[c.stem for c in CONFIGS])
+def test_every_config_parses(config, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["fit", "--config", str(config), "--print_config"])
+    assert info.value.code == 0
+    assert "strategy" in capsys.readouterr().out
+
+
+def test_fit_with_strategy_class_path_and_test_after_fit(tmp_path, mnist_dir):
+    args = ["fit", "--trainer.strategy", "lightning_shm.SHMDDPStrategy", "--trainer.strategy.start_method", "fork",
+            "--trainer.devices", "2", "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "10",
+            "--trainer.limit_val_batches", "2", "--trainer.enable_progress_bar", "false",
+            "--trainer.default_root_dir", str(tmp_path), "--trainer.logger.init_args.save_dir", str(tmp_path),
+            "--data.data_dir", str(mnist_dir), "--test_after_fit", "true", "--trainer.limit_test_batches", "5"]
+    out = subprocess.run([sys.executable, "-m", "lightning_shm", *args], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "test accuracy:" in out.stdout and "official MNIST test split" in out.stdout
+    metrics = list(tmp_path.rglob("metrics.csv"))
+    assert metrics, "the CSV logger wrote no metrics"
+    png = tmp_path / "curves.png"
+    plot = subprocess.run([sys.executable, "scripts/plot_metrics.py", str(metrics[0]), "-o", str(png)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert plot.returncode == 0, plot.stderr[-2000:]
+    assert png.stat().st_size > 1000
