@@ -329,17 +329,17 @@ def _died(rank: int, proc: mp.process.BaseProcess) -> WorkerDiedError:
 
 
 def _fork_safe_threads(threads: int) -> int:
-    """GNU OpenMP (torch's CPU thread pool) hangs in a forked child if the parent already started its
-    pool: the child waits forever for threads that were not copied. A parent with more than one OS
-    thread may have done so; its forked workers then run single-threaded (spawn has no such limit).
+    """Forked workers run single-threaded.
+
+    GNU OpenMP (torch's CPU thread pool) hangs in a child forked after the parent started its pool:
+    the child waits forever for pool threads that were not copied (seen here in a ``mul`` kernel).
+    Whether the parent started it cannot be queried, so ``fork`` never gives a worker more than one
+    thread; ``spawn`` (the default) has no such limit.
     """
-    try:
-        parent_threads = len(os.listdir("/proc/self/task"))
-    except OSError:  # pragma: no cover - non-Linux
-        parent_threads = threading.active_count()
-    if threads > 1 and parent_threads > 1:
-        log.warning("start_method='fork' from a multi-threaded process: workers use 1 thread instead of %d "
-                    "(OpenMP cannot run in a child forked after its pool started; use 'spawn' for more)", threads)
+    if threads > 1:
+        log.warning("start_method='fork': workers use 1 thread instead of %d (OpenMP cannot run in a child "
+                    "forked after the parent's thread pool started); use 'spawn' for %d threads per worker",
+                    threads, threads)
         return 1
     return threads
 

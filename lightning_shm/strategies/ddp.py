@@ -43,6 +43,7 @@ class SHMDDPStrategy(SHMStrategyBase):
         self.find_unused_parameters = find_unused_parameters
         self.broadcast_buffers = broadcast_buffers
         self._reducer: Optional[GradReducer] = None
+        self._buffers: list[Tensor] = []
 
     def setup(self, trainer: "pl.Trainer") -> None:
         assert self.accelerator is not None and self.model is not None
@@ -57,17 +58,12 @@ class SHMDDPStrategy(SHMStrategyBase):
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         self.attach_metrics()
+        self._buffers = [b for b in self.model.buffers() if b.numel()] if self.broadcast_buffers else []
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self.broadcast_buffers and self.model is not None:
-            buffers = [b for b in self.model.buffers() if b.numel()]
-            if buffers:
-                broadcast_tensors(buffers, self.group)
+        if self._buffers:  # e.g. BatchNorm running statistics: rank 0's, like torch DDP
+            broadcast_tensors(self._buffers, self.group)
         return super().training_step(*args, **kwargs)
-
-    def pre_backward(self, closure_loss: Tensor) -> None:
-        if self._reducer is not None:
-            self._reducer.prepare_for_backward()
 
     def post_backward(self, closure_loss: Tensor) -> None:
         if self._reducer is not None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from torch import nn
@@ -33,7 +35,6 @@ def _mean_grads(world, bucket_cap_mb):
     x = torch.randn(8, 1, 28, 28, generator=torch.Generator().manual_seed(100 + world.rank))
     y = torch.randint(0, 10, (8,), generator=torch.Generator().manual_seed(200 + world.rank))
     model.zero_grad(set_to_none=True)
-    reducer.prepare_for_backward()
     nn.functional.cross_entropy(model(x), y).backward()
     reducer.post_backward()
     views_ok = all(p.grad.data_ptr() == reducer._views[p].data_ptr() for p in model.parameters())
@@ -63,32 +64,39 @@ def test_bucket_views_average_gradients(bucket_cap_mb):
     assert results[0][2] == (1 if bucket_cap_mb == 25.0 else 4)
 
 
-def _accumulate(world):
+def _accumulate(world, set_to_none):
+    torch.manual_seed(0)
     model = build_mlp([16])
+    ref = build_mlp([16])
+    ref.load_state_dict(model.state_dict())
     g = world.group()
-    broadcast_module_state(model, g)
     reducer = GradReducer(list(model.named_parameters()), g)
     calls = _counting(g)
-    x = torch.randn(4, 1, 28, 28, generator=torch.Generator().manual_seed(world.rank))
-    model.zero_grad(set_to_none=True)
-    for micro in range(3):
-        reducer.prepare_for_backward()
-        if micro < 2:
-            with reducer.no_sync():
-                model(x).sum().backward()
+    xs = [torch.randn(4, 1, 28, 28, generator=torch.Generator().manual_seed(r)) for r in range(world.size)]
+    for step in range(2):  # two optimizer steps' worth, zeroing in between like Lightning
+        model.zero_grad(set_to_none=set_to_none)
+        for micro in range(3):
+            ctx = reducer.no_sync() if micro < 2 else contextlib.nullcontext()
+            with ctx:
+                model(xs[world.rank] * (micro + 1)).sum().backward()
                 reducer.post_backward()
-            after_no_sync = len(calls)
-        else:
-            model(x).sum().backward()
-            reducer.post_backward()
-    return after_no_sync, len(calls), [p.grad.clone() for p in model.parameters()]
+            if micro == 1:
+                after_no_sync = len(calls)
+    # reference: mean over ranks of the gradient summed over the three micro-steps
+    ref.zero_grad()
+    for x in xs:
+        for micro in range(3):
+            (ref(x * (micro + 1)).sum() / world.size).backward()
+    ok = all(torch.allclose(p.grad, q.grad, atol=1e-5) for p, q in zip(model.parameters(), ref.parameters()))
+    return after_no_sync, len(calls), ok
 
 
-def test_no_sync_accumulates_locally_and_syncs_once():
-    (n0, n1, g0), (m0, m1, g1) = launch(_accumulate, 2, start_method="fork")
-    assert n0 == m0 == 0 and n1 == m1 == 1
-    for a, b in zip(g0, g1):
-        torch.testing.assert_close(a, b)
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_no_sync_accumulates_locally_and_syncs_once(set_to_none):
+    results = launch(_accumulate, 2, set_to_none, start_method="fork")
+    for after_no_sync, total, ok in results:
+        assert after_no_sync == 1  # step 1's two no_sync micro-steps communicated nothing (1 = step 0's sync)
+        assert total == 2 and ok
 
 
 class TwoHeads(nn.Module):
@@ -107,7 +115,6 @@ def _unused(world, find_unused):
     g = world.group()
     reducer = GradReducer(list(model.named_parameters()), g, find_unused_parameters=find_unused)
     model.zero_grad(set_to_none=True)
-    reducer.prepare_for_backward()
     x = torch.ones(3, 4) * (world.rank + 1)
     model(x, use_b=world.rank == 0).sum().backward()  # rank 1 never touches head b
     reducer.post_backward()

@@ -96,21 +96,16 @@ class GradReducer:
         for p, view in self._views.items():
             p.grad = view
 
-    def prepare_for_backward(self) -> None:
-        """Point every ``param.grad`` at its bucket view again (``zero_grad(set_to_none=True)`` cleared them)."""
-        detached = [p for p, v in self._views.items() if p.grad is None or p.grad.data_ptr() != v.data_ptr()]
-        if not detached:
-            return
-        if len(detached) == len(self._views) and all(p.grad is None for p in detached):
-            self._attach_grads(zero=True)  # the common case: one memset, no copies
-            return
-        for p in detached:
-            v = self._views[p]
-            if p.grad is None:
-                v.zero_()
-            else:
-                v.copy_(p.grad)
-            p.grad = v
+    def _adopt(self, p: nn.Parameter) -> None:
+        """Make ``p.grad`` its bucket view. After ``zero_grad(set_to_none=True)`` autograd hands the hook
+        a freshly allocated gradient: one copy into the bucket is cheaper than zeroing the bucket
+        before backward and accumulating into it (N bytes moved instead of 3N)."""
+        view = self._views[p]
+        if p.grad is None:
+            view.zero_()
+        elif p.grad.data_ptr() != view.data_ptr():
+            view.copy_(p.grad)
+        p.grad = view
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -123,10 +118,8 @@ class GradReducer:
 
     # ------------------------------------------------------------------ autograd hooks
     def _on_grad_ready(self, p: nn.Parameter) -> None:
-        view = self._views[p]
-        if p.grad is not None and p.grad.data_ptr() != view.data_ptr():  # grad was stolen: bring it home
-            view.copy_(p.grad)
-            p.grad = view
+        if p.grad is None or p.grad.data_ptr() != self._views[p].data_ptr():
+            self._adopt(p)
         if not self._sync:
             return
         if not self._in_backward:
@@ -159,6 +152,8 @@ class GradReducer:
                         "trainable parameter, or pass find_unused_parameters=True to the strategy (their "
                         "gradient is then taken as zero), or freeze them with requires_grad_(False)."
                     )
+                for p in unused:  # contributes zero (or what earlier micro-steps accumulated)
+                    self._adopt(p)
                 for b in self.buckets[self._next:]:
                     self.group.all_reduce(b.flat, "mean")
         finally:

@@ -1,0 +1,238 @@
+"""All-reduce and barrier of the shared-memory runtime vs torch.distributed gloo, side by side in one run.
+
+    python scripts/bench_collectives.py            # W=2 and W=4, 4 KiB .. 64 MiB, 3 interleaved rounds
+    python scripts/bench_collectives.py --quick    # W=2, five sizes, under a minute
+
+Columns (per message size N, float32, in-place sum):
+
+* ``shm``: ``Group.all_reduce`` on a private tensor (reduce-scatter + all-gather through scratch);
+* ``shm zero-copy``: the tensor already lives in shared memory (how DDP gradient buckets are reduced);
+* ``gloo``: ``torch.distributed.all_reduce`` with the gloo backend on the same machine;
+* ``algbw``: N / time (GB/s), as NCCL reports it;
+* ``bound``: the memory-traffic lower bound -- every rank must at least read its N input bytes and
+  write its N result bytes, i.e. one memcpy of N bytes at the single-core copy bandwidth measured
+  here for that size; ``of bound`` = bound / shm time (1.0 = at the bound).
+
+Ours and gloo are measured in alternating rounds and the medians are reported, so a shared noisy
+machine affects both alike. The last line is machine-readable::
+
+    summary: allreduce_4KiB_us=... allreduce_1MiB_us=... allreduce_64MiB_ms=... speedup_vs_gloo_1MiB=...
+             speedup_vs_gloo_64MiB=... barrier_us=... fraction_of_bound_64MiB=... barrier_w4_us=...
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from lightning_shm.runtime import launch  # noqa: E402
+
+KiB, MiB = 1 << 10, 1 << 20
+FULL_SIZES = [4 * KiB, 16 * KiB, 64 * KiB, 256 * KiB, 1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB]
+QUICK_SIZES = [4 * KiB, 64 * KiB, 1 * MiB, 16 * MiB, 64 * MiB]
+
+
+def fmt_size(n: int) -> str:
+    return f"{n // MiB}MiB" if n >= MiB else f"{n // KiB}KiB"
+
+
+def parse_size(s: str) -> int:
+    s = s.strip().lower()
+    for suffix, mult in (("mib", MiB), ("kib", KiB), ("m", MiB), ("k", KiB)):
+        if s.endswith(suffix):
+            return int(float(s[: -len(suffix)]) * mult)
+    return int(s)
+
+
+def reps_for(nbytes: int, quick: bool) -> int:
+    budget = 0.15 if quick else 0.4  # seconds of shm time per size and round, roughly
+    est = 20e-6 + nbytes / 5e9
+    return int(max(5, min(2000, budget / est)))
+
+
+def _time_ops(fn: Any, reps: int) -> float:
+    for _ in range(min(3, reps)):
+        fn()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+# ---------------------------------------------------------------------- workers
+def shm_worker(world: Any, sizes: list[int], quick: bool) -> dict[str, Any]:
+    g = world.group()
+    out: dict[str, Any] = {"barrier": _time_ops(g.barrier, 2000 if quick else 10000)}
+    for n in sizes:
+        x = torch.ones(n // 4)
+        g.barrier()
+        out[("private", n)] = _time_ops(lambda: g.all_reduce(x), reps_for(n, quick))
+        buf = g.alloc_shared(n // 4, torch.float32, tag=f"bench{n}")
+        buf.local.fill_(1.0)
+        g.barrier()
+        out[("zero_copy", n)] = _time_ops(lambda: g.all_reduce(buf.local), reps_for(n, quick))
+        g.release_shared(buf)
+    return out
+
+
+def gloo_worker(world: Any, sizes: list[int], quick: bool, port: int) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=world.rank,
+                            world_size=world.size)
+    try:
+        out: dict[str, Any] = {"barrier": _time_ops(dist.barrier, 300 if quick else 2000)}
+        for n in sizes:
+            x = torch.ones(n // 4)
+            dist.barrier()
+            out[("private", n)] = _time_ops(lambda: dist.all_reduce(x), max(3, reps_for(n, quick) // 4))
+        return out
+    finally:
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def memcpy_times(sizes: list[int]) -> dict[int, float]:
+    """Single-core copy time of N bytes (the unit of the traffic bound)."""
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        out = {}
+        for n in sizes:
+            src, dst = torch.ones(n // 4), torch.empty(n // 4)
+            out[n] = _time_ops(lambda: dst.copy_(src), reps_for(n, quick=True) * 2)
+        return out
+    finally:
+        torch.set_num_threads(prev)
+
+
+# ---------------------------------------------------------------------- driver
+def measure(world_size: int, sizes: list[int], rounds: int, quick: bool) -> dict[str, Any]:
+    shm_runs, gloo_runs = [], []
+    for _ in range(rounds):  # alternate so that machine noise hits both
+        shm_runs.append(max_over_ranks(launch(shm_worker, world_size, sizes, quick, start_method="fork")))
+        gloo_runs.append(max_over_ranks(launch(gloo_worker, world_size, sizes, quick, free_port(),
+                                               start_method="fork")))
+    return {"shm": median_runs(shm_runs), "gloo": median_runs(gloo_runs)}
+
+
+def max_over_ranks(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    """A collective is as slow as its slowest rank."""
+    return {k: max(r[k] for r in per_rank) for k in per_rank[0]}
+
+
+def median_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+
+
+def table(world_size: int, sizes: list[int], res: dict[str, Any], copy: dict[int, float]) -> str:
+    shm, gloo = res["shm"], res["gloo"]
+    lines = [
+        f"W={world_size}: barrier {shm['barrier'] * 1e6:.1f} us (shm) vs {gloo['barrier'] * 1e6:.1f} us (gloo)",
+        "",
+        "| size | shm | shm zero-copy | gloo | speed-up vs gloo | shm algbw GB/s | memcpy GB/s | bound | of bound |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for n in sizes:
+        t, z, g = shm[("private", n)], shm[("zero_copy", n)], gloo[("private", n)]
+        lines.append(
+            f"| {fmt_size(n)} | {fmt_t(t)} | {fmt_t(z)} | {fmt_t(g)} | {g / t:.1f}x | {n / t / 1e9:.2f} | "
+            f"{n / copy[n] / 1e9:.1f} | {fmt_t(copy[n])} | {copy[n] / t:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def fmt_t(seconds: float) -> str:
+    return f"{seconds * 1e3:.2f} ms" if seconds >= 1e-3 else f"{seconds * 1e6:.1f} us"
+
+
+def plot(path: Path, sizes: list[int], results: dict[int, dict[str, Any]], copy: dict[int, float]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    xs = [n / KiB for n in sizes]
+    for w, res in sorted(results.items()):
+        ax.plot(xs, [res["shm"][("private", n)] * 1e6 for n in sizes], "o-", label=f"shm W={w}")
+        ax.plot(xs, [res["shm"][("zero_copy", n)] * 1e6 for n in sizes], "^--", label=f"shm zero-copy W={w}")
+        ax.plot(xs, [res["gloo"][("private", n)] * 1e6 for n in sizes], "s-", label=f"gloo W={w}")
+    ax.plot(xs, [copy[n] * 1e6 for n in sizes], "k:", label="traffic bound (1 memcpy)")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("message size (KiB, float32)")
+    ax.set_ylabel("all_reduce time (us)")
+    ax.set_title(f"all_reduce on {os.cpu_count()} cores: shared memory vs gloo")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="W=2, five sizes, one round: under a minute")
+    p.add_argument("--world-sizes", type=int, nargs="+", default=None)
+    p.add_argument("--sizes", type=parse_size, nargs="+", default=None, help="e.g. 4KiB 1MiB 64MiB")
+    p.add_argument("--rounds", type=int, default=None)
+    p.add_argument("--out-dir", type=Path, default=Path("outputs/bench_collectives"))
+    args = p.parse_args(argv)
+    sizes = args.sizes or (QUICK_SIZES if args.quick else FULL_SIZES)
+    worlds = args.world_sizes or ([2] if args.quick else [2, 4])
+    rounds = args.rounds or (1 if args.quick else 3)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(1)
+
+    t0 = time.time()
+    copy = memcpy_times(sizes)
+    results = {w: measure(w, sizes, rounds, args.quick) for w in worlds}
+    report = [f"# all_reduce (float32 sum) and barrier: shared memory vs gloo -- {os.cpu_count()} cores, "
+              f"{rounds} round(s), medians\n"]
+    for w in worlds:
+        report.append(table(w, sizes, results[w], copy))
+        report.append("")
+    text = "\n".join(report)
+    (args.out_dir / "collectives.md").write_text(text)
+    plot(args.out_dir / "collectives.png", sizes, results, copy)
+    print(text)
+    print(f"(tables and plot in {args.out_dir}/; {time.time() - t0:.0f} s)")
+
+    ref = results.get(2) or results[worlds[0]]
+    shm, gloo = ref["shm"], ref["gloo"]
+
+    def at(size: int, key: str = "private", src: dict = shm) -> float:
+        return src.get((key, size), float("nan"))
+
+    summary = {
+        "allreduce_4KiB_us": at(4 * KiB) * 1e6,
+        "allreduce_1MiB_us": at(MiB) * 1e6,
+        "allreduce_64MiB_ms": at(64 * MiB) * 1e3,
+        "speedup_vs_gloo_1MiB": at(MiB, src=gloo) / at(MiB),
+        "speedup_vs_gloo_64MiB": at(64 * MiB, src=gloo) / at(64 * MiB),
+        "barrier_us": shm["barrier"] * 1e6,
+        "fraction_of_bound_64MiB": copy.get(64 * MiB, float("nan")) / at(64 * MiB),
+    }
+    if 4 in results:
+        summary["barrier_w4_us"] = results[4]["shm"]["barrier"] * 1e6
+    print("summary: " + " ".join(f"{k}={v:.3g}" for k, v in summary.items()))
+
+
+if __name__ == "__main__":
+    main()

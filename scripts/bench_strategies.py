@@ -1,0 +1,226 @@
+"""Training throughput of the strategies, side by side in one run, on the reference MLP and a wide one.
+
+    python scripts/bench_strategies.py                 # W=2, reference MLP and the ~20M-parameter MLP
+    python scripts/bench_strategies.py --quick         # fewer steps
+    python scripts/bench_strategies.py --world-size 4 --models reference
+
+Rows (same global batch everywhere, synthetic MNIST-shaped data held in memory):
+
+* ``single``: one process, batch = global batch, torch's default threads (all cores);
+* ``ddp_spawn``: Lightning's own DDP over gloo, W processes;
+* ``shm_ddp``: this project, W processes;
+* ``ceiling``: W independent single-process trainings (batch = global / W, cores // W threads each)
+  running concurrently -- no communication at all: the limit for W ranks on this machine.
+
+Each configuration runs in its own fresh process; throughput is measured over steady-state steps
+after a warm-up (start-up and process spawning excluded), ceiling processes start their measured
+window together (file barrier). Prints a markdown table, writes it and a PNG to ``--out-dir``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from lightning.pytorch.callbacks import Callback
+
+ROOT = Path(__file__).resolve().parents[1]
+MODELS = {"reference": [256, 64], "wide": [4096, 4096]}
+
+
+@dataclass
+class RunSpec:
+    """One measured configuration (serialised to the child process as JSON)."""
+
+    row: str
+    strategy: str  # "single" | Lightning strategy name | "ceiling"
+    devices: int
+    hidden: list[int]
+    global_batch: int
+    warmup: int
+    steps: int
+    strategy_kwargs: dict[str, Any] = field(default_factory=dict)
+    barrier_dir: Optional[str] = None
+    index: int = 0
+    count: int = 1
+
+
+# ---------------------------------------------------------------------- child process
+class StepTimer(Callback):
+    """Times ``steps`` optimizer steps after ``warmup`` on rank 0; writes seconds to ``out_path``."""
+
+    def __init__(self, spec: RunSpec, out_path: Path) -> None:
+        self.spec, self.out_path, self.t0 = spec, out_path, 0.0
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        spec = self.spec
+        if trainer.global_step == spec.warmup:
+            if spec.barrier_dir:  # ceiling: all independent runs measure the same window
+                Path(spec.barrier_dir, f"ready{spec.index}").touch()
+                while len(list(Path(spec.barrier_dir).glob("ready*"))) < spec.count:
+                    time.sleep(0.001)
+            self.t0 = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.global_step == self.spec.warmup + self.spec.steps and trainer.is_global_zero:
+            self.out_path.write_text(json.dumps({"seconds": time.perf_counter() - self.t0,
+                                                 "threads": torch.get_num_threads()}))
+
+
+def run_one(spec: RunSpec) -> dict[str, Any]:
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader, TensorDataset
+
+    sys.path.insert(0, str(ROOT))
+    import lightning_shm  # noqa: F401
+    from lightning_shm.models import MNISTClassifier
+
+    per_rank = spec.global_batch // (1 if spec.strategy == "single" else spec.devices)
+    n = per_rank * (spec.warmup + spec.steps + 2) * (spec.devices if spec.strategy not in ("single", "ceiling") else 1)
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(n, 1, 28, 28, generator=g), torch.randint(0, 10, (n,), generator=g))
+    out_path = Path(tempfile.mkdtemp(prefix="bench_")) / "timing.json"
+
+    pl.seed_everything(0)
+    model = MNISTClassifier(hidden_sizes=spec.hidden, optimizer="sgd", lr=0.01)
+    if spec.strategy in ("single", "ceiling"):
+        strategy, devices = "auto", 1
+    elif spec.strategy_kwargs:
+        from lightning_shm import SHMDDPStrategy
+
+        strategy, devices = SHMDDPStrategy(**spec.strategy_kwargs), spec.devices
+    else:
+        strategy, devices = spec.strategy, spec.devices
+    trainer = pl.Trainer(accelerator="cpu", strategy=strategy, devices=devices, max_steps=spec.warmup + spec.steps,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[StepTimer(spec, out_path)], num_sanity_val_steps=0)
+    trainer.fit(model, DataLoader(data, batch_size=per_rank, shuffle=True))
+    timing = json.loads(out_path.read_text())
+    samples = spec.global_batch // (spec.count if spec.strategy == "ceiling" else 1) * spec.steps
+    return {"samples_per_s": samples / timing["seconds"], "step_ms": timing["seconds"] / spec.steps * 1e3,
+            "threads": timing["threads"]}
+
+
+# ---------------------------------------------------------------------- driver
+def launch_child(spec: RunSpec, env: Optional[dict[str, str]] = None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, __file__, "--run-one", json.dumps(asdict(spec))], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def collect(proc: subprocess.Popen) -> dict[str, Any]:
+    out, err = proc.communicate()
+    if proc.returncode != 0:
+        raise RuntimeError(f"benchmark child failed:\n{err[-3000:]}")
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def measure(spec: RunSpec) -> dict[str, Any]:
+    if spec.strategy != "ceiling":
+        return collect(launch_child(spec))
+    with tempfile.TemporaryDirectory() as barrier:
+        env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // spec.devices))}
+        procs = [launch_child(RunSpec(**{**asdict(spec), "barrier_dir": barrier, "index": i, "count": spec.devices}),
+                              env) for i in range(spec.devices)]
+        results = [collect(p) for p in procs]
+    return {"samples_per_s": sum(r["samples_per_s"] for r in results),
+            "step_ms": max(r["step_ms"] for r in results), "threads": results[0]["threads"]}
+
+
+def rows_for(model: str, world: int, gb: int, warmup: int, steps: int) -> list[RunSpec]:
+    hidden = MODELS[model]
+    common = dict(hidden=hidden, global_batch=gb, warmup=warmup, steps=steps)
+    rows = [
+        RunSpec("single", "single", 1, **common),
+        RunSpec("ddp_spawn (gloo)", "ddp_spawn", world, **common),
+        RunSpec("shm_ddp", "shm_ddp", world, **common),
+        RunSpec("ceiling (no comm)", "ceiling", world, **common),
+    ]
+    if model == "wide":
+        rows.insert(3, RunSpec("shm_ddp, 4 MB buckets", "shm_ddp", world,
+                               strategy_kwargs={"bucket_cap_mb": 4.0}, **common))
+    return rows
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--run-one", help=argparse.SUPPRESS)
+    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--models", nargs="+", default=["reference", "wide"], choices=sorted(MODELS))
+    p.add_argument("--global-batch", type=int, default=256)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--rows", nargs="+", default=None, help="only these rows (by name prefix, e.g. shm_ddp "
+                   "ddp_spawn); 'single' and 'ceiling' are always measured since the ratios refer to them")
+    p.add_argument("--steps", type=int, default=None, help="measured steps (overrides the per-model default)")
+    p.add_argument("--repeats", type=int, default=None, help="alternating repeats; the median is reported")
+    p.add_argument("--out-dir", type=Path, default=Path("outputs/bench_strategies"))
+    args = p.parse_args(argv)
+    if args.run_one:
+        print(json.dumps(run_one(RunSpec(**json.loads(args.run_one)))))
+        return
+    repeats = args.repeats or (1 if args.quick else 3)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    lines = [f"# Training throughput, W={args.world_size}, global batch {args.global_batch}, "
+             f"{os.cpu_count()} cores, median of {repeats}\n"]
+    plot_data = {}
+    t_start = time.time()
+    for model in args.models:
+        steps = {"reference": (30, 300), "wide": (3, 12)}[model]
+        warmup, n_steps = (steps[0], steps[1] // 3) if args.quick else steps
+        n_steps = args.steps or n_steps
+        specs = [s for s in rows_for(model, args.world_size, args.global_batch, warmup, n_steps)
+                 if args.rows is None or s.row.startswith(("single", "ceiling", *args.rows))]
+        runs: dict[str, list[dict[str, Any]]] = {s.row: [] for s in specs}
+        for _ in range(repeats):  # interleave repeats so drift on a shared machine hits every row
+            for s in specs:
+                runs[s.row].append(measure(s))
+        res = {row: sorted(r, key=lambda x: x["samples_per_s"])[len(r) // 2] for row, r in runs.items()}
+        single, ceiling = res["single"]["samples_per_s"], res["ceiling (no comm)"]["samples_per_s"]
+        gloo = res.get("ddp_spawn (gloo)", {}).get("samples_per_s", float("nan"))
+        n_params = sum(a * b + b for a, b in zip([784] + MODELS[model], MODELS[model] + [10])) + 2 * sum(MODELS[model])
+        lines += [f"## {model} MLP {MODELS[model]} ({n_params / 1e6:.2f}M parameters)\n",
+                  "| row | samples/s | step ms | vs single | vs ddp_spawn | vs ceiling |",
+                  "|---|---:|---:|---:|---:|---:|"]
+        for s in specs:
+            r = res[s.row]
+            sps = r["samples_per_s"]
+            lines.append(f"| {s.row} | {sps:,.0f} | {r['step_ms']:.2f} | {sps / single:.2f}x | {sps / gloo:.2f}x | "
+                         f"{sps / ceiling:.2f}x |")
+        lines.append("")
+        plot_data[model] = {s.row: res[s.row]["samples_per_s"] for s in specs}
+    text = "\n".join(lines)
+    (args.out_dir / f"strategies_w{args.world_size}.md").write_text(text)
+    plot(args.out_dir / f"strategies_w{args.world_size}.png", plot_data, args.world_size)
+    print(text)
+    print(f"(written to {args.out_dir}/; {time.time() - t_start:.0f} s)")
+
+
+def plot(path: Path, data: dict[str, dict[str, float]], world: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(data), figsize=(6 * len(data), 4), squeeze=False)
+    for ax, (model, rows) in zip(axes[0], data.items()):
+        names = list(rows)
+        ax.barh(names, [rows[n] for n in names], color=["grey", "tab:red", "tab:blue", "tab:cyan", "black"][: len(names)])
+        ax.invert_yaxis()
+        ax.set_xlabel("samples / s")
+        ax.set_title(f"{model} MLP, W={world}")
+        for i, n in enumerate(names):
+            ax.text(rows[n], i, f" {rows[n]:,.0f}", va="center", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
