@@ -95,9 +95,11 @@ def run_one(spec: RunSpec) -> dict[str, Any]:
     if spec.strategy in ("single", "ceiling"):
         strategy, devices = "auto", 1
     elif spec.strategy_kwargs:
-        from lightning_shm import SHMDDPStrategy
+        from lightning.pytorch.strategies import StrategyRegistry
 
-        strategy, devices = SHMDDPStrategy(**spec.strategy_kwargs), spec.devices
+        entry = StrategyRegistry[spec.strategy]
+        strategy = entry["strategy"](**{**entry["init_params"], **spec.strategy_kwargs})
+        devices = spec.devices
     else:
         strategy, devices = spec.strategy, spec.devices
     trainer = pl.Trainer(accelerator="cpu", strategy=strategy, devices=devices, max_steps=spec.warmup + spec.steps,
@@ -142,6 +144,7 @@ def rows_for(model: str, world: int, gb: int, warmup: int, steps: int) -> list[R
         RunSpec("single", "single", 1, **common),
         RunSpec("ddp_spawn (gloo)", "ddp_spawn", world, **common),
         RunSpec("shm_ddp", "shm_ddp", world, **common),
+        RunSpec("shm_fsdp", "shm_fsdp", world, **common),
         RunSpec("ceiling (no comm)", "ceiling", world, **common),
     ]
     if model == "wide":
@@ -157,6 +160,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--models", nargs="+", default=["reference", "wide"], choices=sorted(MODELS))
     p.add_argument("--global-batch", type=int, default=256)
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--no-memory", action="store_true", help="skip the per-rank memory table (FSDP vs DDP)")
     p.add_argument("--rows", nargs="+", default=None, help="only these rows (by name prefix, e.g. shm_ddp "
                    "ddp_spawn); 'single' and 'ceiling' are always measured since the ratios refer to them")
     p.add_argument("--steps", type=int, default=None, help="measured steps (overrides the per-model default)")
@@ -196,11 +200,73 @@ def main(argv: Optional[list[str]] = None) -> None:
                          f"{sps / ceiling:.2f}x |")
         lines.append("")
         plot_data[model] = {s.row: res[s.row]["samples_per_s"] for s in specs}
+    if not args.no_memory:
+        lines.append(memory_table([2, 4], args.models))
     text = "\n".join(lines)
     (args.out_dir / f"strategies_w{args.world_size}.md").write_text(text)
     plot(args.out_dir / f"strategies_w{args.world_size}.png", plot_data, args.world_size)
     print(text)
     print(f"(written to {args.out_dir}/; {time.time() - t_start:.0f} s)")
+
+
+# ---------------------------------------------------------------------- memory per rank
+def memory_worker(world: Any, hidden: list[int], kind: str) -> dict[str, int]:
+    """Bytes one rank holds for a training step with Adam: persistent (params, grads, optimizer state)
+    and the peak, counted from tensor storage sizes (not RSS)."""
+    from torch import nn
+
+    sys.path.insert(0, str(ROOT))
+    from lightning_shm.models import MNISTClassifier
+    from lightning_shm.parallel.ddp import GradReducer
+    from lightning_shm.parallel.fsdp import ShardedModule
+
+    torch.manual_seed(0)
+    model = MNISTClassifier(hidden_sizes=hidden, optimizer="adam")
+    x, y = torch.randn(8, 1, 28, 28), torch.randint(0, 10, (8,))
+
+    def nbytes(ts: Any) -> int:
+        return sum(t.numel() * t.element_size() for t in ts)
+
+    if kind == "ddp":
+        reducer = GradReducer(list(model.named_parameters()), world.group())
+        opt = model.configure_optimizers()
+        nn.functional.cross_entropy(model(x), y).backward()
+        reducer.post_backward()
+        opt.step()
+        params = nbytes(model.parameters())
+        grads = nbytes(b.buffer.local for b in reducer.buckets[:1])  # one flat bucket buffer per dtype
+        optim = nbytes(v for st in opt.state.values() for v in st.values() if torch.is_tensor(v))
+        largest = max(p.numel() * p.element_size() for p in model.parameters())
+        return {"params": params, "grads": grads, "optimizer": optim, "peak": params + grads + optim + largest}
+    sharded = ShardedModule(model, world.group())
+    opt = model.configure_optimizers()
+    sharded.stats.reset_peak()
+    nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+    per = sharded.persistent_bytes(opt)
+    largest_unit = max(u.padded_numel * u.shard.element_size() for u in sharded.units)
+    # peak: persistent + the unsharded parameters alive at once (measured) + one unit's full gradient
+    per["peak"] = sum(per.values()) + sharded.stats.peak + largest_unit
+    per["largest_unit"] = largest_unit
+    return per
+
+
+def memory_table(worlds: list[int], models: list[str]) -> str:
+    from lightning_shm.runtime import launch
+
+    lines = ["## Memory per rank, one Adam step (tensor storage bytes, MiB)\n",
+             "| model | W | DDP params+grads+optim | FSDP params+grads+optim | FSDP peak | FSDP / DDP | "
+             "goal: DDP/W + one unit |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for model in models:
+        for w in worlds:
+            ddp = launch(memory_worker, w, MODELS[model], "ddp", start_method="fork")[0]
+            fsdp = launch(memory_worker, w, MODELS[model], "fsdp", start_method="fork")[0]
+            d = ddp["params"] + ddp["grads"] + ddp["optimizer"]
+            f = fsdp["params"] + fsdp["grads"] + fsdp["optimizer"]
+            mib = 2 ** 20
+            lines.append(f"| {model} | {w} | {d / mib:.2f} | {f / mib:.2f} | {fsdp['peak'] / mib:.2f} | "
+                         f"{f / d:.3f} | {(d / w + fsdp['largest_unit']) / mib:.2f} |")
+    return "\n".join(lines) + "\n"
 
 
 def plot(path: Path, data: dict[str, dict[str, float]], world: int) -> None:

@@ -37,3 +37,41 @@ def trainer(**kwargs: Any) -> pl.Trainer:
 
 def flat_params(module: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in module.parameters()])
+
+
+# ---------------------------------------------------------------------- parity runs
+SEED = 7
+GLOBAL_BATCH = 24
+STEPS = 5
+# Adam divides by sqrt(v): for a gradient that is ~0 by cancellation, float32 rounding differences
+# between "mean of 24" and "mean of W means" flip its update (seen: 1 of 218,698 weights off by 5e-5).
+# That is arithmetic, not an algorithm difference, so Adam parity runs in float64 where any real
+# mismatch (wrong averaging, missed sync, other samples) still shows up orders of magnitude above 1e-5.
+PRECISION = {"sgd": "32-true", "adam": "64-true"}
+
+
+def train_mnist(strategy: Any, devices: int, optimizer: str, *, batch: int, model_cls: Any = None, ref: bool = False,
+                accumulate: int = 1, **kw: Any) -> torch.Tensor:
+    """Train the MNIST module on GLOBAL_BATCH * STEPS synthetic samples; return its flat weights (float64).
+
+    ``ref=True`` makes one process iterate the distributed sampler's permutation in global batches.
+    """
+    pl.seed_everything(SEED)
+    model = (model_cls or MNISTClassifier)(optimizer=optimizer, lr=0.01 if optimizer != "sgd" else 0.1)
+    ds = mnist_like(GLOBAL_BATCH * STEPS * accumulate, seed=1)
+    dl = reference_loader(ds, batch, SEED) if ref else loader(ds, batch)
+    t = trainer(strategy=strategy, devices=devices, max_epochs=1, precision=PRECISION[optimizer],
+                accumulate_grad_batches=accumulate, **kw)
+    t.fit(model, dl)
+    return flat_params(model).double()  # 64-true trains a float64 copy; the main-process model stays float32
+
+
+from lightning_shm.models import MNISTClassifier  # noqa: E402
+
+
+class SchedClassifier(MNISTClassifier):  # type: ignore[no-redef]
+    """The MNIST module plus an LR schedule, so schedulers are part of the parity checks."""
+
+    def configure_optimizers(self):
+        opt = super().configure_optimizers()
+        return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)}

@@ -2,5 +2,6 @@
 
 from lightning_shm.strategies.base import SHMStrategyBase
 from lightning_shm.strategies.ddp import SHMDDPStrategy
+from lightning_shm.strategies.fsdp import SHMFSDPStrategy
 
-__all__ = ["SHMDDPStrategy", "SHMStrategyBase"]
+__all__ = ["SHMDDPStrategy", "SHMFSDPStrategy", "SHMStrategyBase"]

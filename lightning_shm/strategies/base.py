@@ -117,6 +117,9 @@ class SHMStrategyBase(ParallelStrategy):
         self.topology()  # validate the grid in the main process, before any worker starts
         self._launcher = SHMLauncher(self, self._start_method)
 
+    def validate_model(self, module: "pl.LightningModule") -> None:
+        """Check the model against the strategy's configuration in the main process, before launch."""
+
     def attach_world(self, world: World) -> None:
         """Called by the launcher in each worker before the Trainer's entry point runs."""
         self._world = world
@@ -183,6 +186,22 @@ class SHMStrategyBase(ParallelStrategy):
 
     def metric_group(self) -> Group:
         return self.group
+
+    def install_global_clipping(self, group: Group, replicated: Any = ()) -> None:
+        """Make ``gradient_clip_val`` (norm) clip by the norm over *all* ranks' gradient pieces.
+
+        Lightning clips with ``torch.nn.utils.clip_grad_norm_`` over the optimizer's local
+        parameters; with sharded gradients that is a different norm on every rank.
+        """
+        from lightning_shm.parallel.clip import clip_grad_norm_
+
+        plugin = self.precision_plugin
+
+        def clip_grad_by_norm(optimizer: Any, clip_val: Union[int, float]) -> None:
+            params = [p for g in optimizer.param_groups for p in g["params"]]
+            clip_grad_norm_(params, float(clip_val), group, replicated)
+
+        plugin.clip_grad_by_norm = clip_grad_by_norm  # instance attribute: this strategy's plugin only
 
     # ------------------------------------------------------------------ results for the main process
     def full_state_dict(self) -> dict[str, Any]:

@@ -1,0 +1,119 @@
+"""Which modules become FSDP units (each unit's parameters are flattened and sharded together).
+
+Default: every child of the model's top-level ``nn.Sequential`` that owns parameters (for the
+reference MLP: the three Linear and two LayerNorm layers); parameters outside the Sequential go to
+a unit per owning module. ``min_unit_params`` merges consecutive small Sequential children into one
+unit (fewer collectives); a callable ``policy(name, module) -> bool`` marks unit roots explicitly,
+like torch FSDP's ``auto_wrap_policy``.
+
+A unit is a list of consecutive modules executed one after the other; its parameters are those of
+the modules' subtrees not claimed by a nested unit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Union
+
+from torch import nn
+
+PolicyFn = Callable[[str, nn.Module], bool]
+
+
+@dataclass
+class UnitSpec:
+    name: str
+    modules: list[tuple[str, nn.Module]]
+    params: list[tuple[str, nn.Module, str, nn.Parameter]] = field(default_factory=list)  # (full, owner, attr, p)
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel() for *_, p in self.params)
+
+
+@dataclass(frozen=True)
+class UnitPolicy:
+    """``min_unit_params`` (int >= 0) or ``fn`` (callable); at most one of them."""
+
+    min_unit_params: int = 0
+    fn: Optional[PolicyFn] = None
+
+    def __post_init__(self) -> None:
+        if self.min_unit_params < 0:
+            raise ValueError(f"min_unit_params must be >= 0, got {self.min_unit_params}")
+        if self.fn is not None and self.min_unit_params:
+            raise ValueError("give either a policy callable or min_unit_params, not both")
+
+    @classmethod
+    def parse(cls, policy: Union[None, int, PolicyFn, "UnitPolicy"]) -> "UnitPolicy":
+        if policy is None:
+            return cls()
+        if isinstance(policy, UnitPolicy):
+            return policy
+        if isinstance(policy, int) and not isinstance(policy, bool):
+            return cls(min_unit_params=policy)
+        if callable(policy):
+            return cls(fn=policy)
+        raise ValueError(f"unit policy must be None, an int (min_unit_params) or a callable, got {policy!r}")
+
+
+def find_sequential(module: nn.Module) -> Optional[tuple[str, nn.Sequential]]:
+    if isinstance(module, nn.Sequential):
+        return "", module
+    for name, child in module.named_children():
+        if isinstance(child, nn.Sequential):
+            return name, child
+    return None
+
+
+def find_units(module: nn.Module, policy: UnitPolicy) -> list[UnitSpec]:
+    """Units in execution order for a Sequential (registration order otherwise)."""
+    roots: list[list[tuple[str, nn.Module]]] = []
+    if policy.fn is not None:
+        roots = [[(n, m)] for n, m in module.named_modules() if n and policy.fn(n, m)]
+        if not any(p.numel() for mods in roots for _, m in mods for p in m.parameters()):
+            return []  # a policy that selects nothing is a mistake, not "shard everything per module"
+    else:
+        seq = find_sequential(module)
+        if seq is not None:
+            prefix = seq[0] + "." if seq[0] else ""
+            group: list[tuple[str, nn.Module]] = []
+            size = 0
+            for cname, child in seq[1].named_children():
+                n = sum(p.numel() for p in child.parameters())
+                if n == 0 and not group:
+                    continue  # Flatten, ReLU before any parameters: run outside units
+                group.append((prefix + cname, child))
+                size += n
+                if size >= max(policy.min_unit_params, 1):
+                    roots.append(group)
+                    group, size = [], 0
+            if group and size:
+                roots.append(group)
+            elif group and roots:  # trailing parameter-free modules belong to the last unit
+                roots[-1].extend(group)
+    claimed: set[int] = set()
+    units: list[UnitSpec] = []
+    for mods in roots:  # nested roots first would claim their own params: process deepest names first
+        units.append(UnitSpec(name="+".join(n for n, _ in mods) or "<root>", modules=mods))
+    for unit in sorted(units, key=lambda u: -min(n.count(".") for n, _ in u.modules)):
+        for mname, mod in unit.modules:
+            for sub, owner in mod.named_modules(prefix=mname):
+                for attr, p in owner.named_parameters(recurse=False):
+                    if id(p) not in claimed:
+                        claimed.add(id(p))
+                        unit.params.append((f"{sub}.{attr}" if sub else attr, owner, attr, p))
+    # parameters outside every unit: one unit per owning module
+    for owner_name, owner in module.named_modules():
+        leftovers = [(a, p) for a, p in owner.named_parameters(recurse=False) if id(p) not in claimed]
+        if leftovers:
+            u = UnitSpec(name=owner_name or "<root>", modules=[(owner_name, owner)])
+            for a, p in leftovers:
+                claimed.add(id(p))
+                u.params.append((f"{owner_name}.{a}" if owner_name else a, owner, a, p))
+            units.append(u)
+    units = [u for u in units if u.params]
+    for u in units:  # execution order within a unit = parameter registration order
+        order = {id(p): i for i, (_, p) in enumerate(module.named_parameters())}
+        u.params.sort(key=lambda t: order[id(t[3])])
+    return units

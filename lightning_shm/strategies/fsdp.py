@@ -1,0 +1,118 @@
+"""``shm_fsdp``: fully sharded data parallel (ZeRO-3) over shared memory.
+
+Each rank persistently holds 1/W of every unit's parameters (in shared memory), of their
+gradients and of the optimizer state; a unit's full parameters exist only around its forward and
+backward. See :mod:`lightning_shm.parallel.fsdp.unit` for the per-unit rhythm.
+
+Lightning order, as in its own FSDPStrategy: the module is sharded in ``setup`` *before*
+``configure_optimizers`` runs, so the module's own optimizer (any torch optimizer) sees only the
+local shards and its state is sharded too; checkpoints are restored after setup and consolidated
+on save.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Optional, Union
+
+import lightning.pytorch as pl
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.strategies import StrategyRegistry
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import nn
+from torch.optim import Optimizer
+
+from lightning_shm.parallel.ddp import broadcast_module_state
+from lightning_shm.parallel.fsdp import ShardedModule, UnitPolicy, find_units
+from lightning_shm.strategies.base import SHMStrategyBase
+
+
+class SHMFSDPStrategy(SHMStrategyBase):
+    """ZeRO-3 on W CPU processes through shared memory.
+
+    Args:
+        unit_policy: None (each parameter-owning child of the model's ``nn.Sequential``), an int
+            (merge consecutive Sequential children until a unit has at least this many parameters)
+            or a callable ``(name, module) -> bool`` marking unit roots.
+        reshard_after_forward: free a unit's full parameters after its forward and gather them
+            again for backward (ZeRO-3); False keeps them until the unit's backward (ZeRO-2-like).
+        **kwargs: see :class:`~lightning_shm.strategies.base.SHMStrategyBase`.
+    """
+
+    strategy_name = "shm_fsdp"
+
+    def __init__(self, *args: Any, unit_policy: Union[None, int, Callable[[str, nn.Module], bool]] = None,
+                 reshard_after_forward: bool = True, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.unit_policy = UnitPolicy.parse(unit_policy)
+        self.reshard_after_forward = reshard_after_forward
+        self.sharded: Optional[ShardedModule] = None
+
+    def validate_model(self, module: "pl.LightningModule") -> None:
+        if next(module.parameters(), None) is None:
+            return  # layers created in configure_model: checked when the workers shard them
+        specs = find_units(module, self.unit_policy)
+        if not specs:
+            raise ValueError(f"the FSDP unit policy selected no module with parameters in {type(module).__name__}: "
+                             "nothing to shard")
+        W = self.num_processes
+        for spec in specs:
+            if spec.numel < W:
+                raise ValueError(f"FSDP unit '{spec.name}' has {spec.numel} parameters, fewer than devices={W}; merge "
+                                 f"small units (unit_policy=<min parameters>) or use fewer devices")
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # a full checkpoint is loaded into the shards, which exist only after setup
+
+    def setup(self, trainer: "pl.Trainer") -> None:
+        assert self.accelerator is not None and self.model is not None
+        self._check_unsupported(trainer)
+        self.accelerator.setup(trainer)
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        broadcast_module_state(self.model, self.group)  # shards are cut from rank 0's weights
+        self.sharded = ShardedModule(self.lightning_module, self.group, self.unit_policy, self.reshard_after_forward)
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)  # configure_optimizers sees only the local shards
+        self.setup_precision_plugin()
+        self.install_global_clipping(self.group)
+        self.attach_metrics()
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        assert self.sharded is not None
+        self.sharded.begin_step()
+        return super().training_step(*args, **kwargs)
+
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        out = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self.group.barrier()  # every shard updated before any rank gathers for the next forward
+        return out
+
+    # ------------------------------------------------------------------ consolidated state
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        assert self.sharded is not None
+        return self.sharded.full_state_dict()
+
+    def full_state_dict(self) -> dict[str, Any]:
+        return self.lightning_module_state_dict()
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        assert self.sharded is not None
+        self.sharded.load_full_state_dict(checkpoint["state_dict"], strict=strict)
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        assert self.sharded is not None
+        opt = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        state = self.sharded.full_optimizer_state(opt)
+        return state if self.global_rank == 0 else {}
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        assert self.sharded is not None
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+            self.sharded.load_full_optimizer_state(optimizer, state)
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: StrategyRegistry) -> None:
+        for name, method in (("shm_fsdp", "spawn"), ("shm_fsdp_fork", "fork")):
+            strategy_registry.register(name, cls, description=f"shared-memory FSDP (ZeRO-3), start_method={method!r}",
+                                       start_method=method, override=True)

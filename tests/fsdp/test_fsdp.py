@@ -1,0 +1,158 @@
+"""shm_fsdp: parity with one process and with shm_ddp, shard sizes, memory, checkpoints, errors."""
+
+from __future__ import annotations
+
+import math
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+from torch.utils.data import DataLoader
+
+import lightning_shm  # noqa: F401
+from lightning_shm import SHMFSDPStrategy
+from lightning_shm.models import MNISTClassifier, build_mlp
+from lightning_shm.parallel.fsdp import ShardedModule, UnitPolicy, find_units
+from lightning_shm.runtime import launch
+from tests.helpers import GLOBAL_BATCH, SchedClassifier, flat_params, loader, mnist_like, train_mnist, trainer
+
+
+@pytest.fixture(scope="module")
+def references():
+    return {opt: train_mnist("auto", 1, opt, batch=GLOBAL_BATCH, ref=True) for opt in ("sgd", "adam")}
+
+
+# ---------------------------------------------------------------------- parity
+@pytest.mark.parametrize("world_size", [2, 3, 4])  # 3: every unit's shards are uneven (padded)
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_fsdp_equals_one_process_and_ddp(references, world_size, optimizer):
+    got = train_mnist("shm_fsdp_fork", world_size, optimizer, batch=GLOBAL_BATCH // world_size)
+    torch.testing.assert_close(got, references[optimizer], rtol=0, atol=1e-5)
+    ddp = train_mnist("shm_ddp_fork", world_size, optimizer, batch=GLOBAL_BATCH // world_size)
+    torch.testing.assert_close(got, ddp, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("kwargs", [dict(reshard_after_forward=False), dict(unit_policy=100_000)],
+                         ids=["no-reshard", "merged-units"])
+def test_fsdp_variants_equal_one_process(references, kwargs):
+    got = train_mnist(SHMFSDPStrategy(start_method="fork", **kwargs), 2, "adam", batch=GLOBAL_BATCH // 2)
+    torch.testing.assert_close(got, references["adam"], rtol=0, atol=1e-5)
+
+
+def test_global_norm_clipping_scheduler_and_accumulation():
+    kw = dict(model_cls=SchedClassifier, gradient_clip_val=0.05, accumulate=2)
+    ref = train_mnist("auto", 1, "sgd", batch=GLOBAL_BATCH, ref=True, **kw)
+    got = train_mnist("shm_fsdp_fork", 3, "sgd", batch=GLOBAL_BATCH // 3, **kw)
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
+
+
+# ---------------------------------------------------------------------- sharding and memory
+def test_default_units_are_the_parameter_owning_children_of_the_sequential():
+    units = find_units(MNISTClassifier(), UnitPolicy())
+    assert [u.name for u in units] == ["net.1", "net.2", "net.4", "net.5", "net.7"]
+    assert [u.numel for u in units] == [200_960, 512, 16_448, 128, 650]
+    merged = find_units(MNISTClassifier(), UnitPolicy(min_unit_params=100_000))
+    assert [u.numel for u in merged] == [200_960, 512 + 16_448 + 128 + 650]
+
+
+def _shard_and_step(world, reshard):
+    torch.manual_seed(0)
+    model = MNISTClassifier(optimizer="adam")
+    sharded = ShardedModule(model, world.group(), reshard_after_forward=reshard)
+    opt = model.configure_optimizers()
+    x = torch.randn(16, 1, 28, 28)
+    sharded.stats.reset_peak()
+    nn.functional.cross_entropy(model(x), torch.zeros(16, dtype=torch.long)).backward()
+    opt.step()
+    world.group().barrier()
+    with torch.no_grad():
+        sharded.stats.reset_peak()
+        model(x)
+        forward_only_peak = sharded.stats.peak
+    return ([u.shard.numel() for u in sharded.units], sharded.persistent_bytes(opt), sharded.stats.live,
+            forward_only_peak, [u.padded_numel * 4 for u in sharded.units], [len(opt.param_groups[0]["params"])])
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_each_rank_persistently_holds_ceil_numel_over_w_per_unit(world_size):
+    numels = [200_960, 512, 16_448, 128, 650]
+    for shards, persistent, live, fwd_peak, padded, n_opt in launch(_shard_and_step, world_size, True,
+                                                                  start_method="fork"):
+        assert shards == [math.ceil(n / world_size) for n in numels]
+        expect = sum(shards) * 4
+        assert persistent == {"params": expect, "grads": expect, "optimizer": 2 * expect + 5 * 4}  # exp_avg, exp_avg_sq + float32 step
+        assert live == 0  # nothing unsharded survives a step
+        assert fwd_peak == max(padded)  # forward holds one unit's full parameters at a time
+        assert n_opt == [5]  # the optimizer sees one shard per unit, not the 10 original parameters
+
+
+def test_without_reshard_the_units_stay_gathered_until_backward():
+    (_, _, live, fwd_peak, padded, _), _ = launch(_shard_and_step, 2, False, start_method="fork")
+    assert live == 0 and fwd_peak == max(padded)  # no-grad forward frees at once either way
+
+
+# ---------------------------------------------------------------------- checkpoints
+def test_checkpoint_is_plain_and_resumes_on_ddp_and_other_world_size(tmp_path):
+    ds = mnist_like(GLOBAL_BATCH * 4)
+
+    def run(strategy, devices, epochs, ckpt_path=None, save=False):
+        pl.seed_everything(1)
+        model = MNISTClassifier(optimizer="adam", lr=1e-3)
+        cb = [ModelCheckpoint(dirpath=tmp_path, filename=f"{devices}", save_last=False)] if save else []
+        t = trainer(strategy=strategy, devices=devices, max_epochs=epochs, enable_checkpointing=save, callbacks=cb,
+                    precision="64-true")
+        t.fit(model, loader(ds, GLOBAL_BATCH // devices), ckpt_path=ckpt_path)
+        return flat_params(model).double(), (cb[0].best_model_path if save else None)
+
+    straight, _ = run("shm_fsdp_fork", 2, 3)
+    _, path = run("shm_fsdp_fork", 2, 1, save=True)
+    ckpt = torch.load(path, weights_only=False)
+    plain = MNISTClassifier()
+    assert list(ckpt["state_dict"]) == list(plain.state_dict())
+    assert all(ckpt["state_dict"][k].shape == v.shape for k, v in plain.state_dict().items())
+    # the optimizer state is a plain single-process Adam state
+    adam = torch.optim.Adam(plain.parameters(), lr=1e-3)
+    adam.load_state_dict(ckpt["optimizer_states"][0])
+    assert adam.state[plain.net[1].weight]["exp_avg"].shape == (256, 784)
+    single = MNISTClassifier.load_from_checkpoint(path)
+    torch.testing.assert_close(single.state_dict()["net.1.weight"], ckpt["state_dict"]["net.1.weight"].float())
+    for strategy, devices in (("shm_ddp_fork", 2), ("shm_fsdp_fork", 3)):
+        resumed, _ = run(strategy, devices, 3, ckpt_path=path)
+        torch.testing.assert_close(resumed, straight, rtol=0, atol=1e-6)
+
+
+def test_validate_and_predict_run_on_shards():
+    pl.seed_everything(0)
+    model = MNISTClassifier()
+    ds = mnist_like(50)
+    single = trainer(devices=1).predict(model, DataLoader(ds, batch_size=10))
+    ours = trainer(strategy="shm_fsdp_fork", devices=2).predict(model, DataLoader(ds, batch_size=10))
+    assert torch.equal(torch.cat(ours), torch.cat(single))
+    v1 = trainer(devices=1).validate(model, DataLoader(ds, batch_size=10), verbose=False)[0]
+    v2 = trainer(strategy="shm_fsdp_fork", devices=2).validate(model, DataLoader(ds, batch_size=10), verbose=False)[0]
+    assert v2["val_acc"] == pytest.approx(v1["val_acc"]) and v2["val_loss"] == pytest.approx(v1["val_loss"], abs=1e-5)
+
+
+# ---------------------------------------------------------------------- errors
+class Tiny(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(2, 1))  # 3 parameters
+
+
+def test_more_ranks_than_unit_parameters_fails_before_launch():
+    with pytest.raises(ValueError, match=r"unit 'net.0' has 3 parameters, fewer than devices=4"):
+        trainer(strategy="shm_fsdp_fork", devices=4, max_epochs=1).fit(Tiny(), DataLoader(torch.randn(8, 2)))
+
+
+def test_policy_selecting_nothing_fails_before_launch():
+    strategy = SHMFSDPStrategy(start_method="fork", unit_policy=lambda name, module: False)
+    with pytest.raises(ValueError, match="no module with parameters"):
+        trainer(strategy=strategy, devices=2, max_epochs=1).fit(Tiny(), DataLoader(torch.randn(8, 2)))
+
+
+def test_bad_policy_type():
+    with pytest.raises(ValueError, match="unit policy must be None, an int"):
+        SHMFSDPStrategy(unit_policy="layers")
