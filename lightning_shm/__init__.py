@@ -7,11 +7,13 @@ Importing the package registers the strategy names ("shm_ddp", ...) with Lightni
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_shm.models import MNISTClassifier, build_mlp
-from lightning_shm.strategies import SHMDDPStrategy, SHMFSDPStrategy, SHMStrategyBase
+from lightning_shm.strategies import SHMDDPStrategy, SHMFSDPStrategy, SHMStrategyBase, SHMTensorParallel
 
 __version__ = "0.1.0"
 
-for _cls in (SHMDDPStrategy, SHMFSDPStrategy):
+for _cls in (SHMDDPStrategy, SHMFSDPStrategy, SHMTensorParallel):
     _cls.register_strategies(StrategyRegistry)
 
-__all__ = ["MNISTClassifier", "SHMDDPStrategy", "SHMFSDPStrategy", "SHMStrategyBase", "build_mlp"]
+__all__ = [
+    "MNISTClassifier", "SHMDDPStrategy", "SHMFSDPStrategy", "SHMStrategyBase", "SHMTensorParallel", "build_mlp",
+]

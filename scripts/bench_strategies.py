@@ -49,6 +49,7 @@ class RunSpec:
     warmup: int
     steps: int
     strategy_kwargs: dict[str, Any] = field(default_factory=dict)
+    data_parallel: Optional[int] = None  # replicas seeing different data (default: devices)
     barrier_dir: Optional[str] = None
     index: int = 0
     count: int = 1
@@ -84,8 +85,9 @@ def run_one(spec: RunSpec) -> dict[str, Any]:
     import lightning_shm  # noqa: F401
     from lightning_shm.models import MNISTClassifier
 
-    per_rank = spec.global_batch // (1 if spec.strategy == "single" else spec.devices)
-    n = per_rank * (spec.warmup + spec.steps + 2) * (spec.devices if spec.strategy not in ("single", "ceiling") else 1)
+    replicas = 1 if spec.strategy == "single" else (spec.data_parallel or spec.devices)
+    per_rank = spec.global_batch // replicas
+    n = per_rank * (spec.warmup + spec.steps + 2) * (replicas if spec.strategy not in ("single", "ceiling") else 1)
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(n, 1, 28, 28, generator=g), torch.randint(0, 10, (n,), generator=g))
     out_path = Path(tempfile.mkdtemp(prefix="bench_")) / "timing.json"
@@ -145,6 +147,8 @@ def rows_for(model: str, world: int, gb: int, warmup: int, steps: int) -> list[R
         RunSpec("ddp_spawn (gloo)", "ddp_spawn", world, **common),
         RunSpec("shm_ddp", "shm_ddp", world, **common),
         RunSpec("shm_fsdp", "shm_fsdp", world, **common),
+        RunSpec(f"shm_tp (tp={world})", "shm_tp", world, strategy_kwargs={"tensor_parallel_size": world},
+                data_parallel=1, **common),
         RunSpec("ceiling (no comm)", "ceiling", world, **common),
     ]
     if model == "wide":
@@ -196,12 +200,14 @@ def main(argv: Optional[list[str]] = None) -> None:
         for s in specs:
             r = res[s.row]
             sps = r["samples_per_s"]
-            lines.append(f"| {s.row} | {sps:,.0f} | {r['step_ms']:.2f} | {sps / single:.2f}x | {sps / gloo:.2f}x | "
+            vs_gloo = f"{sps / gloo:.2f}x" if gloo == gloo else "n/a"
+            lines.append(f"| {s.row} | {sps:,.0f} | {r['step_ms']:.2f} | {sps / single:.2f}x | {vs_gloo} | "
                          f"{sps / ceiling:.2f}x |")
         lines.append("")
         plot_data[model] = {s.row: res[s.row]["samples_per_s"] for s in specs}
     if not args.no_memory:
         lines.append(memory_table([2, 4], args.models))
+        lines.append(tp_table([2, 4], args.models, args.global_batch))
     text = "\n".join(lines)
     (args.out_dir / f"strategies_w{args.world_size}.md").write_text(text)
     plot(args.out_dir / f"strategies_w{args.world_size}.png", plot_data, args.world_size)
@@ -266,6 +272,48 @@ def memory_table(worlds: list[int], models: list[str]) -> str:
             mib = 2 ** 20
             lines.append(f"| {model} | {w} | {d / mib:.2f} | {f / mib:.2f} | {fsdp['peak'] / mib:.2f} | "
                          f"{f / d:.3f} | {(d / w + fsdp['largest_unit']) / mib:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def tp_worker(world: Any, hidden: list[int], tp: int, global_batch: int) -> dict[str, Any]:
+    """One training step of the MLP under dp x tp: bytes each rank sends into collectives, parameter bytes."""
+    from torch import nn
+
+    sys.path.insert(0, str(ROOT))
+    from lightning_shm.models import MNISTClassifier
+    from lightning_shm.parallel.ddp import GradReducer
+    from lightning_shm.parallel.tp import TensorParallelModule
+    from lightning_shm.runtime import Topology
+
+    topo = Topology.infer(world.size, tp=tp)
+    groups = topo.groups(world)
+    torch.manual_seed(0)
+    model = MNISTClassifier(hidden_sizes=hidden)
+    tpm = TensorParallelModule(model, groups.tp)
+    reducer = GradReducer(list(model.named_parameters()), groups.dp) if groups.dp.size > 1 else None
+    b = global_batch // topo.dp
+    x, y = torch.randn(b, 1, 28, 28), torch.randint(0, 10, (b,))
+    before = {id(g): dict(g.traffic) for g in (groups.tp, groups.dp)}
+    nn.functional.cross_entropy(model(x), y).backward()
+    if reducer is not None:
+        reducer.post_backward()
+    sent = {name: sum(g.traffic.values()) - sum(before[id(g)].values()) for name, g in (("tp", groups.tp), ("dp", groups.dp))}
+    return {"param_bytes": tpm.parameter_bytes(), **sent}
+
+
+def tp_table(worlds: list[int], models: list[str], global_batch: int) -> str:
+    from lightning_shm.runtime import launch
+
+    lines = [f"## Tensor parallel: bytes per rank per training step (global batch {global_batch})\n",
+             "| model | W | tp x dp | parameter MiB per rank | full model MiB | TP collectives KiB | "
+             "DP all-reduce KiB |", "|---|---:|---|---:|---:|---:|---:|"]
+    for model in models:
+        full = sum(a * b + b for a, b in zip([784] + MODELS[model], MODELS[model] + [10])) + 2 * sum(MODELS[model])
+        for w in worlds:
+            for tp in sorted({w, 2}):
+                r = launch(tp_worker, w, MODELS[model], tp, global_batch, start_method="fork")[0]
+                lines.append(f"| {model} | {w} | {tp} x {w // tp} | {r['param_bytes'] / 2**20:.2f} | "
+                             f"{full * 4 / 2**20:.2f} | {r['tp'] / 1024:.1f} | {r['dp'] / 1024:.1f} |")
     return "\n".join(lines) + "\n"
 
 

@@ -129,9 +129,13 @@ class Group:
                      for b in (0, 1)]
         self._typed: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
         self._shared: list[SharedBuffer] = []
+        self.traffic: dict[str, int] = {}  # bytes this member contributed, per collective (for benchmarks)
 
     def __repr__(self) -> str:
         return f"Group(ranks={list(self.ranks)}, index={self.index})"
+
+    def __deepcopy__(self, memo: dict) -> "Group":
+        return self  # a process resource: modules holding a group (TP layers) may be deep-copied
 
     # ------------------------------------------------------------------ plumbing
     def _slots(self, dtype: torch.dtype) -> list[torch.Tensor]:
@@ -149,6 +153,9 @@ class Group:
 
     def _sync(self, op: int, dtype: int, numel: int, root: int, check: bool, check_numel: bool = True) -> int:
         return self._barrier.wait(self._seq, op, dtype, numel, root, check_numel=check_numel, check=check)
+
+    def _count(self, kind: str, t: torch.Tensor) -> None:
+        self.traffic[kind] = self.traffic.get(kind, 0) + t.numel() * t.element_size()
 
     def _find_shared(self, flat: torch.Tensor) -> Optional[tuple[SharedBuffer, int]]:
         for buf in self._shared:
@@ -186,6 +193,7 @@ class Group:
             return tensor
         flat, contiguous = _flat(tensor)
         self._seq += 1
+        self._count("all_reduce", flat)
         hit = self._find_shared(flat) if contiguous else None
         if hit is not None:
             self._all_reduce_shared(flat, hit[0], hit[1], op)
@@ -266,6 +274,7 @@ class Group:
             o.copy_(flat)
             return out
         self._seq += 1
+        self._count("reduce_scatter", flat)
         dc = dtype_code(flat.dtype)
         hit = self._find_shared(flat) if contiguous else None
         if hit is not None:
@@ -310,6 +319,7 @@ class Group:
             o[0].copy_(flat)
             return out
         self._seq += 1
+        self._count("all_gather", flat)
         dc, cap = dtype_code(flat.dtype), self._cap(flat.dtype)
         for c0 in range(0, max(n, 1), cap):
             L = min(cap, n - c0)
@@ -330,6 +340,7 @@ class Group:
         if W == 1:
             return [flat.clone()]
         self._seq += 1
+        self._count("all_gather", flat)
         dc, cap = dtype_code(flat.dtype), self._cap(flat.dtype)
         outs: list[torch.Tensor] = []
         c0, rounds, c = 0, 1, 0
@@ -360,6 +371,8 @@ class Group:
         flat, contiguous = _flat(tensor)
         n, r = flat.numel(), self.index
         self._seq += 1
+        if r == src:
+            self._count("broadcast", flat)
         dc = dtype_code(flat.dtype)
         hit = self._find_shared(flat) if contiguous else None
         if hit is not None:

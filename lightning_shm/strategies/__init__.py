@@ -3,5 +3,6 @@
 from lightning_shm.strategies.base import SHMStrategyBase
 from lightning_shm.strategies.ddp import SHMDDPStrategy
 from lightning_shm.strategies.fsdp import SHMFSDPStrategy
+from lightning_shm.strategies.tp import SHMTensorParallel
 
-__all__ = ["SHMDDPStrategy", "SHMFSDPStrategy", "SHMStrategyBase"]
+__all__ = ["SHMDDPStrategy", "SHMFSDPStrategy", "SHMStrategyBase", "SHMTensorParallel"]

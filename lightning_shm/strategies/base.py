@@ -28,6 +28,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from torch import Tensor
 
 import lightning.pytorch as pl
+from lightning_shm.parallel.ddp import GradReducer
 from lightning_shm.runtime import Group, RuntimeConfig, Topology, World
 from lightning_shm.runtime.launcher import START_METHODS
 from lightning_shm.strategies import collectives
@@ -62,6 +63,7 @@ class SHMStrategyBase(ParallelStrategy):
         self._world: Optional[World] = None
         self._group: Optional[Group] = None
         self._metric_state: list = []
+        self._reducer: Optional[GradReducer] = None  # data-parallel gradient averaging, where used
 
     # ------------------------------------------------------------------ topology
     @property
@@ -158,8 +160,13 @@ class SHMStrategyBase(ParallelStrategy):
             raise ValueError(f"{type(self).__name__} does not support sync_batchnorm=True (it needs torch.distributed)")
 
     # ------------------------------------------------------------------ collectives for Lightning
+    def data_parallel_group(self) -> Optional[Group]:
+        """Ranks holding *different* data and equal model pieces: where logged values, metric states
+        and predictions are combined (the world for pure data parallelism)."""
+        return self._group
+
     def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Union[str, Any]] = "mean") -> Any:
-        g = group if isinstance(group, Group) else self._group
+        g = group if isinstance(group, Group) else self.data_parallel_group()
         if g is None:
             return tensor
         return collectives.reduce(g, tensor, reduce_op)
@@ -185,7 +192,9 @@ class SHMStrategyBase(ParallelStrategy):
         self._metric_state = collectives.attach_metric_sync(self.lightning_module, self.metric_group())
 
     def metric_group(self) -> Group:
-        return self.group
+        g = self.data_parallel_group()
+        assert g is not None
+        return g
 
     def install_global_clipping(self, group: Group, replicated: Any = ()) -> None:
         """Make ``gradient_clip_val`` (norm) clip by the norm over *all* ranks' gradient pieces.
@@ -228,14 +237,27 @@ class SHMStrategyBase(ParallelStrategy):
         return merged if loop.num_dataloaders > 1 else merged[0]
 
     def prediction_group(self) -> Group:
-        return self.group
+        return self.metric_group()
 
-    # ------------------------------------------------------------------ lifecycle
+    # ------------------------------------------------------------------ data-parallel gradients
+    def post_backward(self, closure_loss: Tensor) -> None:
+        if self._reducer is not None:
+            self._reducer.post_backward()
+
     @contextlib.contextmanager
     def block_backward_sync(self) -> Iterator[None]:
-        yield None
+        """Gradient accumulation: no communication until the last micro-step."""
+        if self._reducer is None:
+            yield None
+            return
+        with self._reducer.no_sync():
+            yield None
 
+    # ------------------------------------------------------------------ lifecycle
     def teardown(self) -> None:
+        if self._reducer is not None:
+            self._reducer.close()
+            self._reducer = None
         collectives.detach_metric_sync(self._metric_state)
         self._metric_state = []
         if self.cluster_environment is not None:

@@ -8,8 +8,7 @@ averaged gradients on every rank. See :mod:`lightning_shm.parallel.ddp.reducer`.
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Iterator, Optional
+from typing import Any
 
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
@@ -42,7 +41,6 @@ class SHMDDPStrategy(SHMStrategyBase):
         self.bucket_cap_mb = bucket_cap_mb
         self.find_unused_parameters = find_unused_parameters
         self.broadcast_buffers = broadcast_buffers
-        self._reducer: Optional[GradReducer] = None
         self._buffers: list[Tensor] = []
 
     def setup(self, trainer: "pl.Trainer") -> None:
@@ -64,24 +62,6 @@ class SHMDDPStrategy(SHMStrategyBase):
         if self._buffers:  # e.g. BatchNorm running statistics: rank 0's, like torch DDP
             broadcast_tensors(self._buffers, self.group)
         return super().training_step(*args, **kwargs)
-
-    def post_backward(self, closure_loss: Tensor) -> None:
-        if self._reducer is not None:
-            self._reducer.post_backward()
-
-    @contextlib.contextmanager
-    def block_backward_sync(self) -> Iterator[None]:
-        if self._reducer is None:
-            yield None
-            return
-        with self._reducer.no_sync():
-            yield None
-
-    def teardown(self) -> None:
-        if self._reducer is not None:
-            self._reducer.close()
-            self._reducer = None
-        super().teardown()
 
     @classmethod
     def register_strategies(cls, strategy_registry: StrategyRegistry) -> None:

@@ -1,0 +1,117 @@
+"""Tensor-parallel layers against the unsharded layers: forward output and *every* gradient.
+
+Each rank rebuilds the full layers from the same seed, runs the reference on the full input, runs
+the parallel layers on its shard, and compares its slice of every result.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_shm.parallel.tp import ColumnParallelLinear, RowParallelLinear, ShardedLayerNorm, distributed_layer_norm
+from lightning_shm.parallel.tp.layers import even_split_sizes
+from lightning_shm.runtime import launch
+
+
+def _slice(t, dim, sizes, i):
+    return t.narrow(dim, sum(sizes[:i]), sizes[i])
+
+
+def _block(world, hidden, dtype):
+    """column -> sharded LayerNorm -> ReLU -> row, as in the reference MLP."""
+    g = world.group()
+    torch.manual_seed(0)
+    lin1, ln, lin2 = nn.Linear(20, hidden), nn.LayerNorm(hidden), nn.Linear(hidden, 7)
+    with torch.no_grad():
+        ln.weight.uniform_(0.5, 1.5)
+        ln.bias.uniform_(-0.5, 0.5)
+    for m in (lin1, ln, lin2):
+        m.to(dtype)
+    x = torch.randn(6, 20, dtype=dtype, requires_grad=True)
+    ref = lin2(torch.relu(ln(lin1(x))))
+    ref.pow(2).sum().backward()
+
+    col, sln, row = ColumnParallelLinear(lin1, g), None, RowParallelLinear(lin2, g)
+    sln = ShardedLayerNorm(ln, g, col.sizes)
+    xp = x.detach().clone().requires_grad_(True)
+    out = row(torch.relu(sln(col(xp))))
+    out.pow(2).sum().backward()
+    s, i = col.sizes, g.index
+    checks = {
+        "output": (out, ref),
+        "input grad": (xp.grad, x.grad),
+        "column weight grad": (col.weight.grad, _slice(lin1.weight.grad, 0, s, i)),
+        "column bias grad": (col.bias.grad, _slice(lin1.bias.grad, 0, s, i)),
+        "layernorm weight grad": (sln.weight.grad, _slice(ln.weight.grad, 0, s, i)),
+        "layernorm bias grad": (sln.bias.grad, _slice(ln.bias.grad, 0, s, i)),
+        "row weight grad": (row.weight.grad, _slice(lin2.weight.grad, 1, s, i)),
+        "row bias grad": (row.bias.grad, lin2.bias.grad),
+    }
+    return {k: float((a.double() - b.double()).abs().max()) for k, (a, b) in checks.items()}
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("hidden", [32, 30])  # 30 over 4 ranks: uneven shards 8, 8, 7, 7
+def test_column_layernorm_row_match_unsharded_reference(world_size, hidden):
+    for errors in launch(_block, world_size, hidden, torch.float32, start_method="fork"):
+        assert max(errors.values()) < 1e-5, errors
+
+
+def _layernorm(world, offset, n_features):
+    g = world.group()
+    sizes = even_split_sizes(n_features, world.size)
+    torch.manual_seed(1)
+    # round to float32 first: the reference sees exactly the values our float32 path sees
+    x = (torch.randn(5, 3, n_features, dtype=torch.float64) * 2 + offset).float().double()
+    w, b = torch.rand(n_features, dtype=torch.float64) + 0.5, torch.randn(n_features, dtype=torch.float64)
+    dy = torch.randn_like(x)
+    ref_ln = nn.LayerNorm(n_features, dtype=torch.float64)
+    with torch.no_grad():
+        ref_ln.weight.copy_(w)
+        ref_ln.bias.copy_(b)
+    xr = x.clone().requires_grad_(True)
+    (ref_ln(xr) * dy).sum().backward()
+    # ours, in float32 (what training uses), against the float64 reference
+    lo, n = sum(sizes[: g.index]), sizes[g.index]
+    xs = x[..., lo:lo + n].float().clone().requires_grad_(True)
+    ws = w[lo:lo + n].float().clone().requires_grad_(True)
+    bs = b[lo:lo + n].float().clone().requires_grad_(True)
+    y = distributed_layer_norm(xs, ws, bs, 1e-5, g, sizes)
+    (y * dy[..., lo:lo + n].float()).sum().backward()
+    # torch's own float32 LayerNorm on the full input, for scale
+    t32 = nn.functional.layer_norm(x.float(), (n_features,), w.float(), b.float(), 1e-5)
+    return {
+        "forward": float((y.double() - ref_ln(x)[..., lo:lo + n]).abs().max()),
+        "input grad": float((xs.grad.double() - xr.grad[..., lo:lo + n]).abs().max()),
+        "weight grad": float((ws.grad.double() - ref_ln.weight.grad[lo:lo + n]).abs().max()),
+        "bias grad": float((bs.grad.double() - ref_ln.bias.grad[lo:lo + n]).abs().max()),
+        "torch float32 forward": float((t32.double() - ref_ln(x)).abs().max()),
+    }
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("offset", [0.0, 1e4], ids=["zero-mean", "mean-1e4"])
+def test_distributed_layernorm_matches_nn_layernorm(world_size, offset):
+    for errors in launch(_layernorm, world_size, offset, 37, start_method="fork"):
+        # float32 outputs vs a float64 reference: 1e-6 in forward and backward, offset or not
+        assert max(errors[k] for k in ("forward", "input grad", "weight grad", "bias grad")) < 1e-6, errors
+        # the merge of per-rank statistics is no worse than torch's own float32 LayerNorm
+        assert errors["forward"] <= max(errors["torch float32 forward"], 1e-6), errors
+
+
+def _no_grad_input(world):
+    """The first column layer's input (pixels) needs no gradient: no backward all-reduce for it."""
+    g = world.group()
+    torch.manual_seed(0)
+    col = ColumnParallelLinear(nn.Linear(8, 4), g)
+    row = RowParallelLinear(nn.Linear(4, 3), g)
+    before = dict(g.traffic)
+    row(col(torch.randn(2, 8))).sum().backward()
+    return {k: v - before.get(k, 0) for k, v in g.traffic.items()}
+
+
+def test_backward_all_reduce_is_skipped_when_input_needs_no_grad():
+    traffic = launch(_no_grad_input, 2, start_method="fork")[0]
+    assert traffic == {"all_reduce": 2 * 3 * 4}  # only the row layer's forward output [2, 3] float32

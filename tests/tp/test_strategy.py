@@ -1,0 +1,146 @@
+"""shm_tp end to end: plans, parity (tp and dp x tp), distributed inference, checkpoints, errors."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+from torch.utils.data import DataLoader
+
+import lightning_shm  # noqa: F401
+from lightning_shm import SHMTensorParallel
+from lightning_shm.models import MNISTClassifier, build_mlp
+from lightning_shm.parallel.tp import derive_plan
+from lightning_shm.runtime import launch
+from lightning_shm.parallel.tp import TensorParallelModule
+from tests.helpers import GLOBAL_BATCH, SchedClassifier, flat_params, loader, mnist_like, train_mnist, trainer
+
+
+def tp(size, **kw):
+    return SHMTensorParallel(start_method="fork", tensor_parallel_size=size, **kw)
+
+
+def test_derived_plan_pairs_linears_column_row_and_replicates_the_rest():
+    assert derive_plan(build_mlp(), "net") == {"net.1": "column", "net.4": "row", "net.7": "replicate"}
+    assert derive_plan(build_mlp([64, 32, 16])) == {"1": "column", "4": "row", "7": "column", "10": "row"}
+
+
+@pytest.fixture(scope="module")
+def references():
+    return {opt: train_mnist("auto", 1, opt, batch=GLOBAL_BATCH, ref=True) for opt in ("sgd", "adam")}
+
+
+@pytest.mark.parametrize("devices, size", [(2, 2), (4, 4), (3, 3), (4, 2)],
+                         ids=["tp2", "tp4", "tp3-uneven", "dp2xtp2"])
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_tensor_parallel_equals_one_process(references, devices, size, optimizer):
+    dp = devices // size
+    got = train_mnist(tp(size), devices, optimizer, batch=GLOBAL_BATCH // dp)
+    torch.testing.assert_close(got, references[optimizer], rtol=0, atol=1e-5)
+
+
+def test_user_plan_as_data_and_global_norm_clipping():
+    plan = {"net.1": "column", "net.4": "row", "net.7": "replicate"}
+    kw = dict(model_cls=SchedClassifier, gradient_clip_val=0.05)
+    ref = train_mnist("auto", 1, "sgd", batch=GLOBAL_BATCH, ref=True, **kw)
+    got = train_mnist(tp(2, plan=plan), 2, "sgd", batch=GLOBAL_BATCH, **kw)
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
+
+
+def _param_bytes(world):
+    pl.seed_everything(0)
+    m = MNISTClassifier()
+    tpm = TensorParallelModule(m, world.group())
+    return tpm.parameter_bytes(), {n: tuple(p.shape) for n, p in m.named_parameters()}
+
+
+def test_each_rank_holds_its_slices():
+    (b0, shapes), (b1, _) = launch(_param_bytes, 2, start_method="fork")
+    assert shapes["net.1.weight"] == (128, 784) and shapes["net.2.weight"] == (128,)
+    assert shapes["net.4.weight"] == (64, 128) and shapes["net.4.bias"] == (64,)  # row bias replicated
+    assert shapes["net.7.weight"] == (10, 64)  # replicated
+    full = 218_698 * 4
+    assert b0 == b1 and b0 < 0.55 * full  # about half of the big matrices per rank
+
+
+def test_distributed_inference_matches_one_process():
+    pl.seed_everything(0)
+    model = MNISTClassifier()
+    ds = mnist_like(43)
+    single = trainer(devices=1).predict(model, DataLoader(ds, batch_size=10))
+    ours = trainer(strategy=tp(2), devices=4).predict(model, DataLoader(ds, batch_size=10))
+    assert torch.equal(torch.cat(ours), torch.cat(single))
+    even = mnist_like(44)  # validation pads a DistributedSampler to a multiple of dp: use a multiple
+    v1 = trainer(devices=1).validate(model, DataLoader(even, batch_size=10), verbose=False)[0]
+    v2 = trainer(strategy=tp(2), devices=4).validate(model, DataLoader(even, batch_size=10), verbose=False)[0]
+    assert v2["val_acc"] == pytest.approx(v1["val_acc"]) and v2["val_loss"] == pytest.approx(v1["val_loss"], abs=1e-5)
+
+
+def test_checkpoint_is_plain_and_resumable(tmp_path):
+    ds = mnist_like(GLOBAL_BATCH * 4)
+
+    def run(strategy, devices, epochs, batch, ckpt_path=None, save=False):
+        pl.seed_everything(1)
+        model = MNISTClassifier(optimizer="adam", lr=1e-3)
+        cb = [ModelCheckpoint(dirpath=tmp_path, filename="tp")] if save else []
+        t = trainer(strategy=strategy, devices=devices, max_epochs=epochs, enable_checkpointing=save, callbacks=cb,
+                    precision="64-true")
+        t.fit(model, loader(ds, batch), ckpt_path=ckpt_path)
+        return flat_params(model).double(), (cb[0].best_model_path if save else None)
+
+    straight, _ = run("shm_ddp_fork", 2, 3, GLOBAL_BATCH // 2)
+    _, path = run(tp(2), 4, 1, GLOBAL_BATCH // 2, save=True)
+    ckpt = torch.load(path, weights_only=False)
+    plain = MNISTClassifier()
+    assert list(ckpt["state_dict"]) == list(plain.state_dict())
+    assert all(ckpt["state_dict"][k].shape == v.shape for k, v in plain.state_dict().items())
+    adam = torch.optim.Adam(plain.parameters())
+    adam.load_state_dict(ckpt["optimizer_states"][0])
+    assert adam.state[plain.net[4].weight]["exp_avg"].shape == (64, 256)
+    MNISTClassifier.load_from_checkpoint(path)
+    for strategy, devices, batch in ((tp(2), 2, GLOBAL_BATCH), ("shm_ddp_fork", 2, GLOBAL_BATCH // 2)):
+        resumed, _ = run(strategy, devices, 3, batch, ckpt_path=path)
+        torch.testing.assert_close(resumed, straight, rtol=0, atol=1e-6)
+
+
+# ---------------------------------------------------------------------- errors, before any worker starts
+class Seq(pl.LightningModule):
+    def __init__(self, *layers):
+        super().__init__()
+        self.net = nn.Sequential(*layers)
+
+
+@pytest.mark.parametrize(
+    "layers, plan, match",
+    [
+        ((nn.Linear(4, 8), nn.ReLU()), {"net.0": "column"}, "column layer 'net.0' is not followed by a row"),
+        ((nn.Linear(4, 8), nn.Linear(8, 2)), {"net.0": "column"}, "Linear 'net.1' sits between column layer 'net.0'"),
+        ((nn.Linear(4, 8), nn.Linear(8, 2)), {"net.1": "row"}, "row layer 'net.1' has no column layer before it"),
+        ((nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2)), {"net.0": "column", "net.2": "row"},
+         r"'net.1' \(BatchNorm1d\) cannot run on features sharded"),
+        ((nn.ReLU(), nn.Linear(8, 2)), {"net.0": "column"}, "'net.0' is a ReLU; only nn.Linear can be 'column'"),
+        ((nn.Linear(4, 3), nn.Linear(3, 2)), None, "column layer 'net.0' has 3 output features, fewer than tp=4"),
+        ((nn.Linear(4, 8), nn.Linear(8, 2)), {"net.9": "row"}, "plan names module 'net.9'"),
+        ((nn.Linear(4, 8), nn.Linear(8, 2)), {"net.0": "diagonal"}, "must be one of"),
+    ],
+)
+def test_bad_plans_fail_before_launch(layers, plan, match):
+    with pytest.raises(ValueError, match=match):
+        trainer(strategy=tp(4, plan=plan), devices=4, max_epochs=1).fit(Seq(*layers), DataLoader(torch.randn(8, 4)))
+
+
+def test_devices_not_divisible_by_tp_size():
+    with pytest.raises(ValueError, match=r"devices \(world_size=6\) must be divisible by tp\*pp = 4\*1 = 4"):
+        trainer(strategy=tp(4), devices=6)
+
+
+def test_model_without_sequential():
+    class NoSeq(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(2, 2)
+
+    with pytest.raises(ValueError, match="has no top-level nn.Sequential"):
+        trainer(strategy=tp(2), devices=2, max_epochs=1).fit(NoSeq(), DataLoader(torch.randn(8, 2)))
