@@ -7,13 +7,14 @@ Importing the package registers the strategy names ("shm_ddp", ...) with Lightni
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_shm.models import MNISTClassifier, build_mlp
-from lightning_shm.strategies import SHMDDPStrategy, SHMFSDPStrategy, SHMStrategyBase, SHMTensorParallel
+from lightning_shm.strategies import SHMDDPStrategy, SHMFSDPStrategy, SHMPipeline, SHMStrategyBase, SHMTensorParallel
 
 __version__ = "0.1.0"
 
-for _cls in (SHMDDPStrategy, SHMFSDPStrategy, SHMTensorParallel):
+for _cls in (SHMDDPStrategy, SHMFSDPStrategy, SHMTensorParallel, SHMPipeline):
     _cls.register_strategies(StrategyRegistry)
 
 __all__ = [
-    "MNISTClassifier", "SHMDDPStrategy", "SHMFSDPStrategy", "SHMStrategyBase", "SHMTensorParallel", "build_mlp",
+    "MNISTClassifier", "SHMDDPStrategy", "SHMFSDPStrategy", "SHMPipeline", "SHMStrategyBase", "SHMTensorParallel",
+    "build_mlp",
 ]

@@ -119,8 +119,10 @@ class SHMStrategyBase(ParallelStrategy):
         self.topology()  # validate the grid in the main process, before any worker starts
         self._launcher = SHMLauncher(self, self._start_method)
 
-    def validate_model(self, module: "pl.LightningModule") -> None:
-        """Check the model against the strategy's configuration in the main process, before launch."""
+    def validate_model(self, module: "pl.LightningModule", trainer: Optional["pl.Trainer"] = None,
+                       launch_args: Any = ()) -> None:
+        """Check the model (and the Trainer entry point's arguments) against the strategy's configuration
+        in the main process, before any worker starts."""
 
     def attach_world(self, world: World) -> None:
         """Called by the launcher in each worker before the Trainer's entry point runs."""

@@ -47,7 +47,8 @@ class SHMFSDPStrategy(SHMStrategyBase):
         self.reshard_after_forward = reshard_after_forward
         self.sharded: Optional[ShardedModule] = None
 
-    def validate_model(self, module: "pl.LightningModule") -> None:
+    def validate_model(self, module: "pl.LightningModule", trainer: Optional["pl.Trainer"] = None,
+                       launch_args: Any = ()) -> None:
         if next(module.parameters(), None) is None:
             return  # layers created in configure_model: checked when the workers shard them
         specs = find_units(module, self.unit_policy)

@@ -62,7 +62,7 @@ class SHMLauncher(_Launcher):
                 "`fit(ckpt_path=...)` to continue training."
             )
         if trainer is not None and trainer.lightning_module is not None:
-            self._strategy.validate_model(trainer.lightning_module)  # bad input fails before any worker starts
+            self._strategy.validate_model(trainer.lightning_module, trainer, (args, kwargs))  # bad input fails before any worker starts
         snapshot = _GlobalStateSnapshot.capture() if self._start_method == "spawn" else None
         config = LaunchConfig(world_size=self._strategy.num_processes, start_method=self._start_method,
                               runtime=self._strategy.runtime_config)

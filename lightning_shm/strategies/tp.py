@@ -18,7 +18,8 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch.optim import Optimizer
 
 from lightning_shm.parallel.ddp import GradReducer, broadcast_module_state
-from lightning_shm.parallel.tp import TensorParallelModule, check_plan, derive_plan, find_sequential
+from lightning_shm.parallel.sequential import find_sequential
+from lightning_shm.parallel.tp import TensorParallelModule, check_plan, derive_plan
 from lightning_shm.parallel.tp.plan import normalise_plan
 from lightning_shm.runtime import Group, ParallelGroups, Topology, World
 from lightning_shm.strategies.base import SHMStrategyBase
@@ -59,7 +60,8 @@ class SHMTensorParallel(SHMStrategyBase):
     def data_parallel_group(self) -> Optional[Group]:
         return self._groups.dp if self._groups is not None else None
 
-    def validate_model(self, module: "pl.LightningModule") -> None:
+    def validate_model(self, module: "pl.LightningModule", trainer: Optional["pl.Trainer"] = None,
+                       launch_args: Any = ()) -> None:
         if next(module.parameters(), None) is None:
             return  # built in configure_model: checked in the workers
         prefix, seq = find_sequential(module, self.sequential)

@@ -48,7 +48,8 @@ class GradReducer:
     """Owns the gradient buckets of ``named_params`` on ``group`` and averages them during backward."""
 
     def __init__(self, named_params: Sequence[tuple[str, nn.Parameter]], group: Group,
-                 bucket_cap_mb: float = 25.0, find_unused_parameters: bool = False, tag: str = "ddp") -> None:
+                 bucket_cap_mb: float = 25.0, find_unused_parameters: bool = False, tag: str = "ddp",
+                 hooks: bool = True) -> None:
         if bucket_cap_mb <= 0:
             raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
         self.group = group
@@ -80,7 +81,9 @@ class GradReducer:
                 self._bucket_of[p] = bucket
                 off += p.numel()
         self._buffers = {b.buffer for b in self.buckets}
-        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for _, p in params]
+        # hooks=False: gradients are produced outside autograd's per-step rhythm (pipeline schedules)
+        # and averaged by an explicit synchronize()
+        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for _, p in params] if hooks else []
         self._sync = True
         self._in_backward = False
         self._synced_since_post = False
@@ -173,6 +176,14 @@ class GradReducer:
             self._in_backward = True
             self._finish_backward()
         self._synced_since_post = False
+
+    def synchronize(self) -> None:
+        """Average every bucket now, whatever produced the gradients (used after a pipeline schedule,
+        whose zero-bubble weight passes write ``param.grad`` outside autograd's hooks)."""
+        for p in self._views:
+            self._adopt(p)
+        for b in self.buckets:
+            self.group.all_reduce(b.flat, "mean")
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:

@@ -17,6 +17,8 @@ from typing import Callable, Optional, Union
 
 from torch import nn
 
+from lightning_shm.parallel.sequential import find_sequential
+
 PolicyFn = Callable[[str, nn.Module], bool]
 
 
@@ -57,15 +59,6 @@ class UnitPolicy:
         raise ValueError(f"unit policy must be None, an int (min_unit_params) or a callable, got {policy!r}")
 
 
-def find_sequential(module: nn.Module) -> Optional[tuple[str, nn.Sequential]]:
-    if isinstance(module, nn.Sequential):
-        return "", module
-    for name, child in module.named_children():
-        if isinstance(child, nn.Sequential):
-            return name, child
-    return None
-
-
 def find_units(module: nn.Module, policy: UnitPolicy) -> list[UnitSpec]:
     """Units in execution order for a Sequential (registration order otherwise)."""
     roots: list[list[tuple[str, nn.Module]]] = []
@@ -74,7 +67,10 @@ def find_units(module: nn.Module, policy: UnitPolicy) -> list[UnitSpec]:
         if not any(p.numel() for mods in roots for _, m in mods for p in m.parameters()):
             return []  # a policy that selects nothing is a mistake, not "shard everything per module"
     else:
-        seq = find_sequential(module)
+        try:
+            seq: Optional[tuple[str, nn.Sequential]] = find_sequential(module)
+        except ValueError:
+            seq = None
         if seq is not None:
             prefix = seq[0] + "." if seq[0] else ""
             group: list[tuple[str, nn.Module]] = []

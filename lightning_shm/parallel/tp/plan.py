@@ -19,28 +19,13 @@ from typing import Mapping, Optional
 
 from torch import nn
 
+from lightning_shm.parallel.sequential import find_sequential
 from lightning_shm.parallel.tp.layers import ColumnParallelLinear, RowParallelLinear, ShardedLayerNorm, even_split_sizes
 from lightning_shm.runtime import Group
 
 STYLES = ("column", "row", "replicate")
 ELEMENTWISE = (nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.LeakyReLU, nn.ELU, nn.Identity, nn.Softplus,
                nn.Mish, nn.Hardswish, nn.Hardtanh, nn.ReLU6)
-
-
-def find_sequential(module: nn.Module, name: Optional[str] = None) -> tuple[str, nn.Sequential]:
-    """The module's ``nn.Sequential`` (named, or its only/first top-level one)."""
-    if name is not None:
-        seq = module.get_submodule(name) if name else module
-        if not isinstance(seq, nn.Sequential):
-            raise ValueError(f"'{name}' is a {type(seq).__name__}, not an nn.Sequential")
-        return name, seq
-    if isinstance(module, nn.Sequential):
-        return "", module
-    for n, child in module.named_children():
-        if isinstance(child, nn.Sequential):
-            return n, child
-    raise ValueError(f"{type(module).__name__} has no top-level nn.Sequential to derive a tensor-parallel plan from; "
-                     "pass sequential='<attribute name>' or restructure the model around an nn.Sequential")
 
 
 def _qual(prefix: str, name: str) -> str:

@@ -14,7 +14,8 @@ from typing import Any, Mapping, Optional
 import torch
 from torch import nn
 
-from lightning_shm.parallel.tp.plan import apply_plan, derive_plan, find_sequential, normalise_plan
+from lightning_shm.parallel.sequential import find_sequential
+from lightning_shm.parallel.tp.plan import apply_plan, derive_plan, normalise_plan
 from lightning_shm.runtime import Group
 
 

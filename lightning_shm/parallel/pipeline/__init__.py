@@ -1,0 +1,17 @@
+from lightning_shm.parallel.pipeline.engine import PipelineEngine, Record, StageIO
+from lightning_shm.parallel.pipeline.schedules import (
+    Action,
+    PipelineSchedule,
+    Schedule,
+    Timed,
+    bubble_fraction,
+    simulate,
+)
+from lightning_shm.parallel.pipeline.split import balanced_split, layer_costs_by_time, plan_chunks
+from lightning_shm.parallel.pipeline.stage import CapturedInput, PipelineStage, PipelineState, split_batch
+
+__all__ = [
+    "Action", "CapturedInput", "PipelineEngine", "PipelineSchedule", "PipelineStage", "PipelineState", "Record",
+    "Schedule", "StageIO", "Timed", "balanced_split", "bubble_fraction", "layer_costs_by_time", "plan_chunks",
+    "simulate", "split_batch",
+]

@@ -1,0 +1,95 @@
+"""Pipeline training without Lightning: the engine driven by a plain loop (benchmarks, timelines, tests).
+
+Runs in each worker of :func:`lightning_shm.runtime.launch`: builds the MLP from the same seed on
+every rank, keeps this rank's chunks, and trains a few steps on synthetic data with cross-entropy,
+returning the timeline of the last step and the measured step times.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_shm.models import build_mlp
+from lightning_shm.parallel.pipeline.engine import PipelineEngine, Record
+from lightning_shm.parallel.pipeline.schedules import PipelineSchedule, Schedule
+from lightning_shm.parallel.pipeline.split import plan_chunks
+from lightning_shm.parallel.pipeline.stage import PipelineStage
+from lightning_shm.runtime import World
+
+
+@dataclass
+class DriverResult:
+    rank: int
+    timeline: list[Record]
+    step_seconds: list[float]
+    peak_activation_bytes: int
+    chunk_starts: list[int]
+    params: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+class _PlainIO:
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, parts: int) -> None:
+        self.xs, self.ys = torch.tensor_split(x, parts), torch.tensor_split(y, parts)
+        self.n = x.shape[0]
+
+    def first_input(self, mb: int) -> torch.Tensor:
+        return self.xs[mb]
+
+    def last_forward(self, mb: int, x: torch.Tensor, chunk: nn.Module, recompute: bool = False) -> Optional[torch.Tensor]:
+        return F.cross_entropy(chunk(x), self.ys[mb]) * (self.xs[mb].shape[0] / self.n)
+
+
+def train_pipeline(world: World, hidden: list[int], schedule: str, microbatches: int, virtual: int = 1,
+                   steps: int = 5, batch: int = 256, lr: float = 0.05, checkpointing: bool = False,
+                   seed: int = 0, return_params: bool = False) -> DriverResult:
+    """Train ``steps`` SGD steps of the MLP pipelined over all ranks of ``world`` (pp = world size)."""
+    P = world.size
+    sched = PipelineSchedule(Schedule.parse(schedule), P, microbatches, virtual)
+    torch.manual_seed(seed)
+    seq = build_mlp(hidden)
+    g = world.group()
+    sample = torch.randn(64, 784)
+    starts, _ = plan_chunks(seq, sched.chunks, None, sample if world.rank == 0 else None, stages=P)
+    starts = g.broadcast_object(starts if world.rank == 0 else None, src=0)
+    stage = PipelineStage(seq, starts, sched.chunks_of(world.rank))
+    engine = PipelineEngine(stage.chunks, sched, world.rank, list(range(P)), world, tag=f"drv-{schedule}",
+                            activation_checkpointing=checkpointing)
+    opt = torch.optim.SGD(stage.parameters(), lr=lr)
+    data = torch.Generator().manual_seed(seed + 1)
+    times: list[float] = []
+    peak = 0
+    for _ in range(steps):
+        x = torch.randn(batch, 784, generator=data)
+        y = torch.randint(0, 10, (batch,), generator=data)
+        g.barrier()  # start every step together so timelines line up
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        engine.train_step(_PlainIO(x, y, microbatches))
+        opt.step()
+        times.append(time.perf_counter() - t0)
+        peak = max(peak, engine.peak_activation_bytes)
+    params = {n: p.detach().clone() for n, p in stage.named_parameters()} if return_params else {}
+    engine.close()
+    return DriverResult(world.rank, list(engine.timeline), times, peak, list(starts), params)
+
+
+def reference_params(hidden: list[int], steps: int = 5, batch: int = 256, lr: float = 0.05,
+                     seed: int = 0) -> dict[str, Any]:
+    """The same training in one process, for parity checks."""
+    torch.manual_seed(seed)
+    seq = build_mlp(hidden)
+    opt = torch.optim.SGD(seq.parameters(), lr=lr)
+    data = torch.Generator().manual_seed(seed + 1)
+    for _ in range(steps):
+        x = torch.randn(batch, 784, generator=data)
+        y = torch.randint(0, 10, (batch,), generator=data)
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(seq(x), y).backward()
+        opt.step()
+    return {n: p.detach().clone() for n, p in seq.named_parameters()}

@@ -1,0 +1,219 @@
+"""Runs one rank's part of a pipeline schedule: its chunks, its channels, its actions.
+
+Data movement per action (chunk c of V, microbatch m)::
+
+    F  x = microbatch input (c == 0) or recv(act[c-1]);  out = chunk_c(x)
+       c == V-1: out = the microbatch loss (computed by ``io.last_forward``), else send(act[c], out)
+    B  g = recv(grad[c]) (c < V-1);  backward(out, g);  c > 0: send(grad[c-1], x.grad)
+       zero-bubble: Linear weight gradients are *not* computed here: (input, grad_output) are stashed
+    W  zero-bubble only: weight.grad += grad_output^T @ input for the stashed Linear calls of (m, c)
+
+``act[c]`` / ``grad[c]`` are point-to-point channels between the ranks of chunks c and c+1: no
+barrier, no other rank involved. Every compute action is timed into :attr:`timeline`; the bytes of
+tensors autograd saves for backward are counted per (m, c) to report peak activation memory.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass
+from typing import Any, Optional, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_shm.parallel.pipeline.schedules import Action, PipelineSchedule, Schedule
+from lightning_shm.runtime import Channel, ChannelConfig, World
+
+
+class StageIO(Protocol):
+    """What the engine needs from the model around it (Lightning step functions or plain code)."""
+
+    def first_input(self, mb: int) -> torch.Tensor:
+        """Input of chunk 0 for microbatch ``mb``."""
+
+    def last_forward(self, mb: int, x: torch.Tensor, chunk: nn.Module, recompute: bool = False) -> Optional[torch.Tensor]:
+        """Run the last chunk on ``x``; training: return the microbatch loss already weighted so that
+        the sum over microbatches is the batch loss (eval: may return None)."""
+
+
+@dataclass
+class Record:
+    kind: str
+    mb: int
+    chunk: int
+    start: float
+    end: float
+
+
+class _DeferredWeightLinear(torch.autograd.Function):
+    """Linear whose backward returns input and bias gradients now and stashes the weight gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                engine: "PipelineEngine", param: nn.Parameter) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(x, weight)
+        ctx.engine, ctx.param, ctx.has_bias = engine, param, bias is not None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        x, weight = ctx.saved_tensors
+        gx = g.matmul(weight) if ctx.needs_input_grad[0] else None
+        gb = g.reshape(-1, g.shape[-1]).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        ctx.engine.defer_weight_grad(ctx.param, x.detach(), g.detach())
+        return gx, None, gb, None, None
+
+
+def _deferred_linear_forward(module: nn.Linear, engine: "PipelineEngine", x: torch.Tensor) -> torch.Tensor:
+    if torch.is_grad_enabled() and module.weight.requires_grad:
+        return _DeferredWeightLinear.apply(x, module.weight, module.bias, engine, module.weight)
+    return F.linear(x, module.weight, module.bias)
+
+
+class PipelineEngine:
+    """One pipeline rank. ``chunks`` maps global chunk index -> module for the chunks this rank owns."""
+
+    def __init__(self, chunks: dict[int, nn.Module], schedule: PipelineSchedule, pp_index: int, pp_ranks: list[int],
+                 world: World, tag: str = "pp", activation_checkpointing: bool = False,
+                 channel: Optional[ChannelConfig] = None) -> None:
+        self.chunks, self.schedule, self.pp_index = chunks, schedule, pp_index
+        self.checkpointing = activation_checkpointing
+        V = schedule.chunks
+        me = pp_ranks[pp_index]
+        rank_of = [pp_ranks[schedule.rank_of(c)] for c in range(V)]
+        # generous slots: a sender never waits on a receiver that is itself waiting on it
+        cfg = channel or ChannelConfig(slots=2 * (schedule.chunks + 1), slot_bytes=256 << 10)
+        self.act_in: dict[int, Channel] = {}
+        self.act_out: dict[int, Channel] = {}
+        self.grad_in: dict[int, Channel] = {}
+        self.grad_out: dict[int, Channel] = {}
+        for c in chunks:
+            if c > 0:
+                self.act_in[c] = world.channel(rank_of[c - 1], me, f"{tag}-act{c - 1}", cfg)
+                self.grad_out[c] = world.channel(me, rank_of[c - 1], f"{tag}-grad{c - 1}", cfg)
+            if c < V - 1:
+                self.act_out[c] = world.channel(me, rank_of[c + 1], f"{tag}-act{c}", cfg)
+                self.grad_in[c] = world.channel(rank_of[c + 1], me, f"{tag}-grad{c}", cfg)
+        self.zero_bubble = schedule.kind == Schedule.ZERO_BUBBLE
+        if self.zero_bubble:
+            for chunk in chunks.values():
+                for m in chunk.modules():
+                    if isinstance(m, nn.Linear):
+                        m.forward = functools.partial(_deferred_linear_forward, m, self)  # type: ignore[method-assign]
+        self._param_ptrs = {p.untyped_storage().data_ptr() for ch in chunks.values() for p in ch.parameters()}
+        self.timeline: list[Record] = []
+        self.peak_activation_bytes = 0
+        self._store: dict[tuple[int, int], tuple[torch.Tensor, Any]] = {}
+        self._saved: dict[tuple[int, int], int] = {}
+        self._stash: dict[tuple[int, int], list[tuple[nn.Parameter, torch.Tensor, torch.Tensor]]] = {}
+        self._current: Optional[tuple[int, int]] = None
+
+    # ------------------------------------------------------------------ public
+    def train_step(self, io: StageIO, schedule: Optional[PipelineSchedule] = None) -> None:
+        """Forward and backward of all microbatches in this rank's schedule order.
+
+        ``schedule`` overrides the engine's for one step (same stages and chunks), e.g. a batch with
+        fewer samples than microbatches."""
+        self._reset()
+        for a in (schedule or self.schedule).actions(self.pp_index):
+            {"F": self._forward, "B": self._backward, "W": self._weight}[a.kind](a, io, True)
+        if self._store or self._stash:
+            raise RuntimeError(f"pipeline rank {self.pp_index}: schedule left work undone {list(self._store)}")
+
+    @torch.no_grad()
+    def eval_step(self, io: StageIO, microbatches: int) -> None:
+        """Forward only (validate / test / predict): every microbatch through every local chunk."""
+        self._reset()
+        for c in sorted(self.chunks):
+            for m in range(microbatches):
+                self._forward(Action("F", m, c), io, False)
+        self._store.clear()
+
+    def defer_weight_grad(self, param: nn.Parameter, x: torch.Tensor, g: torch.Tensor) -> None:
+        assert self._current is not None, "deferred weight gradient outside a B action"
+        self._stash.setdefault(self._current, []).append((param, x, g))
+
+    # ------------------------------------------------------------------ actions
+    def _forward(self, a: Action, io: StageIO, training: bool) -> None:
+        m, c = a.mb, a.chunk
+        last = c == self.schedule.chunks - 1
+        x = io.first_input(m) if c == 0 else self.act_in[c].recv()
+        if c > 0 and training and x.is_floating_point():
+            x.requires_grad_(True)
+        chunk = self.chunks[c]
+        saved = [0]
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            if t.untyped_storage().data_ptr() not in self._param_ptrs:
+                saved[0] += t.untyped_storage().nbytes()
+            return t
+
+        t0 = time.perf_counter()
+        grad_ctx = torch.no_grad() if (training and self.checkpointing) else torch.enable_grad() if training else torch.no_grad()
+        with grad_ctx, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = io.last_forward(m, x, chunk) if last else chunk(x)
+        self._record("F", m, c, t0)
+        if training:
+            self._store[(m, c)] = (x, out)
+            self._saved[(m, c)] = saved[0] + (x.untyped_storage().nbytes() if self.checkpointing else 0)
+            self._update_peak()
+        if not last:
+            self.act_out[c].send(out.detach())
+
+    def _backward(self, a: Action, io: StageIO, training: bool) -> None:
+        m, c = a.mb, a.chunk
+        last = c == self.schedule.chunks - 1
+        x, out = self._store.pop((m, c))
+        grad = None if last else self.grad_in[c].recv()
+        t0 = time.perf_counter()
+        if self.checkpointing:  # recompute the chunk's forward, this time keeping the graph
+            x = x.detach().requires_grad_(x.requires_grad)
+            with torch.enable_grad():
+                out = io.last_forward(m, x, self.chunks[c], recompute=True) if last else self.chunks[c](x)
+        self._current = (m, c)
+        if out is not None and out.requires_grad:
+            torch.autograd.backward(out, grad)
+        self._current = None
+        self._saved.pop((m, c), None)
+        self._record("B", m, c, t0)
+        if c > 0:
+            self.grad_out[c].send(x.grad if x.grad is not None else torch.zeros_like(x))
+        if not self.zero_bubble:
+            return
+        self._update_peak()
+
+    def _weight(self, a: Action, io: StageIO, training: bool) -> None:
+        t0 = time.perf_counter()
+        for param, x, g in self._stash.pop((a.mb, a.chunk), []):
+            gw = g.reshape(-1, g.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1]))
+            if param.grad is None:
+                param.grad = gw
+            else:
+                param.grad.add_(gw)
+        self._record("W", a.mb, a.chunk, t0)
+
+    # ------------------------------------------------------------------ bookkeeping
+    def _record(self, kind: str, mb: int, chunk: int, t0: float) -> None:
+        self.timeline.append(Record(kind, mb, chunk, t0, time.perf_counter()))
+
+    def _update_peak(self) -> None:
+        stash = sum(x.untyped_storage().nbytes() + g.untyped_storage().nbytes()
+                    for items in self._stash.values() for _, x, g in items)
+        self.peak_activation_bytes = max(self.peak_activation_bytes, sum(self._saved.values()) + stash)
+
+    def _reset(self) -> None:
+        self.timeline = []
+        self.peak_activation_bytes = 0
+        self._store.clear()
+        self._saved.clear()
+        self._stash.clear()
+
+    def close(self) -> None:
+        """Restore the Linear modules patched for zero-bubble."""
+        for chunk in self.chunks.values():
+            for m in chunk.modules():
+                if isinstance(m, nn.Linear) and "forward" in m.__dict__:
+                    del m.forward

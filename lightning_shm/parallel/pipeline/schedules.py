@@ -1,0 +1,248 @@
+"""Pipeline schedules as data: for every pipeline rank, the ordered list of actions it performs.
+
+An action is ``F`` (forward of microbatch m through chunk c), ``B`` (backward; in zero-bubble only
+the input gradient) or ``W`` (zero-bubble: the weight gradient of a B done earlier). P ranks,
+M microbatches, v chunks per rank (V = P*v chunks, chunk c on rank c % P).
+
+* ``gpipe``: every forward, then every backward. Activations of all M microbatches stay alive.
+* ``1f1b``: warm-up of P-1-r forwards, then one forward / one backward in turn (steady state),
+  then the remaining backwards (cool-down). At most P microbatches' activations alive on rank r.
+* ``interleaved_1f1b`` (Megatron): each rank owns v non-adjacent chunks; microbatches travel in
+  groups of P, so the warm-up bubble shrinks by v. Needs M divisible by P.
+* ``zero_bubble`` (ZB-H1, Qi et al. 2023): 1F1B whose backward is split into B (input gradient,
+  on the critical path) and W (weight gradient, off it); rank r defers P-1-r W passes into the
+  cool-down, where 1F1B would sit idle waiting for gradients.
+
+:func:`simulate` runs any schedule with given action costs and no communication delay: it checks
+that the dependencies can be met (no deadlock) and gives the ideal bubble fraction.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import NamedTuple, Sequence
+
+
+class Schedule(str, enum.Enum):
+    GPIPE = "gpipe"
+    ONE_F_ONE_B = "1f1b"
+    INTERLEAVED_1F1B = "interleaved_1f1b"
+    ZERO_BUBBLE = "zero_bubble"
+
+    @classmethod
+    def parse(cls, value: "str | Schedule") -> "Schedule":
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"schedule must be one of {[s.value for s in cls]}, got {value!r}") from None
+
+
+class Action(NamedTuple):
+    kind: str  # "F" | "B" | "W"
+    mb: int
+    chunk: int
+
+
+@dataclass(frozen=True)
+class PipelineSchedule:
+    """A validated schedule for ``stages`` ranks, ``microbatches`` and ``virtual`` chunks per rank."""
+
+    kind: Schedule
+    stages: int
+    microbatches: int
+    virtual: int = 1
+
+    def __post_init__(self) -> None:
+        P, M, v = self.stages, self.microbatches, self.virtual
+        if P < 1 or M < 1 or v < 1:
+            raise ValueError(f"stages, microbatches and virtual stages must be >= 1, got P={P}, M={M}, v={v}")
+        if self.kind == Schedule.INTERLEAVED_1F1B:
+            if v < 2:
+                raise ValueError(f"interleaved_1f1b needs virtual_stages >= 2, got {v}")
+            if M < P or M % P:
+                raise ValueError(f"interleaved_1f1b needs microbatches to be a multiple of the {P} stages "
+                                 f"(>= {P}), got microbatches={M}")
+        elif v != 1 and self.kind != Schedule.GPIPE:
+            raise ValueError(f"virtual_stages={v} only applies to interleaved_1f1b, not {self.kind.value}")
+        if self.kind == Schedule.ZERO_BUBBLE and M < P:
+            raise ValueError(f"zero_bubble (ZB-H1) needs at least as many microbatches as stages: "
+                             f"microbatches={M} < stages={P}")
+
+    @property
+    def chunks(self) -> int:
+        return self.stages * self.virtual
+
+    def rank_of(self, chunk: int) -> int:
+        return chunk % self.stages
+
+    def chunks_of(self, rank: int) -> list[int]:
+        return [rank + k * self.stages for k in range(self.virtual)]
+
+    def actions(self, rank: int) -> list[Action]:
+        P, M = self.stages, self.microbatches
+        if not 0 <= rank < P:
+            raise ValueError(f"pipeline rank {rank} outside 0..{P - 1}")
+        if self.kind == Schedule.GPIPE:  # with v > 1 chunks (fallback for short batches): chunk by chunk
+            mine = self.chunks_of(rank)
+            return ([Action("F", m, c) for c in mine for m in range(M)]
+                    + [Action("B", m, c) for c in reversed(mine) for m in range(M)])
+        if self.kind == Schedule.ONE_F_ONE_B:
+            return _one_f_one_b([Action("F", m, rank) for m in range(M)], [Action("B", m, rank) for m in range(M)],
+                                min(P - 1 - rank, M))
+        if self.kind == Schedule.INTERLEAVED_1F1B:
+            v, total = self.virtual, M * self.virtual
+
+            def unit(k: int, forward: bool) -> Action:
+                local = (k // P) % v
+                local = local if forward else v - 1 - local
+                return Action("F" if forward else "B", (k // (P * v)) * P + k % P, rank + local * P)
+
+            warm = min((P - rank - 1) * 2 + (v - 1) * P, total)
+            return _one_f_one_b([unit(k, True) for k in range(total)], [unit(k, False) for k in range(total)], warm)
+        return _zero_bubble_h1(P, M, rank)
+
+    def ideal_bubble(self) -> float:
+        """Idle fraction with uniform costs (F=1, B=2 per full layer stack; ZB: B=1, W=1)."""
+        if self.kind == Schedule.ZERO_BUBBLE:
+            costs = {"F": 1.0, "B": 1.0, "W": 1.0}
+        else:
+            costs = {"F": 1.0 / self.virtual, "B": 2.0 / self.virtual, "W": 0.0}
+        return bubble_fraction(simulate(self, costs))
+
+    def formula_bubble(self) -> float:
+        """The textbook bubble: (p-1)/(m+p-1); interleaving divides the warm-up by v."""
+        P, M, v = self.stages, self.microbatches, self.virtual
+        if self.kind == Schedule.INTERLEAVED_1F1B:
+            return (P - 1) / (v * M + P - 1)
+        if self.kind == Schedule.ZERO_BUBBLE:
+            return (P - 1) / (3 * M + P - 1)  # T_F = T_B = T_W: bubble (P-1)(T_F+T_B-T_W) vs work 3M
+        return (P - 1) / (M + P - 1)
+
+
+def _one_f_one_b(forwards: Sequence[Action], backwards: Sequence[Action], warm: int) -> list[Action]:
+    acts = list(forwards[:warm])
+    steady = len(forwards) - warm
+    for i in range(steady):
+        acts += [forwards[warm + i], backwards[i]]
+    acts += list(backwards[steady:])
+    return acts
+
+
+def _zero_bubble_h1(P: int, M: int, rank: int) -> list[Action]:
+    """ZB-H1 order, built by list scheduling with unit costs (F = B = W = 1).
+
+    Each rank, whenever it is free, does a ready B first (it is on the critical path), else the
+    next F if fewer than P - r microbatches are between their F and B (1F1B's activation memory),
+    else a pending W (off the critical path), else waits. The W passes thus land exactly in the
+    gaps where 1F1B would wait for gradients; makespan 3M + P - 1 instead of 3M + 3(P - 1).
+    """
+    return _greedy_zb_orders(P, M)[rank]
+
+
+def _greedy_zb_orders(P: int, M: int) -> dict[int, list[Action]]:
+    done: dict[tuple[str, int, int], float] = {}
+    free = [0.0] * P
+    next_f = [0] * P
+    next_b = [0] * P
+    pending_w: list[list[int]] = [[] for _ in range(P)]
+    orders: dict[int, list[Action]] = {r: [] for r in range(P)}
+
+    def remaining(r: int) -> bool:
+        return next_b[r] < M or bool(pending_w[r]) or next_f[r] < M
+
+    blocked: set[int] = set()  # ranks that cannot act until another rank at the same time acts
+    while any(remaining(r) for r in range(P)):
+        candidates = [r for r in range(P) if remaining(r) and r not in blocked]
+        if not candidates:
+            raise RuntimeError(f"zero-bubble list scheduling stalled: P={P}, M={M}")
+        r = min(candidates, key=lambda q: (free[q], q))
+        t = free[r]
+
+        def ready(key: tuple[str, int, int]) -> bool:
+            return key in done and done[key] <= t
+
+        m = next_b[r]
+        act = None
+        if m < next_f[r] and (r == P - 1 or ready(("B", m, r + 1))):
+            act = Action("B", m, r)
+            next_b[r] += 1
+            pending_w[r].append(m)
+        elif next_f[r] < M and next_f[r] - next_b[r] < P - r and (r == 0 or ready(("F", next_f[r], r - 1))):
+            act = Action("F", next_f[r], r)
+            next_f[r] += 1
+        elif pending_w[r]:
+            act = Action("W", pending_w[r].pop(0), r)
+        if act is None:  # wait for the next event anywhere
+            later = [v for v in done.values() if v > t]
+            later += [free[q] for q in range(P) if q != r and remaining(q) and free[q] > t]
+            if later:
+                free[r] = min(later)
+            else:
+                blocked.add(r)
+            continue
+        blocked.clear()
+        done[(act.kind, act.mb, act.chunk)] = t + 1.0
+        free[r] = t + 1.0
+        orders[r].append(act)
+    return orders
+
+
+class Timed(NamedTuple):
+    rank: int
+    action: Action
+    start: float
+    end: float
+
+
+def simulate(schedule: PipelineSchedule, costs: dict[str, float]) -> list[Timed]:
+    """Play every rank's action list with the given costs; raise if the schedule deadlocks."""
+    V = schedule.chunks
+    queues = {r: schedule.actions(r) for r in range(schedule.stages)}
+    pos = {r: 0 for r in queues}
+    free = {r: 0.0 for r in queues}
+    done: dict[tuple[str, int, int], float] = {}
+    out: list[Timed] = []
+    zb = schedule.kind == Schedule.ZERO_BUBBLE
+    while any(pos[r] < len(q) for r, q in queues.items()):
+        progressed = False
+        for r, q in queues.items():
+            if pos[r] >= len(q):
+                continue
+            a = q[pos[r]]
+            deps = _deps(a, V)
+            if all(d in done for d in deps):
+                start = max([free[r]] + [done[d] for d in deps])
+                cost = costs[a.kind] if (a.kind != "B" or zb) else costs["B"]
+                end = start + cost
+                done[(a.kind, a.mb, a.chunk)] = end
+                free[r] = end
+                out.append(Timed(r, a, start, end))
+                pos[r] += 1
+                progressed = True
+        if not progressed:
+            stuck = {r: queues[r][pos[r]] for r in queues if pos[r] < len(queues[r])}
+            raise RuntimeError(f"schedule {schedule.kind.value} deadlocks: waiting actions {stuck}")
+    return out
+
+
+def _deps(a: Action, chunks: int) -> list[tuple[str, int, int]]:
+    if a.kind == "F":
+        return [("F", a.mb, a.chunk - 1)] if a.chunk > 0 else []
+    if a.kind == "B":
+        deps = [("F", a.mb, a.chunk)]
+        if a.chunk < chunks - 1:
+            deps.append(("B", a.mb, a.chunk + 1))
+        return deps
+    return [("B", a.mb, a.chunk)]
+
+
+def bubble_fraction(timeline: Sequence[Timed]) -> float:
+    """1 - busy / (ranks x makespan): the share of rank-time spent idle."""
+    if not timeline:
+        return 0.0
+    ranks = {t.rank for t in timeline}
+    t0 = min(t.start for t in timeline)
+    t1 = max(t.end for t in timeline)
+    busy = sum(t.end - t.start for t in timeline)
+    return 1.0 - busy / (len(ranks) * (t1 - t0)) if t1 > t0 else 0.0

@@ -1,0 +1,160 @@
+"""Cut an ``nn.Sequential`` into contiguous chunks (pipeline stages) of balanced cost.
+
+Cost per layer: measured forward+backward time on a sample input (the module's
+``example_input_array``, repeated to a microbatch), or the parameter count when no input is known.
+The split minimises the most expensive chunk (the pipeline's pace) -- a textbook linear partition,
+solved exactly by dynamic programming over the few layers of a Sequential.
+
+With V = P * v chunks (v virtual stages per rank, interleaved schedules) chunk c runs on pipeline
+rank c % P.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Optional, Sequence
+
+import torch
+from torch import nn
+
+
+def layer_costs_by_params(seq: nn.Sequential) -> list[float]:
+    """Parameter count per child (+1 so parameter-free layers still weigh something)."""
+    return [float(sum(p.numel() for p in m.parameters()) + 1) for m in seq]
+
+
+@torch.no_grad()
+def _warm(seq: nn.Sequential, x: torch.Tensor) -> None:
+    seq(x)
+
+
+def layer_costs_by_time(seq: nn.Sequential, sample: torch.Tensor, repeats: int = 5) -> list[float]:
+    """Median forward+backward seconds per child on ``sample`` (layers run in sequence)."""
+    costs: list[list[float]] = [[] for _ in seq]
+    _warm(seq, sample)
+    for _ in range(repeats):
+        x = sample
+        for i, layer in enumerate(seq):
+            inp = x.detach().requires_grad_(x.is_floating_point())
+            t0 = time.perf_counter()
+            out = layer(inp)
+            if out.requires_grad:
+                out.backward(torch.ones_like(out))
+            costs[i].append(time.perf_counter() - t0)
+            x = out.detach()
+    for layer in seq:  # leave no gradients behind
+        for p in layer.parameters():
+            p.grad = None
+    return [sorted(c)[len(c) // 2] for c in costs]
+
+
+def balanced_split(costs: Sequence[float], parts: int, required: Optional[Sequence[bool]] = None) -> list[int]:
+    """Start index of each of ``parts`` contiguous, non-empty chunks minimising the largest chunk cost.
+
+    With ``required``, every chunk must contain at least one layer marked True (e.g. one that owns
+    parameters: an optimizer cannot be built over none).
+    """
+    n = len(costs)
+    if parts < 1:
+        raise ValueError(f"number of chunks must be >= 1, got {parts}")
+    if parts > n:
+        raise ValueError(f"cannot cut {n} layers into {parts} pipeline chunks (stages x virtual stages): "
+                         "use fewer stages or a deeper nn.Sequential")
+    prefix, marks = [0.0], [0]
+    for i, c in enumerate(costs):
+        prefix.append(prefix[-1] + c)
+        marks.append(marks[-1] + (1 if required is None or required[i] else 0))
+    inf = float("inf")
+    # best[k][i]: minimal max-chunk cost of the first i layers in k chunks; cut[k][i]: start of the last chunk
+    best = [[inf] * (n + 1) for _ in range(parts + 1)]
+    cut = [[0] * (n + 1) for _ in range(parts + 1)]
+    best[0][0] = 0.0
+    for k in range(1, parts + 1):
+        for i in range(k, n + 1):
+            for j in range(k - 1, i):
+                if marks[i] == marks[j] or best[k - 1][j] == inf:
+                    continue  # chunk [j, i) holds no required layer, or the prefix is infeasible
+                v = max(best[k - 1][j], prefix[i] - prefix[j])
+                if v < best[k][i]:
+                    best[k][i], cut[k][i] = v, j
+    if best[parts][n] == inf:
+        raise ValueError(f"{n} layers cannot be cut into {parts} chunks that each hold a parameter")
+    starts, i = [], n
+    for k in range(parts, 0, -1):
+        starts.append(cut[k][i])
+        i = cut[k][i]
+    return starts[::-1]
+
+
+def validate_split_points(points: Sequence[int], n_layers: int, parts: int) -> list[int]:
+    """Explicit split points (start indices of chunks 1..parts-1) -> chunk starts."""
+    pts = list(points)
+    if len(pts) != parts - 1:
+        raise ValueError(f"{parts} chunks need {parts - 1} split points, got {len(pts)}: {pts}")
+    starts = [0] + pts
+    if any(b <= a for a, b in zip(starts, starts[1:])) or starts[-1] >= n_layers:
+        raise ValueError(f"split points {pts} must be strictly increasing within 1..{n_layers - 1} "
+                         f"({n_layers} layers)")
+    return starts
+
+
+def plan_chunks(seq: nn.Sequential, parts: int, split_points: Optional[Sequence[int]] = None,
+                sample: Optional[torch.Tensor] = None, stages: Optional[int] = None) -> tuple[list[int], str]:
+    """Chunk start indices and how they were chosen ("explicit" / "measured time" / "parameter count").
+
+    Chunks hold at least one parameterised layer when there are enough of them; with ``stages``,
+    every pipeline rank (chunks r, r + stages, ...) must end up with parameters.
+    """
+    has_params = [any(True for _ in m.parameters()) for m in seq]
+    required = has_params if sum(has_params) >= parts else None
+    if split_points is not None:
+        starts, how = validate_split_points(split_points, len(seq), parts), "explicit"
+    elif parts > len(seq):
+        balanced_split([1.0] * len(seq), parts)  # raises the standard error
+        raise AssertionError("unreachable")
+    elif sample is not None:
+        starts, how = balanced_split(layer_costs_by_time(seq, sample), parts, required), "measured time"
+    else:
+        starts, how = balanced_split(layer_costs_by_params(seq), parts, required), "parameter count"
+    if stages and _empty_rank(starts, has_params, parts, stages) is not None:
+        if how != "explicit":  # the DP balances chunks; search for a cut that gives every rank parameters
+            costs = layer_costs_by_time(seq, sample) if sample is not None else layer_costs_by_params(seq)
+            best = _search_rank_feasible(costs, has_params, parts, stages)
+            if best is not None:
+                return best, how
+        r = _empty_rank(starts, has_params, parts, stages)
+        raise ValueError(f"pipeline rank {r} would hold no parameters with chunk starts {starts}; use fewer "
+                         "stages or explicit split_points")
+    return starts, how
+
+
+def _empty_rank(starts: Sequence[int], has_params: Sequence[bool], parts: int, stages: int) -> Optional[int]:
+    bounds = list(starts) + [len(has_params)]
+    for r in range(stages):
+        if not any(has_params[i] for c in range(r, parts, stages) for i in range(bounds[c], bounds[c + 1])):
+            return r
+    return None
+
+
+def _search_rank_feasible(costs: Sequence[float], has_params: Sequence[bool], parts: int,
+                          stages: int, limit: int = 200_000) -> Optional[list[int]]:
+    """Exhaustive search (small Sequentials only) for the most balanced cut giving every rank parameters."""
+    import itertools
+    import math
+
+    n = len(costs)
+    if math.comb(n - 1, parts - 1) > limit:
+        return None
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    best, best_cost = None, float("inf")
+    for cuts in itertools.combinations(range(1, n), parts - 1):
+        starts = [0, *cuts]
+        if _empty_rank(starts, has_params, parts, stages) is not None:
+            continue
+        bounds = starts + [n]
+        cost = max(prefix[b] - prefix[a] for a, b in zip(bounds, bounds[1:]))
+        if cost < best_cost:
+            best, best_cost = starts, cost
+    return best

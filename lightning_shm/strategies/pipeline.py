@@ -1,0 +1,461 @@
+"""``shm_pipeline``: pipeline parallelism (GPipe, 1F1B, interleaved 1F1B, zero-bubble) x data parallelism.
+
+``devices = dp x pp``. In ``setup`` the model's ``nn.Sequential`` is cut into P*v chunks balanced by
+measured layer time; each rank keeps only its chunks (a :class:`PipelineStage` takes the
+Sequential's place). Each training step, the strategy splits the batch into microbatches and runs
+the schedule: the first stage feeds the Sequential's input (captured from the module's own
+``training_step``), the last stage calls ``training_step`` per microbatch on the received
+activation to get the loss, backward passes flow back through channels. Values the module logs on
+the last stage are combined over microbatches and logged on *every* rank, so the progress bar,
+``callback_metrics``, checkpoint monitors and early stopping see them everywhere. Gradients of each
+stage are then averaged over its data-parallel group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.strategies import StrategyRegistry
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_warn
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from lightning_shm.parallel.ddp import GradReducer, broadcast_module_state
+from lightning_shm.parallel.pipeline import (
+    CapturedInput,
+    PipelineEngine,
+    PipelineSchedule,
+    PipelineStage,
+    PipelineState,
+    Schedule,
+    plan_chunks,
+    split_batch,
+)
+from lightning_shm.parallel.pipeline.split import validate_split_points
+from lightning_shm.parallel.pipeline.stage import batch_size as batch_size_of
+from lightning_shm.parallel.sequential import find_sequential, replace_submodule
+from lightning_shm.runtime import Group, ParallelGroups, Topology, World
+from lightning_shm.strategies.base import SHMStrategyBase
+
+_ELEMENTWISE_FRONT = (nn.Flatten, nn.Identity, nn.Dropout, nn.ReLU)
+
+
+class SHMPipeline(SHMStrategyBase):
+    """Pipeline parallelism over ``pipeline_parallel_size`` stages (times devices / pp data-parallel replicas).
+
+    Args:
+        pipeline_parallel_size: number of stages P; must divide ``devices``.
+        microbatches: M microbatches per batch (the per-rank batch size must be divisible by M).
+        schedule: "gpipe", "1f1b", "interleaved_1f1b" or "zero_bubble" (ZB-H1).
+        virtual_stages: chunks per rank for interleaved_1f1b (default 2).
+        split_points: explicit chunk start indices (P*v - 1 of them) into the Sequential.
+        balance: "time" (measured forward+backward per layer) or "params" (parameter count).
+        activation_checkpointing: keep only chunk inputs after forward and recompute in backward.
+        sequential: attribute path of the nn.Sequential to split (default: the first top-level one).
+        sample_input: an input of the Sequential for timing layers (default: ``example_input_array``,
+            else inferred from the first Linear's in_features).
+        **kwargs: see :class:`~lightning_shm.strategies.base.SHMStrategyBase`.
+    """
+
+    strategy_name = "shm_pipeline"
+
+    def __init__(self, *args: Any, pipeline_parallel_size: int = 2, microbatches: int = 4,
+                 schedule: str = "1f1b", virtual_stages: Optional[int] = None,
+                 split_points: Optional[Sequence[int]] = None, balance: str = "time",
+                 activation_checkpointing: bool = False, sequential: Optional[str] = None,
+                 sample_input: Optional[Tensor] = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        kind = Schedule.parse(schedule)
+        if balance not in ("time", "params"):
+            raise ValueError(f"balance must be 'time' or 'params', got {balance!r}")
+        v = virtual_stages if virtual_stages is not None else (2 if kind == Schedule.INTERLEAVED_1F1B else 1)
+        if not isinstance(pipeline_parallel_size, int) or pipeline_parallel_size < 1:
+            raise ValueError(f"pipeline_parallel_size must be a positive int, got {pipeline_parallel_size!r}")
+        if not isinstance(microbatches, int) or microbatches < 1:
+            raise ValueError(f"microbatches must be a positive int, got {microbatches!r}")
+        self.pipeline_schedule = PipelineSchedule(kind, pipeline_parallel_size, microbatches, v)  # validates
+        self.split_points = list(split_points) if split_points is not None else None
+        self.balance = balance
+        self.activation_checkpointing = activation_checkpointing
+        self.sequential = sequential
+        self.sample_input = sample_input
+        self.engine: Optional[PipelineEngine] = None
+        self.stage: Optional[PipelineStage] = None
+        self.state: Optional[PipelineState] = None
+        self.chunk_starts: Optional[list[int]] = None
+        self.split_method = ""
+        self._groups: Optional[ParallelGroups] = None
+        self._sync_grads = True
+        self._warned_short = False
+        self._fresh_grads: list[tuple[nn.Parameter, Optional[Tensor]]] = []
+
+    @property
+    def microbatches(self) -> int:
+        return self.pipeline_schedule.microbatches
+
+    # ------------------------------------------------------------------ grid
+    def topology(self) -> Topology:
+        return Topology.infer(max(self.num_processes, 1), pp=self.pipeline_schedule.stages)
+
+    def attach_world(self, world: World) -> None:
+        super().attach_world(world)
+        self._groups = self.topology().groups(world)
+
+    def data_parallel_group(self) -> Optional[Group]:
+        return self._groups.dp if self._groups is not None else None
+
+    @property
+    def pp_group(self) -> Group:
+        assert self._groups is not None
+        return self._groups.pp
+
+    def validate_model(self, module: "pl.LightningModule", trainer: Optional["pl.Trainer"] = None,
+                       launch_args: Any = ()) -> None:
+        if not module.automatic_optimization:
+            raise ValueError("shm_pipeline runs forward and backward inside its schedule; manual optimization "
+                             "(automatic_optimization = False) is not supported")
+        if next(module.parameters(), None) is None:
+            return
+        _, seq = find_sequential(module, self.sequential)
+        V = self.pipeline_schedule.chunks
+        if V > len(seq):
+            raise ValueError(f"{len(seq)} layers in the nn.Sequential cannot form {V} pipeline chunks "
+                             f"(stages={self.pipeline_schedule.stages} x virtual_stages="
+                             f"{self.pipeline_schedule.virtual}); use fewer stages")
+        if self.split_points is not None:
+            validate_split_points(self.split_points, len(seq), V)
+        bs = _train_batch_size(trainer, launch_args)
+        if bs is not None:
+            per_rank = bs  # Lightning gives each data-parallel replica batches of the loader's batch size
+            if per_rank % self.microbatches:
+                raise ValueError(f"batch size {per_rank} is not divisible by microbatches={self.microbatches}")
+
+    # ------------------------------------------------------------------ setup
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # stages exist only after setup; a full checkpoint is filtered per stage
+
+    def setup(self, trainer: "pl.Trainer") -> None:
+        assert self.accelerator is not None and self.model is not None and self._groups is not None
+        assert self._world is not None
+        self._check_unsupported(trainer)
+        module = self.lightning_module
+        if not module.automatic_optimization:
+            raise ValueError("shm_pipeline does not support manual optimization")
+        self.accelerator.setup(trainer)
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        broadcast_module_state(self.model, self.group)  # stages are cut from rank 0's initial weights
+        plain_keys = list(module.state_dict())
+        plain_params = [n for n, _ in module.named_parameters()]
+        path, seq = find_sequential(module, self.sequential)
+        sched = self.pipeline_schedule
+        if self.global_rank == 0:  # measure once, everyone uses the same cut
+            sample = self._sample(module, seq) if self.balance == "time" else None
+            plan = plan_chunks(seq, sched.chunks, self.split_points, sample, stages=sched.stages)
+        else:
+            plan = None
+        self.chunk_starts, self.split_method = self.group.broadcast_object(plan, src=0)
+        pp_index = self._groups.coords.pp
+        self.stage = PipelineStage(seq, self.chunk_starts, sched.chunks_of(pp_index))
+        replace_submodule(module, path, self.stage)
+        self.engine = PipelineEngine(self.stage.chunks, sched, pp_index, list(self._groups.pp.ranks), self._world,
+                                     tag=f"pp{self._groups.coords.dp}", activation_checkpointing=self.activation_checkpointing)
+        self.state = PipelineState(module, self._groups.pp, plain_keys, plain_params)
+        module._example_input_array = None  # a stage cannot run the model's example input (ModelSummary)
+        if trainer.state.fn == TrainerFn.FITTING:
+            if self._groups.dp.size > 1:
+                self._reducer = GradReducer(list(self.model.named_parameters()), self._groups.dp, tag="pp-dp",
+                                            hooks=False)
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        self.install_global_clipping(self._groups.pp)  # stages hold disjoint parameters
+        self.attach_metrics()
+
+    def _sample(self, module: nn.Module, seq: nn.Sequential) -> Optional[Tensor]:
+        rows = 64
+        if self.sample_input is not None:
+            return self.sample_input
+        example = getattr(module, "example_input_array", None)
+        if isinstance(example, Tensor):
+            return example.repeat(rows, *[1] * (example.dim() - 1)) if example.shape[0] == 1 else example
+        for m in seq:  # Flatten/activations then a Linear: any [rows, in_features] tensor fits
+            if isinstance(m, nn.Linear):
+                return torch.randn(rows, m.in_features, dtype=m.weight.dtype)
+            if not isinstance(m, _ELEMENTWISE_FRONT):
+                break
+        return None
+
+    # ------------------------------------------------------------------ steps
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        assert self.engine is not None
+        module = self.lightning_module
+        io = _LightningStageIO(self, "training_step", batch, batch_idx, self.microbatches, training=True)
+        schedule = self._schedule_for(io.parts)
+        # Lightning zero-grads *after* training_step and before backward; the schedule computes the
+        # gradients inside training_step. Run it on fresh grads, hand them over in backward().
+        params = [p for p in module.parameters() if p.requires_grad]
+        previous = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        self.engine.train_step(io, schedule)
+        self._fresh_grads = [(p, p.grad) for p in params]
+        for p, g in zip(params, previous):
+            p.grad = g
+        last = self.pp_group.size - 1
+        loss = io.total_loss() if self._groups.coords.pp == last else torch.zeros(())
+        loss = self.pp_group.broadcast_object(loss, src=last)
+        io.replay_logs(module)
+        return loss
+
+    def _schedule_for(self, parts: int) -> PipelineSchedule:
+        sched = self.pipeline_schedule
+        if parts == sched.microbatches:
+            return sched
+        try:
+            return PipelineSchedule(sched.kind, sched.stages, parts, sched.virtual)
+        except ValueError:
+            if not self._warned_short:
+                rank_zero_warn(f"a batch split into {parts} microbatches does not fit schedule {sched.kind.value}; "
+                               "it runs as GPipe (seen for a short last batch)")
+                self._warned_short = True
+            return PipelineSchedule(Schedule.GPIPE, sched.stages, parts, sched.virtual)
+
+    def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
+        """The schedule already ran backward in training_step: add its gradients now (after Lightning's
+        zero_grad), average them over the data-parallel group, keep Lightning's hooks around it."""
+        assert self.lightning_module is not None
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
+        with torch.no_grad():
+            for p, g in self._fresh_grads:
+                if g is not None:
+                    p.grad = g if p.grad is None else p.grad.add_(g)
+        self._fresh_grads = []
+        if self._reducer is not None and self._sync_grads:
+            self._reducer.synchronize()
+        return self.precision_plugin.post_backward(closure_loss, self.lightning_module)
+
+    def _eval(self, step: str, batch: Any, batch_idx: int, *args: Any) -> Any:
+        assert self.engine is not None
+        io = _LightningStageIO(self, step, batch, batch_idx, self.microbatches, training=False, extra=args)
+        self.engine.eval_step(io, io.parts)
+        last = self.pp_group.size - 1
+        out = io.combined_output() if self._groups.coords.pp == last else None
+        out = self.pp_group.broadcast_object(out, src=last)
+        io.replay_logs(self.lightning_module)
+        return out
+
+    def validation_step(self, batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> Any:
+        return self._eval("validation_step", batch, batch_idx, *args)
+
+    def test_step(self, batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> Any:
+        return self._eval("test_step", batch, batch_idx, *args)
+
+    def predict_step(self, batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> Any:
+        return self._eval("predict_step", batch, batch_idx, *args)
+
+    @contextlib.contextmanager
+    def block_backward_sync(self) -> Iterator[None]:
+        """Gradient accumulation: average over the dp group only after the last micro-step."""
+        self._sync_grads = False
+        try:
+            yield None
+        finally:
+            self._sync_grads = True
+
+    # ------------------------------------------------------------------ consolidated state
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        assert self.state is not None
+        return self.state.full_state_dict()
+
+    def full_state_dict(self) -> dict[str, Any]:
+        return self.lightning_module_state_dict()
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        assert self.state is not None
+        self.state.load_full_state_dict(checkpoint["state_dict"], strict=strict)
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        assert self.state is not None
+        opt = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        return self.state.full_optimizer_state(opt)
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        assert self.state is not None
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+            self.state.load_full_optimizer_state(optimizer, state)
+
+    def teardown(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+        super().teardown()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: StrategyRegistry) -> None:
+        for name, method in (("shm_pipeline", "spawn"), ("shm_pipeline_fork", "fork")):
+            strategy_registry.register(name, cls, description=f"shared-memory pipeline parallel (P=2, 1F1B), {method}",
+                                       start_method=method, override=True)
+
+
+class _MetricRef:
+    """Stands for a torchmetrics object logged on the last stage; resolved to each rank's own copy."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+
+class _LightningStageIO:
+    """The engine's view of one Lightning step: microbatch inputs, the step on the last stage, logs."""
+
+    def __init__(self, strategy: SHMPipeline, step: str, batch: Any, batch_idx: int, microbatches: int,
+                 training: bool, extra: Sequence[Any] = ()) -> None:
+        self.strategy, self.step, self.batch_idx, self.training, self.extra = strategy, step, batch_idx, training, extra
+        module = strategy.lightning_module
+        self.module, self.stage = module, strategy.stage
+        size = batch_size_of(batch) or 1
+        self.parts = max(1, min(microbatches, size))
+        self.micro = split_batch(batch, self.parts)
+        sizes = [batch_size_of(m) or 0 for m in self.micro]
+        self.weights = [s / max(size, 1) for s in sizes]
+        self.records: list[tuple[str, Any, tuple, dict, float]] = []
+        self.outputs: dict[int, Any] = {}
+        self.losses: dict[int, Tensor] = {}
+
+    def _call_step(self, mb: int, sink: Optional[list], weight: float) -> Any:
+        module = self.module
+
+        def record(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+            if sink is not None:
+                sink.append((name, value, args, kwargs, weight))
+
+        module.log = record  # type: ignore[method-assign]  # log_dict goes through log as well
+        try:
+            return getattr(module, self.step)(self.micro[mb], self.batch_idx, *self.extra)
+        finally:
+            del module.log
+
+    def first_input(self, mb: int) -> Tensor:
+        assert self.stage is not None
+        self.stage.mode = ("capture", None)
+        try:
+            self._call_step(mb, None, 0.0)
+        except CapturedInput as captured:
+            return captured.x
+        finally:
+            self.stage.mode = None
+        raise RuntimeError(f"{type(self.module).__name__}.{self.step} returned without calling the pipelined "
+                           "nn.Sequential; the pipeline cannot find its input")
+
+    def last_forward(self, mb: int, x: Tensor, chunk: nn.Module, recompute: bool = False) -> Optional[Tensor]:
+        assert self.stage is not None
+        self.stage.mode = ("last", (x, chunk))
+        try:
+            out = self._call_step(mb, None if recompute else self.records, self.weights[mb])
+        finally:
+            self.stage.mode = None
+        if not self.training:
+            self.outputs[mb] = out
+            return None
+        loss = out.get("loss") if isinstance(out, Mapping) else out
+        if not isinstance(loss, Tensor):
+            raise ValueError(f"shm_pipeline needs training_step to return the loss tensor (or a dict with 'loss'); "
+                             f"got {type(out).__name__}")
+        if not recompute:
+            self.losses[mb] = loss.detach() * self.weights[mb]
+        return loss * self.weights[mb]
+
+    # ------------------------------------------------------------------ results
+    def total_loss(self) -> Tensor:
+        return torch.stack(list(self.losses.values())).sum()
+
+    def combined_output(self) -> Any:
+        outs = [self.outputs[m] for m in sorted(self.outputs)]
+        if not outs or outs[0] is None:
+            return None
+        if isinstance(outs[0], Tensor) and outs[0].dim() > 0:
+            return torch.cat(outs)
+        if isinstance(outs[0], Tensor):
+            return torch.stack([o * w for o, w in zip(outs, self.weights)]).sum()
+        return outs
+
+    def replay_logs(self, module: pl.LightningModule) -> None:
+        """Combine the last stage's per-microbatch logs and log them on every rank of the pp group."""
+        strategy = self.strategy
+        last = strategy.pp_group.size - 1
+        payload = None
+        if strategy._groups.coords.pp == last:  # type: ignore[union-attr]
+            payload = _aggregate(self.records, module)
+        payload = strategy.pp_group.broadcast_object(payload, src=last)
+        for name, value, args, kwargs, metric_state in payload:
+            if isinstance(value, _MetricRef):
+                metric = module.get_submodule(value.path)
+                _load_metric_state(metric, metric_state)
+                value = metric
+            module.log(name, value, *args, **kwargs)
+
+
+def _aggregate(records: list[tuple[str, Any, tuple, dict, float]], module: nn.Module) -> list[tuple]:
+    from torchmetrics import Metric
+
+    paths = {id(m): n for n, m in module.named_modules()}
+    order: list[str] = []
+    grouped: dict[str, list[tuple[Any, tuple, dict, float]]] = {}
+    for name, value, args, kwargs, w in records:
+        if name not in grouped:
+            order.append(name)
+            grouped[name] = []
+        grouped[name].append((value, args, kwargs, w))
+    out = []
+    for name in order:
+        items = grouped[name]
+        value, args, kwargs, _ = items[-1]
+        if isinstance(value, Metric):
+            out.append((name, _MetricRef(paths[id(value)]), args, kwargs, _metric_state(value)))
+            continue
+        vals = torch.stack([torch.as_tensor(v).detach().double() for v, *_ in items])
+        ws = torch.tensor([w for *_, w in items], dtype=torch.float64)
+        fx = kwargs.get("reduce_fx", "mean")
+        fx = getattr(fx, "__name__", fx)
+        if fx == "sum":
+            combined = vals.sum(0)
+        elif fx == "max":
+            combined = vals.max(0).values
+        elif fx == "min":
+            combined = vals.min(0).values
+        else:  # mean over the batch = microbatch means weighted by microbatch size
+            combined = (vals * ws.view(-1, *[1] * (vals.dim() - 1))).sum(0) / ws.sum()
+        dtype = value.dtype if isinstance(value, Tensor) and value.is_floating_point() else torch.float32
+        out.append((name, combined.to(dtype), args, kwargs, None))
+    return out
+
+
+def _metric_state(metric: Any) -> dict[str, Any]:
+    return {"states": {k: getattr(metric, k) for k in metric._defaults},
+            "update_count": metric._update_count, "forward_cache": metric._forward_cache}
+
+
+def _load_metric_state(metric: Any, state: dict[str, Any]) -> None:
+    for k, v in state["states"].items():
+        setattr(metric, k, v)
+    metric._update_count = state["update_count"]
+    metric._forward_cache = state["forward_cache"]
+    metric._computed = None
+
+
+def _train_batch_size(trainer: Optional["pl.Trainer"], launch_args: Any) -> Optional[int]:
+    """The training batch size when the main process can know it without building data: the first
+    DataLoader or LightningDataModule (with a ``batch_size``) among ``Trainer.fit``'s arguments."""
+    from torch.utils.data import DataLoader
+
+    if trainer is None or trainer.state.fn != TrainerFn.FITTING:
+        return None
+    args, kwargs = launch_args if launch_args else ((), {})
+    for obj in list(args) + list(kwargs.values()):
+        if isinstance(obj, (DataLoader, pl.LightningDataModule)) and isinstance(getattr(obj, "batch_size", None), int):
+            return obj.batch_size
+    return None

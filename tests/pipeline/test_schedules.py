@@ -1,0 +1,91 @@
+"""Schedules as data: complete, dependency-respecting, deadlock-free, with the textbook bubbles."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from torch import nn
+
+from lightning_shm.models import build_mlp
+from lightning_shm.parallel.pipeline import PipelineSchedule, Schedule, balanced_split, plan_chunks, simulate
+
+CASES = [(k, P, M, 2 if k == Schedule.INTERLEAVED_1F1B else 1)
+         for k, P, M in itertools.product(Schedule, (1, 2, 3, 4), (4, 6, 8))
+         if not (k == Schedule.INTERLEAVED_1F1B and (M % P or P == 1))]
+
+
+@pytest.mark.parametrize("kind, P, M, v", CASES, ids=[f"{k.value}-P{P}-M{M}" for k, P, M, v in CASES])
+def test_every_action_exactly_once_and_no_deadlock(kind, P, M, v):
+    s = PipelineSchedule(kind, P, M, v)
+    kinds = ("F", "B", "W") if kind == Schedule.ZERO_BUBBLE else ("F", "B")
+    seen = [a for r in range(P) for a in s.actions(r)]
+    assert sorted(seen) == sorted((k, m, c) for k in kinds for m in range(M) for c in range(P * v))
+    for r in range(P):
+        assert all(s.rank_of(a.chunk) == r for a in s.actions(r))
+    simulate(s, {"F": 1.0, "B": 2.0, "W": 1.0})  # raises on deadlock
+
+
+@pytest.mark.parametrize("P, M", [(2, 4), (2, 8), (4, 4), (4, 8), (3, 6)])
+def test_ideal_bubbles_match_the_formulas(P, M):
+    for kind in (Schedule.GPIPE, Schedule.ONE_F_ONE_B, Schedule.ZERO_BUBBLE):
+        s = PipelineSchedule(kind, P, M)
+        assert s.ideal_bubble() == pytest.approx(s.formula_bubble())
+    inter = PipelineSchedule(Schedule.INTERLEAVED_1F1B, P, M, 2)
+    assert inter.ideal_bubble() == pytest.approx(inter.formula_bubble())
+    one = PipelineSchedule(Schedule.ONE_F_ONE_B, P, M).ideal_bubble()
+    assert one == pytest.approx((P - 1) / (M + P - 1))
+    assert inter.ideal_bubble() < one and PipelineSchedule(Schedule.ZERO_BUBBLE, P, M).ideal_bubble() < one
+
+
+def test_1f1b_keeps_at_most_p_microbatches_alive():
+    P, M = 4, 8
+    s = PipelineSchedule(Schedule.ONE_F_ONE_B, P, M)
+    for r in range(P):
+        alive = peak = 0
+        for a in s.actions(r):
+            alive += 1 if a.kind == "F" else -1
+            peak = max(peak, alive)
+        assert peak == P - r
+    gpipe = PipelineSchedule(Schedule.GPIPE, P, M)
+    assert max(sum(1 for a in gpipe.actions(0)[:i] if a.kind == "F") for i in range(2 * M)) == M
+
+
+@pytest.mark.parametrize(
+    "kind, P, M, v, match",
+    [
+        (Schedule.INTERLEAVED_1F1B, 4, 6, 2, "multiple of the 4 stages"),
+        (Schedule.INTERLEAVED_1F1B, 2, 4, 1, "needs virtual_stages >= 2"),
+        (Schedule.ZERO_BUBBLE, 4, 2, 1, "microbatches=2 < stages=4"),
+        (Schedule.ONE_F_ONE_B, 2, 4, 2, "only applies to interleaved"),
+        (Schedule.GPIPE, 2, 0, 1, "must be >= 1"),
+    ],
+)
+def test_invalid_schedules(kind, P, M, v, match):
+    with pytest.raises(ValueError, match=match):
+        PipelineSchedule(kind, P, M, v)
+
+
+def test_balanced_split_minimises_the_slowest_chunk():
+    assert balanced_split([1, 1, 1, 1], 2) == [0, 2]
+    assert balanced_split([10, 1, 1, 1, 1, 1], 2) == [0, 1]
+    assert balanced_split([1, 5, 1, 1, 5, 1], 3, required=[False, True, False, False, True, True]) == [0, 2, 5]
+    with pytest.raises(ValueError, match="cannot cut 3 layers into 4"):
+        balanced_split([1, 1, 1], 4)
+
+
+def test_reference_mlp_split_by_measured_time_gives_every_rank_parameters():
+    import torch
+
+    seq = build_mlp()
+    starts, how = plan_chunks(seq, 4, sample=torch.randn(64, 784), stages=4)
+    assert how == "measured time" and starts[0] == 0 and len(starts) == 4
+    starts, _ = plan_chunks(seq, 6, stages=3)  # interleaved P=3, v=2: 8 layers, 5 with parameters
+    bounds = starts + [len(seq)]
+    for r in range(3):
+        assert any(any(True for _ in seq[i].parameters()) for c in (r, r + 3) for i in range(bounds[c], bounds[c + 1]))
+    assert plan_chunks(seq, 2, split_points=[3])[0] == [0, 3]
+    with pytest.raises(ValueError, match="strictly increasing"):
+        plan_chunks(seq, 3, split_points=[4, 2])
+    with pytest.raises(ValueError, match="need 1 split points"):
+        plan_chunks(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), 2, split_points=[1, 1])

@@ -1,0 +1,157 @@
+"""shm_pipeline through Lightning: parity per schedule, dp x pp, logging everywhere, checkpoints, errors."""
+
+from __future__ import annotations
+
+import itertools
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+from lightning.pytorch.demos.boring_classes import BoringModel
+from torch import nn
+from torch.utils.data import DataLoader
+
+import lightning_shm  # noqa: F401
+from lightning_shm import SHMPipeline
+from lightning_shm.models import MNISTClassifier
+from tests.helpers import GLOBAL_BATCH, SchedClassifier, flat_params, loader, mnist_like, train_mnist, trainer
+
+SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"]
+
+
+def pp(P, schedule="1f1b", M=None, **kw):
+    return SHMPipeline(start_method="fork", pipeline_parallel_size=P, microbatches=M or (6 if P == 3 else 4),
+                       schedule=schedule, **kw)
+
+
+@pytest.fixture(scope="module")
+def references():
+    return {opt: train_mnist("auto", 1, opt, batch=GLOBAL_BATCH, ref=True) for opt in ("sgd", "adam")}
+
+
+@pytest.mark.parametrize("schedule, P", list(itertools.product(SCHEDULES, [2, 3, 4])))
+def test_every_schedule_equals_one_process(references, schedule, P):
+    got = train_mnist(pp(P, schedule), P, "sgd", batch=GLOBAL_BATCH)
+    torch.testing.assert_close(got, references["sgd"], rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
+def test_dp2_x_pp2_equals_one_process_with_the_global_batch(references, schedule):
+    got = train_mnist(pp(2, schedule), 4, "adam", batch=GLOBAL_BATCH // 2)
+    torch.testing.assert_close(got, references["adam"], rtol=0, atol=2e-5)
+
+
+def test_checkpointing_accumulation_clipping_and_scheduler():
+    kw = dict(model_cls=SchedClassifier, gradient_clip_val=0.05, accumulate=2)
+    ref = train_mnist("auto", 1, "sgd", batch=GLOBAL_BATCH, ref=True, **kw)
+    got = train_mnist(pp(2, "interleaved_1f1b", activation_checkpointing=True), 4, "sgd", batch=GLOBAL_BATCH // 2, **kw)
+    torch.testing.assert_close(got, ref, rtol=0, atol=2e-5)
+
+
+class Logged(MNISTClassifier):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("batch_rows", float(batch[0].shape[0]), reduce_fx="sum", on_step=True, on_epoch=False)
+        return loss
+
+    def on_train_epoch_end(self):
+        # every rank must see the logged values, not only the last stage
+        seen = torch.tensor([float("train_loss" in self.trainer.callback_metrics)])
+        self.log("ranks_seeing_loss", self.all_gather(seen).sum())
+
+
+def test_logged_values_reach_every_rank_and_the_main_process():
+    pl.seed_everything(0)
+    model = Logged()
+    ds = mnist_like(GLOBAL_BATCH * 4)  # 2 full batches per data-parallel replica
+    t = trainer(strategy=pp(2), devices=4, max_epochs=1)
+    t.fit(model, loader(ds, GLOBAL_BATCH), DataLoader(ds, batch_size=GLOBAL_BATCH))
+    m = t.callback_metrics
+    assert float(m["ranks_seeing_loss"]) == 4.0
+    assert float(m["batch_rows"]) == GLOBAL_BATCH  # 4 microbatches' rows, summed as reduce_fx="sum" asks
+    assert {"train_loss", "val_loss", "val_acc"} <= set(m)
+    single = trainer(devices=1).validate(model, DataLoader(ds, batch_size=GLOBAL_BATCH), verbose=False)[0]
+    ours = trainer(strategy=pp(2), devices=2).validate(model, DataLoader(ds, batch_size=GLOBAL_BATCH), verbose=False)[0]
+    assert ours["val_acc"] == pytest.approx(single["val_acc"]) and ours["val_loss"] == pytest.approx(single["val_loss"], abs=1e-5)
+
+
+def test_predict_runs_forward_through_the_pipeline():
+    pl.seed_everything(0)
+    model = MNISTClassifier()
+    ds = mnist_like(45)
+    single = trainer(devices=1).predict(model, DataLoader(ds, batch_size=10))
+    ours = trainer(strategy=pp(4, "zero_bubble"), devices=4).predict(model, DataLoader(ds, batch_size=10))
+    assert torch.equal(torch.cat(ours), torch.cat(single))
+
+
+def test_checkpoint_is_plain_resumable_and_monitors_work(tmp_path):
+    ds = mnist_like(GLOBAL_BATCH * 4)
+
+    def run(strategy, devices, epochs, batch, ckpt_path=None, save=False):
+        pl.seed_everything(1)
+        model = MNISTClassifier(optimizer="adam", lr=1e-3)
+        cb = [ModelCheckpoint(dirpath=tmp_path, filename="pp", monitor="val_loss"),
+              EarlyStopping("val_loss", patience=5)] if save else []
+        t = trainer(strategy=strategy, devices=devices, max_epochs=epochs, enable_checkpointing=save, callbacks=cb,
+                    precision="64-true", limit_val_batches=1)
+        t.fit(model, loader(ds, batch), DataLoader(ds, batch_size=batch), ckpt_path=ckpt_path)
+        return flat_params(model).double(), (cb[0].best_model_path if save else None)
+
+    straight, _ = run("shm_ddp_fork", 2, 3, GLOBAL_BATCH // 2)
+    _, path = run(pp(2), 4, 1, GLOBAL_BATCH // 2, save=True)
+    ckpt = torch.load(path, weights_only=False)
+    plain = MNISTClassifier()
+    assert list(ckpt["state_dict"]) == list(plain.state_dict())
+    adam = torch.optim.Adam(plain.parameters())
+    adam.load_state_dict(ckpt["optimizer_states"][0])
+    MNISTClassifier.load_from_checkpoint(path)
+    for strategy, devices, batch in ((pp(2, "gpipe"), 2, GLOBAL_BATCH), ("shm_ddp_fork", 2, GLOBAL_BATCH // 2)):
+        resumed, _ = run(strategy, devices, 3, batch, ckpt_path=path)
+        torch.testing.assert_close(resumed, straight, rtol=0, atol=1e-6)
+
+
+# ---------------------------------------------------------------------- errors before any worker starts
+def test_model_without_sequential():
+    with pytest.raises(ValueError, match="BoringModel has no top-level nn.Sequential"):
+        trainer(strategy=pp(2), devices=2, max_epochs=1).fit(BoringModel())
+
+
+def test_more_stages_than_layers():
+    class Small(MNISTClassifier):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Sequential(nn.Flatten(), nn.Linear(784, 10))
+
+    with pytest.raises(ValueError, match="2 layers in the nn.Sequential cannot form 4 pipeline chunks"):
+        trainer(strategy=pp(4), devices=4, max_epochs=1).fit(Small(), loader(mnist_like(16), 8))
+
+
+def test_batch_not_divisible_by_microbatches():
+    with pytest.raises(ValueError, match="batch size 10 is not divisible by microbatches=4"):
+        trainer(strategy=pp(2), devices=2, max_epochs=1).fit(MNISTClassifier(), loader(mnist_like(40), 10))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(schedule="zero_bubble", M=2, P=4), "microbatches=2 < stages=4"),
+    (dict(schedule="interleaved_1f1b", M=6, P=4), "multiple of the 4 stages"),
+    (dict(schedule="pipedream", M=4, P=2), "schedule must be one of"),
+])
+def test_schedule_needs_enough_microbatches(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SHMPipeline(pipeline_parallel_size=kwargs["P"], microbatches=kwargs["M"], schedule=kwargs["schedule"])
+
+
+def test_devices_not_divisible_by_stages():
+    with pytest.raises(ValueError, match=r"world_size=3\) must be divisible by tp\*pp = 1\*2 = 2"):
+        trainer(strategy=pp(2), devices=3)
+
+
+def test_manual_optimization_is_refused():
+    class Manual(MNISTClassifier):
+        def __init__(self):
+            super().__init__()
+            self.automatic_optimization = False
+
+    with pytest.raises(ValueError, match="manual optimization"):
+        trainer(strategy=pp(2), devices=2, max_epochs=1).fit(Manual(), loader(mnist_like(16), 8))
