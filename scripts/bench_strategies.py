@@ -149,6 +149,8 @@ def rows_for(model: str, world: int, gb: int, warmup: int, steps: int) -> list[R
         RunSpec("shm_fsdp", "shm_fsdp", world, **common),
         RunSpec(f"shm_tp (tp={world})", "shm_tp", world, strategy_kwargs={"tensor_parallel_size": world},
                 data_parallel=1, **common),
+        RunSpec(f"shm_pipeline (1f1b, P={world}, M=4)", "shm_pipeline", world, data_parallel=1,
+                strategy_kwargs={"pipeline_parallel_size": world, "microbatches": 4, "schedule": "1f1b"}, **common),
         RunSpec("ceiling (no comm)", "ceiling", world, **common),
     ]
     if model == "wide":
@@ -208,6 +210,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     if not args.no_memory:
         lines.append(memory_table([2, 4], args.models))
         lines.append(tp_table([2, 4], args.models, args.global_batch))
+        lines.append(pipeline_table([2, 4], [4, 8], args.global_batch, 3 if args.quick else 5))
     text = "\n".join(lines)
     (args.out_dir / f"strategies_w{args.world_size}.md").write_text(text)
     plot(args.out_dir / f"strategies_w{args.world_size}.png", plot_data, args.world_size)
@@ -314,6 +317,41 @@ def tp_table(worlds: list[int], models: list[str], global_batch: int) -> str:
                 r = launch(tp_worker, w, MODELS[model], tp, global_batch, start_method="fork")[0]
                 lines.append(f"| {model} | {w} | {tp} x {w // tp} | {r['param_bytes'] / 2**20:.2f} | "
                              f"{full * 4 / 2**20:.2f} | {r['tp'] / 1024:.1f} | {r['dp'] / 1024:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+PIPE_HIDDEN = [512] * 8  # 9 Linear layers: every chunk of P=4 x 2 virtual stages gets one
+
+
+def pipeline_table(stages: list[int], microbatches: list[int], batch: int, steps: int) -> str:
+    """Per schedule: throughput, measured vs ideal bubble, peak activation memory per stage."""
+    import statistics
+
+    sys.path.insert(0, str(ROOT))
+    from lightning_shm.parallel.pipeline import PipelineSchedule, Schedule
+    from lightning_shm.parallel.pipeline.driver import train_pipeline
+    from lightning_shm.runtime import launch
+
+    lines = [f"## Pipeline schedules (runtime only; MLP {PIPE_HIDDEN[0]}x{len(PIPE_HIDDEN)}, batch {batch}, "
+             f"{os.cpu_count()} cores)\n",
+             "| schedule | P | M | samples/s | measured bubble | ideal bubble | textbook | peak activations per "
+             "stage (MiB) |", "|---|---:|---:|---:|---:|---:|---:|---|"]
+    for P in stages:
+        for M in microbatches:
+            for kind in Schedule:
+                v = 2 if kind == Schedule.INTERLEAVED_1F1B else 1
+                try:
+                    sched = PipelineSchedule(kind, P, M, v)
+                except ValueError:
+                    continue
+                res = launch(train_pipeline, P, PIPE_HIDDEN, kind.value, M, v, steps, batch, start_method="fork")
+                step = statistics.median(max(r.step_seconds[i] for r in res) for i in range(1, steps))
+                recs = [rec for r in res for rec in r.timeline]
+                t0, t1 = min(x.start for x in recs), max(x.end for x in recs)
+                bubble = 1 - sum(x.end - x.start for x in recs) / (P * (t1 - t0))
+                mem = " / ".join(f"{r.peak_activation_bytes / 2**20:.1f}" for r in res)
+                lines.append(f"| {kind.value} | {P} | {M} | {batch / step:,.0f} | {bubble:.1%} | "
+                             f"{sched.ideal_bubble():.1%} | {sched.formula_bubble():.1%} | {mem} |")
     return "\n".join(lines) + "\n"
 
 

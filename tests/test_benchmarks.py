@@ -33,3 +33,12 @@ def test_bench_strategies_runs_the_rows(tmp_path):
     for row in ("single", "shm_ddp", "ceiling"):
         assert re.search(rf"\| {re.escape(row)}[^|]* \| [\d,]+ \|", out), out
     assert (tmp_path / "strategies_w2.png").exists()
+
+
+def test_plot_pipeline_draws_a_gantt_chart_per_schedule(tmp_path):
+    out = run(["scripts/plot_pipeline.py", "--stages", "2", "--microbatches", "4", "--batch", "64",
+               "--out-dir", str(tmp_path)])
+    for schedule in ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"):
+        png = tmp_path / f"pipeline_{schedule}_p2.png"
+        assert png.stat().st_size > 5000, png
+        assert f"pipeline_{schedule}_p2.png: measured bubble" in out

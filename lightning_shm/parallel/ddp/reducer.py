@@ -83,12 +83,14 @@ class GradReducer:
         self._buffers = {b.buffer for b in self.buckets}
         # hooks=False: gradients are produced outside autograd's per-step rhythm (pipeline schedules)
         # and averaged by an explicit synchronize()
-        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for _, p in params] if hooks else []
+        self._index = {p: i for i, (_, p) in enumerate(params)}
+        self._handles = [p.register_post_accumulate_grad_hook(self._make_hook(i, p)) for i, (_, p) in
+                         enumerate(params)] if hooks else []
         self._sync = True
         self._in_backward = False
         self._synced_since_post = False
         self._next = 0
-        self._ready: set[nn.Parameter] = set()
+        self._ready = [False] * len(params)
         self._attach_grads(zero=True)
 
     # ------------------------------------------------------------------ grads as bucket views
@@ -120,20 +122,26 @@ class GradReducer:
             self._sync = prev
 
     # ------------------------------------------------------------------ autograd hooks
-    def _on_grad_ready(self, p: nn.Parameter) -> None:
-        if p.grad is None or p.grad.data_ptr() != self._views[p].data_ptr():
-            self._adopt(p)
-        if not self._sync:
-            return
-        if not self._in_backward:
-            self._in_backward = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
-        if p in self._ready:
-            return
-        self._ready.add(p)
+    def _make_hook(self, i: int, p: nn.Parameter):  # noqa: ANN202 - a closure per parameter: no dict lookups
+        view_ptr = self._views[p].data_ptr()
         bucket = self._bucket_of[p]
-        bucket.pending += 1
-        self._launch_ready()
+        size = len(bucket.params)
+
+        def on_grad_ready(param: nn.Parameter) -> None:
+            g = param.grad
+            if g is None or g.data_ptr() != view_ptr:
+                self._adopt(param)
+            if not self._sync or self._ready[i]:
+                return
+            if not self._in_backward:
+                self._in_backward = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+            self._ready[i] = True
+            bucket.pending += 1
+            if bucket.pending == size:
+                self._launch_ready()
+
+        return on_grad_ready
 
     def _launch_ready(self) -> None:
         while self._next < len(self.buckets):
@@ -146,7 +154,7 @@ class GradReducer:
     def _finish_backward(self) -> None:
         try:
             if self._next < len(self.buckets):
-                unused = [p for b in self.buckets[self._next:] for p in b.params if p not in self._ready]
+                unused = [p for b in self.buckets[self._next:] for p in b.params if not self._ready[self._index[p]]]
                 if not self.find_unused_parameters:
                     names = [self._names[p] for p in unused]
                     raise RuntimeError(
@@ -166,7 +174,7 @@ class GradReducer:
         self._synced_since_post = True
         self._in_backward = False
         self._next = 0
-        self._ready.clear()
+        self._ready = [False] * len(self._ready)
         for b in self.buckets:
             b.pending = 0
 
