@@ -170,7 +170,8 @@ class MNISTDataModule(pl.LightningDataModule):
                 n_test = int(round(len(labels) * self.test_fraction))
                 test_x, test_y = images[:n_test], labels[:n_test]
                 images, labels = images[n_test:], labels[n_test:]
-                self.test_source = f"held-out {n_test} images of the sample (official test files not in {self.data_dir})"
+                self.test_source = (f"held-out {n_test} images of the sample (official test files not in "
+                                    f"{self.data_dir})")
             else:
                 self.test_source = f"official MNIST test split ({len(test_y)} images, IDX files in {self.data_dir})"
             train_x, train_y = images, labels
@@ -206,7 +207,8 @@ class MNISTDataModule(pl.LightningDataModule):
             return None, None
         x, y = read_idx(img), read_idx(lab).to(torch.int64)
         if x.shape[1:] != (28, 28) or len(x) != len(y):
-            raise ValueError(f"test IDX files in {self.data_dir} hold images {tuple(x.shape)} and labels {tuple(y.shape)}")
+            raise ValueError(f"test IDX files in {self.data_dir} hold images {tuple(x.shape)} and labels "
+                             f"{tuple(y.shape)}")
         return x, y
 
     def describe_test_split(self) -> str:

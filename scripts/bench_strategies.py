@@ -164,7 +164,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--run-one", help=argparse.SUPPRESS)
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--models", nargs="+", default=["reference", "wide"], choices=sorted(MODELS))
-    p.add_argument("--global-batch", type=int, default=256)
+    p.add_argument("--global-batch", type=int, default=128)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--no-memory", action="store_true", help="skip the per-rank memory table (FSDP vs DDP)")
     p.add_argument("--rows", nargs="+", default=None, help="only these rows (by name prefix, e.g. shm_ddp "
@@ -300,7 +300,8 @@ def tp_worker(world: Any, hidden: list[int], tp: int, global_batch: int) -> dict
     nn.functional.cross_entropy(model(x), y).backward()
     if reducer is not None:
         reducer.post_backward()
-    sent = {name: sum(g.traffic.values()) - sum(before[id(g)].values()) for name, g in (("tp", groups.tp), ("dp", groups.dp))}
+    sent = {name: sum(g.traffic.values()) - sum(before[id(g)].values())
+            for name, g in (("tp", groups.tp), ("dp", groups.dp))}
     return {"param_bytes": tpm.parameter_bytes(), **sent}
 
 
@@ -364,7 +365,8 @@ def plot(path: Path, data: dict[str, dict[str, float]], world: int) -> None:
     fig, axes = plt.subplots(1, len(data), figsize=(6 * len(data), 4), squeeze=False)
     for ax, (model, rows) in zip(axes[0], data.items()):
         names = list(rows)
-        ax.barh(names, [rows[n] for n in names], color=["grey", "tab:red", "tab:blue", "tab:cyan", "black"][: len(names)])
+        colors = ["grey", "tab:red", "tab:blue", "tab:cyan", "tab:green", "tab:purple", "tab:olive", "black"]
+        ax.barh(names, [rows[n] for n in names], color=colors[: len(names)])
         ax.invert_yaxis()
         ax.set_xlabel("samples / s")
         ax.set_title(f"{model} MLP, W={world}")

@@ -7,7 +7,7 @@ rewrites its Linear layers, the pipeline cuts it into stages.
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Sequence
+from typing import Any, Literal, Sequence
 
 import lightning.pytorch as pl
 import torch

@@ -37,6 +37,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 from lightning_shm.runtime.errors import PeerAbortedError, WorkerDiedError, WorkerTraceback
+from lightning_shm.runtime.messages import send
 from lightning_shm.runtime.segment import Segment, sweep_stale
 from lightning_shm.runtime.world import ABORT_WORD, CONTROL_BYTES, RuntimeConfig, World, thread_budget
 
@@ -271,16 +272,6 @@ def _worker_entry(rank: int, world_size: int, control_name: str, conn: Connectio
             conn.close()
     if code:
         sys.exit(code)  # multiprocessing still runs its finalizers (semaphores, queues) on the way out
-
-
-def send(conn: Connection, msg: Any) -> None:
-    """Plain pickle, not ``Connection.send``: its ForkingPickler ships tensors as file descriptors that
-    vanish when the sending worker exits right after sending."""
-    conn.send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
-
-
-def recv(conn: Connection) -> Any:
-    return pickle.loads(conn.recv_bytes())
 
 
 def _report(conn: Connection, e: BaseException) -> None:

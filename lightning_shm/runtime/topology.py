@@ -52,7 +52,8 @@ class Topology:
         """dp = world_size / (tp * pp); a clear error when it does not divide."""
         for name, v in (("world_size", world_size), ("tp", tp), ("pp", pp)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"{name} must be a positive int, got {v!r} (world_size={world_size}, tp={tp}, pp={pp})")
+                raise ValueError(f"{name} must be a positive int, got {v!r} "
+                                 f"(world_size={world_size}, tp={tp}, pp={pp})")
         if world_size % (tp * pp):
             raise ValueError(
                 f"devices (world_size={world_size}) must be divisible by tp*pp = {tp}*{pp} = {tp * pp}"

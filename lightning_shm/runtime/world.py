@@ -19,7 +19,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from lightning_shm.runtime.group import GroupConfig, Group
+from lightning_shm.runtime.group import Group, GroupConfig
+from lightning_shm.runtime.messages import recv, send
 from lightning_shm.runtime.p2p import Channel, ChannelConfig
 from lightning_shm.runtime.segment import Segment
 from lightning_shm.runtime.wait import WaitPolicy, Waiter
@@ -63,7 +64,8 @@ class RuntimeConfig:
 class World:
     """This process's view of the run. Created by the launcher; closed when the worker ends."""
 
-    def __init__(self, rank: int, size: int, control: Segment, conn: Optional[Connection], config: RuntimeConfig) -> None:
+    def __init__(self, rank: int, size: int, control: Segment, conn: Optional[Connection],
+                 config: RuntimeConfig) -> None:
         self.rank = rank
         self.size = size
         self.config = config
@@ -84,8 +86,6 @@ class World:
             return seg
         if self._conn is None:
             raise RuntimeError("this World has no main process to allocate shared memory from")
-        from lightning_shm.runtime.launcher import recv, send
-
         send(self._conn, ("alloc", key, int(nbytes)))
         status, payload = recv(self._conn)
         if status != "ok":

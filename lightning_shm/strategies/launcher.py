@@ -61,8 +61,8 @@ class SHMLauncher(_Launcher):
                 "supported (the main process does not hold the loop state). Create a new Trainer and pass "
                 "`fit(ckpt_path=...)` to continue training."
             )
-        if trainer is not None and trainer.lightning_module is not None:
-            self._strategy.validate_model(trainer.lightning_module, trainer, (args, kwargs))  # bad input fails before any worker starts
+        if trainer is not None and trainer.lightning_module is not None:  # bad input fails before any worker starts
+            self._strategy.validate_model(trainer.lightning_module, trainer, (args, kwargs))
         snapshot = _GlobalStateSnapshot.capture() if self._start_method == "spawn" else None
         config = LaunchConfig(world_size=self._strategy.num_processes, start_method=self._start_method,
                               runtime=self._strategy.runtime_config)

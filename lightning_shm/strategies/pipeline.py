@@ -14,7 +14,7 @@ stage are then averaged over its data-parallel group.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
+from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import lightning.pytorch as pl
 import torch
@@ -165,7 +165,8 @@ class SHMPipeline(SHMStrategyBase):
         self.stage = PipelineStage(seq, self.chunk_starts, sched.chunks_of(pp_index))
         replace_submodule(module, path, self.stage)
         self.engine = PipelineEngine(self.stage.chunks, sched, pp_index, list(self._groups.pp.ranks), self._world,
-                                     tag=f"pp{self._groups.coords.dp}", activation_checkpointing=self.activation_checkpointing)
+                                     tag=f"pp{self._groups.coords.dp}",
+                                     activation_checkpointing=self.activation_checkpointing)
         self.state = PipelineState(module, self._groups.pp, plain_keys, plain_params)
         module._example_input_array = None  # a stage cannot run the model's example input (ModelSummary)
         if trainer.state.fn == TrainerFn.FITTING:

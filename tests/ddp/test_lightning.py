@@ -9,12 +9,11 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
-from lightning.pytorch.demos.boring_classes import BoringModel, RandomDataset
+from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.strategies import StrategyRegistry
 from torch.utils.data import DataLoader
 from torchmetrics import SumMetric
 
-import lightning_shm
 from lightning_shm import SHMDDPStrategy
 from lightning_shm.models import MNISTClassifier
 from tests.helpers import flat_params, loader, mnist_like, trainer

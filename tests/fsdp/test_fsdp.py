@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader
 
 import lightning_shm  # noqa: F401
 from lightning_shm import SHMFSDPStrategy
-from lightning_shm.models import MNISTClassifier, build_mlp
+from lightning_shm.models import MNISTClassifier
 from lightning_shm.parallel.fsdp import ShardedModule, UnitPolicy, find_units
 from lightning_shm.runtime import launch
 from tests.helpers import GLOBAL_BATCH, SchedClassifier, flat_params, loader, mnist_like, train_mnist, trainer
@@ -82,7 +82,8 @@ def test_each_rank_persistently_holds_ceil_numel_over_w_per_unit(world_size):
                                                                   start_method="fork"):
         assert shards == [math.ceil(n / world_size) for n in numels]
         expect = sum(shards) * 4
-        assert persistent == {"params": expect, "grads": expect, "optimizer": 2 * expect + 5 * 4}  # exp_avg, exp_avg_sq + float32 step
+        # Adam: exp_avg and exp_avg_sq per shard, plus one float32 `step` per shard
+        assert persistent == {"params": expect, "grads": expect, "optimizer": 2 * expect + 5 * 4}
         assert live == 0  # nothing unsharded survives a step
         assert fwd_peak == max(padded)  # forward holds one unit's full parameters at a time
         assert n_opt == [5]  # the optimizer sees one shard per unit, not the 10 original parameters

@@ -74,7 +74,8 @@ class FSDPUnit:
         W = group.size
         if self.numel < W:
             raise ValueError(f"FSDP unit '{spec.name}' has {self.numel} parameters, fewer than the {W} ranks it "
-                             f"would be sharded over; merge it with its neighbours (min_unit_params) or use fewer devices")
+                             "would be sharded over; merge it with its neighbours (min_unit_params) or use fewer "
+                             "devices")
         self.shard_numel = math.ceil(self.numel / W)
         self.padded_numel = self.shard_numel * W
         # where each original parameter lives in the flat vector

@@ -34,7 +34,8 @@ class StageIO(Protocol):
     def first_input(self, mb: int) -> torch.Tensor:
         """Input of chunk 0 for microbatch ``mb``."""
 
-    def last_forward(self, mb: int, x: torch.Tensor, chunk: nn.Module, recompute: bool = False) -> Optional[torch.Tensor]:
+    def last_forward(self, mb: int, x: torch.Tensor, chunk: nn.Module,
+                     recompute: bool = False) -> Optional[torch.Tensor]:
         """Run the last chunk on ``x``; training: return the microbatch loss already weighted so that
         the sum over microbatches is the batch loss (eval: may return None)."""
 
@@ -152,7 +153,8 @@ class PipelineEngine:
             return t
 
         t0 = time.perf_counter()
-        grad_ctx = torch.no_grad() if (training and self.checkpointing) else torch.enable_grad() if training else torch.no_grad()
+        keep_graph = training and not self.checkpointing  # checkpointing: recompute in backward instead
+        grad_ctx = torch.enable_grad() if keep_graph else torch.no_grad()
         with grad_ctx, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = io.last_forward(m, x, chunk) if last else chunk(x)
         self._record("F", m, c, t0)

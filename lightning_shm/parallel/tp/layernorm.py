@@ -75,5 +75,6 @@ def distributed_layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
                            sizes: Sequence[int]) -> torch.Tensor:
     """LayerNorm of ``x [..., sizes[group.index]]`` over all ``sum(sizes)`` features of the group."""
     if x.shape[-1] != sizes[group.index]:
-        raise ValueError(f"input has {x.shape[-1]} features, this rank's shard is {sizes[group.index]} (sizes {list(sizes)})")
+        raise ValueError(f"input has {x.shape[-1]} features, this rank's shard is {sizes[group.index]} "
+                         f"(sizes {list(sizes)})")
     return _DistributedLayerNorm.apply(x, weight, bias, eps, group, list(sizes))

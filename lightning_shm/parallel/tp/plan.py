@@ -19,7 +19,6 @@ from typing import Mapping, Optional
 
 from torch import nn
 
-from lightning_shm.parallel.sequential import find_sequential
 from lightning_shm.parallel.tp.layers import ColumnParallelLinear, RowParallelLinear, ShardedLayerNorm, even_split_sizes
 from lightning_shm.runtime import Group
 
