@@ -14,21 +14,23 @@ Lightning checks (read ``lightning/pytorch/strategies/ddp.py``, ``parallel.py``)
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Optional, Union
+from typing import Any, Iterator, Mapping, Optional, Union
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.accelerators import CPUAccelerator
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
+from torch.optim import Optimizer
 
 import lightning.pytorch as pl
-from lightning_shm.parallel.ddp import GradReducer
+from lightning_shm.parallel.ddp import GradReducer, broadcast_module_state
 from lightning_shm.runtime import Group, RuntimeConfig, Topology, World
 from lightning_shm.runtime.launcher import START_METHODS
 from lightning_shm.strategies import collectives
@@ -161,6 +163,20 @@ class SHMStrategyBase(ParallelStrategy):
         if self._layer_sync is not None and trainer.state.fn == TrainerFn.FITTING:
             raise ValueError(f"{type(self).__name__} does not support sync_batchnorm=True (it needs torch.distributed)")
 
+    def prepare_model(self, trainer: "pl.Trainer") -> None:
+        """The start of every ``setup``: accelerator, precision, device, then rank 0's weights everywhere.
+
+        The broadcast is explicit on purpose: spawn pickling, fork, and weights created in
+        ``configure_model`` with different random states must all end up identical (and shards,
+        slices or stages are cut from those weights).
+        """
+        assert self.accelerator is not None and self.model is not None
+        self._check_unsupported(trainer)
+        self.accelerator.setup(trainer)
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        broadcast_module_state(self.model, self.group)
+
     # ------------------------------------------------------------------ collectives for Lightning
     def data_parallel_group(self) -> Optional[Group]:
         """Ranks holding *different* data and equal model pieces: where logged values, metric states
@@ -267,3 +283,42 @@ class SHMStrategyBase(ParallelStrategy):
         if self.accelerator is None:  # never connected to a Trainer: nothing else was set up
             return
         super(ParallelStrategy, self).teardown()
+
+
+class ShardedStateStrategy(SHMStrategyBase):
+    """A strategy whose ranks hold pieces of the model (FSDP shards, TP slices, pipeline stages).
+
+    ``self.state_manager`` (set in ``setup``) consolidates the pieces into the plain module's state
+    dict and a plain single-process optimizer state, and cuts them back out: checkpoints are
+    portable between strategies, world sizes and a single process. Restoring happens after setup,
+    when the pieces exist.
+    """
+
+    state_manager: Any = None
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True
+
+    def _manager(self) -> Any:
+        if self.state_manager is None:
+            raise RuntimeError(f"{type(self).__name__} has no model pieces before setup")
+        return self.state_manager
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return self._manager().full_state_dict()
+
+    def full_state_dict(self) -> dict[str, Any]:
+        return self.lightning_module_state_dict()
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        self._manager().load_full_state_dict(checkpoint["state_dict"], strict=strict)
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        opt = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        state = self._manager().full_optimizer_state(opt)  # collective: every rank takes part
+        return state if self.global_rank == 0 else {}  # only rank 0 writes checkpoints
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+            self._manager().load_full_optimizer_state(optimizer, state)

@@ -15,7 +15,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 
 import lightning.pytorch as pl
-from lightning_shm.parallel.ddp import GradReducer, broadcast_module_state, broadcast_tensors
+from lightning_shm.parallel.ddp import GradReducer, broadcast_tensors
 from lightning_shm.strategies.base import SHMStrategyBase
 
 
@@ -44,12 +44,8 @@ class SHMDDPStrategy(SHMStrategyBase):
         self._buffers: list[Tensor] = []
 
     def setup(self, trainer: "pl.Trainer") -> None:
-        assert self.accelerator is not None and self.model is not None
-        self._check_unsupported(trainer)
-        self.accelerator.setup(trainer)
-        self.precision_plugin.convert_module(self.model)
-        self.model_to_device()
-        broadcast_module_state(self.model, self.group)  # every replica starts from rank 0's weights
+        self.prepare_model(trainer)  # every replica starts from rank 0's weights
+        assert self.model is not None
         if trainer.state.fn == TrainerFn.FITTING:
             self._reducer = GradReducer(list(self.model.named_parameters()), self.group, self.bucket_cap_mb,
                                         self.find_unused_parameters)

@@ -12,21 +12,19 @@ on save.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import lightning.pytorch as pl
-from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_shm.parallel.ddp import broadcast_module_state
 from lightning_shm.parallel.fsdp import ShardedModule, UnitPolicy, find_units
-from lightning_shm.strategies.base import SHMStrategyBase
+from lightning_shm.strategies.base import ShardedStateStrategy
 
 
-class SHMFSDPStrategy(SHMStrategyBase):
+class SHMFSDPStrategy(ShardedStateStrategy):
     """ZeRO-3 on W CPU processes through shared memory.
 
     Args:
@@ -61,18 +59,10 @@ class SHMFSDPStrategy(SHMStrategyBase):
                 raise ValueError(f"FSDP unit '{spec.name}' has {spec.numel} parameters, fewer than devices={W}; merge "
                                  f"small units (unit_policy=<min parameters>) or use fewer devices")
 
-    @property
-    def restore_checkpoint_after_setup(self) -> bool:
-        return True  # a full checkpoint is loaded into the shards, which exist only after setup
-
     def setup(self, trainer: "pl.Trainer") -> None:
-        assert self.accelerator is not None and self.model is not None
-        self._check_unsupported(trainer)
-        self.accelerator.setup(trainer)
-        self.precision_plugin.convert_module(self.model)
-        self.model_to_device()
-        broadcast_module_state(self.model, self.group)  # shards are cut from rank 0's weights
+        self.prepare_model(trainer)  # shards are cut from rank 0's weights
         self.sharded = ShardedModule(self.lightning_module, self.group, self.unit_policy, self.reshard_after_forward)
+        self.state_manager = self.sharded
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)  # configure_optimizers sees only the local shards
         self.setup_precision_plugin()
@@ -88,29 +78,6 @@ class SHMFSDPStrategy(SHMStrategyBase):
         out = super().optimizer_step(optimizer, closure, model, **kwargs)
         self.group.barrier()  # every shard updated before any rank gathers for the next forward
         return out
-
-    # ------------------------------------------------------------------ consolidated state
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        assert self.sharded is not None
-        return self.sharded.full_state_dict()
-
-    def full_state_dict(self) -> dict[str, Any]:
-        return self.lightning_module_state_dict()
-
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        assert self.sharded is not None
-        self.sharded.load_full_state_dict(checkpoint["state_dict"], strict=strict)
-
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        assert self.sharded is not None
-        opt = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-        state = self.sharded.full_optimizer_state(opt)
-        return state if self.global_rank == 0 else {}
-
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        assert self.sharded is not None
-        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
-            self.sharded.load_full_optimizer_state(optimizer, state)
 
     @classmethod
     def register_strategies(cls, strategy_registry: StrategyRegistry) -> None:

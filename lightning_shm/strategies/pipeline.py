@@ -18,14 +18,13 @@ from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_shm.parallel.ddp import GradReducer, broadcast_module_state
+from lightning_shm.parallel.ddp import GradReducer
 from lightning_shm.parallel.pipeline import (
     CapturedInput,
     PipelineEngine,
@@ -40,12 +39,12 @@ from lightning_shm.parallel.pipeline.split import validate_split_points
 from lightning_shm.parallel.pipeline.stage import batch_size as batch_size_of
 from lightning_shm.parallel.sequential import find_sequential, replace_submodule
 from lightning_shm.runtime import Group, ParallelGroups, Topology, World
-from lightning_shm.strategies.base import SHMStrategyBase
+from lightning_shm.strategies.base import ShardedStateStrategy
 
 _ELEMENTWISE_FRONT = (nn.Flatten, nn.Identity, nn.Dropout, nn.ReLU)
 
 
-class SHMPipeline(SHMStrategyBase):
+class SHMPipeline(ShardedStateStrategy):
     """Pipeline parallelism over ``pipeline_parallel_size`` stages (times devices / pp data-parallel replicas).
 
     Args:
@@ -86,7 +85,6 @@ class SHMPipeline(SHMStrategyBase):
         self.sample_input = sample_input
         self.engine: Optional[PipelineEngine] = None
         self.stage: Optional[PipelineStage] = None
-        self.state: Optional[PipelineState] = None
         self.chunk_starts: Optional[list[int]] = None
         self.split_method = ""
         self._groups: Optional[ParallelGroups] = None
@@ -136,21 +134,13 @@ class SHMPipeline(SHMStrategyBase):
                 raise ValueError(f"batch size {per_rank} is not divisible by microbatches={self.microbatches}")
 
     # ------------------------------------------------------------------ setup
-    @property
-    def restore_checkpoint_after_setup(self) -> bool:
-        return True  # stages exist only after setup; a full checkpoint is filtered per stage
-
     def setup(self, trainer: "pl.Trainer") -> None:
-        assert self.accelerator is not None and self.model is not None and self._groups is not None
-        assert self._world is not None
-        self._check_unsupported(trainer)
+        assert self._groups is not None and self._world is not None
         module = self.lightning_module
         if not module.automatic_optimization:
             raise ValueError("shm_pipeline does not support manual optimization")
-        self.accelerator.setup(trainer)
-        self.precision_plugin.convert_module(self.model)
-        self.model_to_device()
-        broadcast_module_state(self.model, self.group)  # stages are cut from rank 0's initial weights
+        self.prepare_model(trainer)  # stages are cut from rank 0's initial weights
+        assert self.model is not None
         plain_keys = list(module.state_dict())
         plain_params = [n for n, _ in module.named_parameters()]
         path, seq = find_sequential(module, self.sequential)
@@ -167,7 +157,7 @@ class SHMPipeline(SHMStrategyBase):
         self.engine = PipelineEngine(self.stage.chunks, sched, pp_index, list(self._groups.pp.ranks), self._world,
                                      tag=f"pp{self._groups.coords.dp}",
                                      activation_checkpointing=self.activation_checkpointing)
-        self.state = PipelineState(module, self._groups.pp, plain_keys, plain_params)
+        self.state_manager = PipelineState(module, self._groups.pp, plain_keys, plain_params)
         module._example_input_array = None  # a stage cannot run the model's example input (ModelSummary)
         if trainer.state.fn == TrainerFn.FITTING:
             if self._groups.dp.size > 1:
@@ -268,28 +258,6 @@ class SHMPipeline(SHMStrategyBase):
             yield None
         finally:
             self._sync_grads = True
-
-    # ------------------------------------------------------------------ consolidated state
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        assert self.state is not None
-        return self.state.full_state_dict()
-
-    def full_state_dict(self) -> dict[str, Any]:
-        return self.lightning_module_state_dict()
-
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        assert self.state is not None
-        self.state.load_full_state_dict(checkpoint["state_dict"], strict=strict)
-
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        assert self.state is not None
-        opt = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-        return self.state.full_optimizer_state(opt)
-
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        assert self.state is not None
-        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
-            self.state.load_full_optimizer_state(optimizer, state)
 
     def teardown(self) -> None:
         if self.engine is not None:

@@ -12,20 +12,18 @@ from __future__ import annotations
 from typing import Any, Mapping, Optional
 
 import lightning.pytorch as pl
-from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
-from torch.optim import Optimizer
 
-from lightning_shm.parallel.ddp import GradReducer, broadcast_module_state
+from lightning_shm.parallel.ddp import GradReducer
 from lightning_shm.parallel.sequential import find_sequential
 from lightning_shm.parallel.tp import TensorParallelModule, check_plan, derive_plan
 from lightning_shm.parallel.tp.plan import normalise_plan
 from lightning_shm.runtime import Group, ParallelGroups, Topology, World
-from lightning_shm.strategies.base import SHMStrategyBase
+from lightning_shm.strategies.base import ShardedStateStrategy
 
 
-class SHMTensorParallel(SHMStrategyBase):
+class SHMTensorParallel(ShardedStateStrategy):
     """Tensor parallelism of size ``tensor_parallel_size`` times data parallelism of devices / tp.
 
     Args:
@@ -69,18 +67,12 @@ class SHMTensorParallel(SHMStrategyBase):
         check_plan(seq, plan, prefix, self.tensor_parallel_size)
 
     # ------------------------------------------------------------------ setup
-    @property
-    def restore_checkpoint_after_setup(self) -> bool:
-        return True  # full checkpoints are sliced into the parallel layers, which exist after setup
-
     def setup(self, trainer: "pl.Trainer") -> None:
-        assert self.accelerator is not None and self.model is not None and self._groups is not None
-        self._check_unsupported(trainer)
-        self.accelerator.setup(trainer)
-        self.precision_plugin.convert_module(self.model)
-        self.model_to_device()
-        broadcast_module_state(self.model, self.group)  # every shard is cut from rank 0's initial weights
-        self.tp_module = TensorParallelModule(self.lightning_module, self._groups.tp, self.plan, self.sequential)
+        assert self._groups is not None
+        self.prepare_model(trainer)  # every slice is cut from rank 0's initial weights
+        assert self.model is not None
+        self.tp_module = self.state_manager = TensorParallelModule(self.lightning_module, self._groups.tp, self.plan,
+                                                                   self.sequential)
         if trainer.state.fn == TrainerFn.FITTING:
             if self._groups.dp.size > 1:
                 self._reducer = GradReducer(list(self.model.named_parameters()), self._groups.dp, tag="tp-dp")
@@ -88,28 +80,6 @@ class SHMTensorParallel(SHMStrategyBase):
         self.setup_precision_plugin()
         self.install_global_clipping(self._groups.tp, replicated=self.tp_module.replicated)
         self.attach_metrics()
-
-    # ------------------------------------------------------------------ consolidated state
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        assert self.tp_module is not None
-        return self.tp_module.full_state_dict()
-
-    def full_state_dict(self) -> dict[str, Any]:
-        return self.lightning_module_state_dict()
-
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        assert self.tp_module is not None
-        self.tp_module.load_full_state_dict(checkpoint["state_dict"], strict=strict)
-
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        assert self.tp_module is not None
-        opt = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-        return self.tp_module.full_optimizer_state(opt)
-
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        assert self.tp_module is not None
-        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
-            self.tp_module.load_full_optimizer_state(optimizer, state)
 
     @classmethod
     def register_strategies(cls, strategy_registry: StrategyRegistry) -> None:

@@ -22,6 +22,7 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 from torch import nn
 
+from lightning_shm.parallel.optim_state import load_plain_optimizer_state
 from lightning_shm.runtime import Group
 
 
@@ -140,20 +141,5 @@ class PipelineState:
         return {"state": state, "param_groups": groups}
 
     def load_full_optimizer_state(self, optimizer: torch.optim.Optimizer, full: Mapping[str, Any]) -> None:
-        names = {id(p): n for n, p in self.module.named_parameters()}
-        index = {n: i for i, n in enumerate(self.plain_params)}
-        saved_group = {i: g for g in full["param_groups"] for i in g["params"]}
-        state, groups, pid = {}, [], 0
-        for group in optimizer.param_groups:
-            ids, hyper = [], None
-            for p in group["params"]:
-                i = index[names[id(p)]]
-                hyper = hyper or saved_group.get(i)
-                st = full["state"].get(i, full["state"].get(str(i)))
-                if st:
-                    state[pid] = {k: v.clone() if torch.is_tensor(v) else v for k, v in st.items()}
-                ids.append(pid)
-                pid += 1
-            base = {k: v for k, v in (hyper or {}).items() if k != "params"}
-            groups.append({**{k: v for k, v in group.items() if k != "params"}, **base, "params": ids})
-        optimizer.load_state_dict({"state": state, "param_groups": groups})
+        load_plain_optimizer_state(optimizer, full, self.module, self.plain_params,
+                                   lambda name, key, v: v.clone() if torch.is_tensor(v) else v)

@@ -14,6 +14,7 @@ from typing import Any, Mapping, Optional
 import torch
 from torch import nn
 
+from lightning_shm.parallel.optim_state import load_plain_optimizer_state
 from lightning_shm.parallel.sequential import find_sequential
 from lightning_shm.parallel.tp.plan import apply_plan, derive_plan, normalise_plan
 from lightning_shm.runtime import Group
@@ -86,26 +87,13 @@ class TensorParallelModule:
 
     def load_full_optimizer_state(self, optimizer: torch.optim.Optimizer, full: Mapping[str, Any]) -> None:
         """``full`` uses ids = positions in the plain parameter order (what a plain optimizer saves)."""
-        names = {id(p): n for n, p in self.module.named_parameters()}
-        index = {n: i for i, n in enumerate(self.param_names)}
-        saved_group = {i: g for g in full["param_groups"] for i in g["params"]}
-        state, groups, pid = {}, [], 0
-        for group in optimizer.param_groups:
-            ids, hyper = [], None
-            for p in group["params"]:
-                name = names[id(p)]
-                i = index[name]
-                hyper = hyper or saved_group.get(i)
-                st = full["state"].get(i, full["state"].get(str(i)))
-                if st:
-                    state[pid] = {k: (self._slice(v, *self.splits[name]) if name in self.splits and torch.is_tensor(v)
-                                      and v.dim() > 0 else v.clone() if torch.is_tensor(v) else v)
-                                  for k, v in st.items()}
-                ids.append(pid)
-                pid += 1
-            base = {k: v for k, v in (hyper or {}).items() if k != "params"}
-            groups.append({**{k: v for k, v in group.items() if k != "params"}, **base, "params": ids})
-        optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+        def convert(name: str, key: str, v: Any) -> Any:
+            if name in self.splits and torch.is_tensor(v) and v.dim() > 0:
+                return self._slice(v, *self.splits[name])
+            return v.clone() if torch.is_tensor(v) else v
+
+        load_plain_optimizer_state(optimizer, full, self.module, self.param_names, convert)
 
     def parameter_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.module.parameters())
