@@ -34,7 +34,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional
 
 from lightning_shm.runtime.errors import PeerAbortedError, WorkerDiedError, WorkerTraceback
 from lightning_shm.runtime.messages import send
@@ -99,12 +99,16 @@ class Launcher:
         try:
             with _sigterm_as_exit():
                 self._control = Segment.create(CONTROL_BYTES, "control")
+                # spawn: pickle the job by value ourselves. multiprocessing's ForkingPickler would turn
+                # every CPU tensor into shared memory -- all workers would then update one tensor
+                # (seen: a torchmetrics SumMetric counting every rank's updates twice).
+                job = (fn, args, kwargs) if cfg.start_method == "fork" else pickle.dumps(
+                    (fn, args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
                 for rank in range(cfg.world_size):
                     parent, child = ctx.Pipe(duplex=True)
                     p = ctx.Process(
                         target=_worker_entry,
-                        args=(rank, cfg.world_size, self._control.name, child, cfg.runtime, threads, os.getpid(),
-                              fn, args, kwargs),
+                        args=(rank, cfg.world_size, self._control.name, child, cfg.runtime, threads, os.getpid(), job),
                         name=f"lightning_shm-rank{rank}",
                     )
                     p.start()
@@ -246,8 +250,7 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, start_method: st
 
 # ---------------------------------------------------------------------- worker side
 def _worker_entry(rank: int, world_size: int, control_name: str, conn: Connection, runtime: RuntimeConfig,
-                  threads: int, parent_pid: int, fn: Callable[..., Any], args: Sequence[Any],
-                  kwargs: dict[str, Any]) -> None:
+                  threads: int, parent_pid: int, job: Any) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _die_with_parent(parent_pid)
@@ -259,6 +262,7 @@ def _worker_entry(rank: int, world_size: int, control_name: str, conn: Connectio
     world: Optional[World] = None
     code = 0
     try:
+        fn, args, kwargs = pickle.loads(job) if isinstance(job, bytes) else job
         world = World(rank, world_size, Segment.attach(control_name), conn, runtime)
         result = fn(world, *args, **kwargs)
         send(conn, ("done", result))

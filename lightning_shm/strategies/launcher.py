@@ -21,7 +21,6 @@ from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from lightning.pytorch.strategies.launchers.multiprocessing import _GlobalStateSnapshot
 from lightning.pytorch.trainer.states import TrainerFn, TrainerState
 from lightning_utilities.core.apply_func import apply_to_collection
-from torch import nn
 
 from lightning_shm.runtime import LaunchConfig, Launcher, World
 
@@ -121,24 +120,9 @@ def _run_in_worker(world: World, launcher: SHMLauncher, trainer: Optional["pl.Tr
                    args: Any, kwargs: Any, snapshot: Optional[_GlobalStateSnapshot]) -> Optional[WorkerOutput]:
     if snapshot is not None:
         snapshot.restore()
-        args, kwargs = _private_copies((args, kwargs))
     os.environ["LOCAL_RANK"] = str(world.rank)
     launcher._strategy.attach_world(world)
     results = function(*args, **kwargs)
     if trainer is None:
         return results if world.rank == 0 else None
     return launcher._collect_results(trainer, results)
-
-
-def _private_copies(data: Any) -> Any:
-    """Spawn pickles CPU tensors through torch's shared-memory reducer: give each module private storage.
-
-    Otherwise rank 0 would train on tensors shared with the main process' model.
-    """
-
-    def unshare(module: nn.Module) -> nn.Module:
-        for t in list(module.parameters()) + list(module.buffers()):
-            t.data = t.data.clone()
-        return module
-
-    return apply_to_collection(data, nn.Module, unshare)

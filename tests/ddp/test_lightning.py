@@ -66,6 +66,10 @@ class RankLogging(BoringModel):
         g = self.all_gather(x, sync_grads=True)
         (grad,) = torch.autograd.grad(g.sum() * 1.0, x)
         self.log("ag_grad", grad.sum(), on_step=False, on_epoch=True)
+        from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+        ok = float(rank_zero_only.rank == self.global_rank == self.trainer.global_rank)
+        self.log("rank_zero_only_ok", ok, sync_dist=True, reduce_fx="min", on_step=False, on_epoch=True)
         return out
 
 
@@ -78,12 +82,29 @@ def test_sync_dist_all_gather_and_metrics_across_ranks():
     assert float(m["rank_max"]) == 1.0
     assert float(m["gathered_sum"]) == 1.0
     assert float(m["ag_grad"]) == pytest.approx(2 * 2)  # d(sum of all ranks' copies)/dx summed over 2 ranks
+    assert float(m["rank_zero_only_ok"]) == 1.0  # set_world_ranks set rank_zero_only.rank in every worker
     # SumMetric updated with rank+1 on each of 6 steps on 2 ranks: 6*1 + 6*2 = 18 (not 36)
     assert float(m["metric_sum"]) == 18.0
 
 
-class AccModule(MNISTClassifier):
-    pass
+class SumOfRanks(BoringModel):
+    def __init__(self):
+        super().__init__()
+        self.metric = SumMetric()
+
+    def training_step(self, batch, batch_idx):
+        self.metric.update(self.global_rank + 1)
+        self.log("metric_sum", self.metric, on_step=False, on_epoch=True)
+        return super().training_step(batch, batch_idx)
+
+
+def test_metric_states_stay_private_per_rank_with_spawn():
+    """Spawn pickles the module to the workers. multiprocessing's pickler would put every tensor --
+    metric states too -- in memory shared by all ranks, and both ranks would add into one SumMetric
+    (Lightning's own ddp_spawn reports 36 here). Ours pickles by value: 6*1 + 6*2 = 18."""
+    t = trainer(strategy="shm_ddp", devices=2, max_epochs=1, limit_train_batches=6, limit_val_batches=0)
+    t.fit(SumOfRanks())
+    assert float(t.callback_metrics["metric_sum"]) == 18.0
 
 
 def test_torchmetrics_accuracy_is_computed_over_all_ranks():
