@@ -306,6 +306,8 @@ class ShardedStateStrategy(SHMStrategyBase):
         return self.state_manager
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
+        if self.state_manager is None:  # the main process (after fit it holds the full weights)
+            return super().lightning_module_state_dict()
         return self._manager().full_state_dict()
 
     def full_state_dict(self) -> dict[str, Any]:

@@ -124,6 +124,16 @@ def test_checkpoint_is_plain_and_resumes_on_ddp_and_other_world_size(tmp_path):
         torch.testing.assert_close(resumed, straight, rtol=0, atol=1e-6)
 
 
+def test_save_checkpoint_in_the_main_process_after_fit(tmp_path):
+    pl.seed_everything(0)
+    model = MNISTClassifier()
+    t = trainer(strategy="shm_fsdp_fork", devices=2, max_epochs=1)
+    t.fit(model, loader(mnist_like(48), 12))
+    t.save_checkpoint(tmp_path / "main.ckpt")  # main process: the plain, fully trained module
+    restored = MNISTClassifier.load_from_checkpoint(tmp_path / "main.ckpt")
+    torch.testing.assert_close(flat_params(restored), flat_params(model))
+
+
 def test_validate_and_predict_run_on_shards():
     pl.seed_everything(0)
     model = MNISTClassifier()
