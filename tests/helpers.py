@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from lightning_shm.models import MNISTClassifier
 
 QUIET = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
              num_sanity_val_steps=0, accelerator="cpu")
@@ -66,12 +69,45 @@ def train_mnist(strategy: Any, devices: int, optimizer: str, *, batch: int, mode
     return flat_params(model).double()  # 64-true trains a float64 copy; the main-process model stays float32
 
 
-from lightning_shm.models import MNISTClassifier  # noqa: E402
-
-
-class SchedClassifier(MNISTClassifier):  # type: ignore[no-redef]
+class SchedClassifier(MNISTClassifier):
     """The MNIST module plus an LR schedule, so schedulers are part of the parity checks."""
 
     def configure_optimizers(self):
         opt = super().configure_optimizers()
         return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)}
+
+
+# ---------------------------------------------------------------------- checkpoint / resume runs
+def fit_adam64(strategy: Any, devices: int, epochs: int, batch: int, ds: TensorDataset, *, ckpt_dir: Any = None,
+               ckpt_path: Any = None, monitor: Optional[str] = None) -> tuple[torch.Tensor, Optional[str]]:
+    """Adam in float64 from seed 1: the runs the checkpoint tests compare (uninterrupted vs. resumed).
+
+    ``ckpt_dir`` saves a checkpoint (``monitor``: on that validation value, with EarlyStopping
+    watching it too); returns the trained weights and the checkpoint path.
+    """
+    pl.seed_everything(1)
+    model = MNISTClassifier(optimizer="adam", lr=1e-3)
+    callbacks: list[Any] = []
+    if ckpt_dir is not None:
+        callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, monitor=monitor))
+        if monitor:
+            callbacks.append(EarlyStopping(monitor, patience=5))
+    val = DataLoader(ds, batch_size=batch) if monitor else None
+    t = trainer(strategy=strategy, devices=devices, max_epochs=epochs, enable_checkpointing=bool(callbacks),
+                callbacks=callbacks, precision="64-true", limit_val_batches=1 if monitor else 0)
+    t.fit(model, loader(ds, batch), val, ckpt_path=ckpt_path)
+    return flat_params(model).double(), (callbacks[0].best_model_path if callbacks else None)
+
+
+def check_plain_checkpoint(path: str) -> tuple[dict[str, Any], MNISTClassifier, torch.optim.Adam]:
+    """A checkpoint of a sharded strategy must look like one process wrote it: plain keys and shapes,
+    an optimizer state a plain Adam loads, ``load_from_checkpoint`` in a single process."""
+    ckpt = torch.load(path, weights_only=False)
+    plain = MNISTClassifier()
+    assert list(ckpt["state_dict"]) == list(plain.state_dict())
+    assert all(ckpt["state_dict"][k].shape == v.shape for k, v in plain.state_dict().items())
+    adam = torch.optim.Adam(plain.parameters(), lr=1e-3)
+    adam.load_state_dict(ckpt["optimizer_states"][0])
+    single = MNISTClassifier.load_from_checkpoint(path)
+    torch.testing.assert_close(single.state_dict()["net.1.weight"], ckpt["state_dict"]["net.1.weight"].float())
+    return ckpt, plain, adam

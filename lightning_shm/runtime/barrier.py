@@ -52,7 +52,6 @@ class Barrier:
         self._me = self._rows[index]
         self._peers = [(j, r) for j, r in enumerate(self._rows) if j != index]
         self._index = index
-        self._size = size
         self._waiter = waiter
         self._label = label
         self.gen = words[self._me]  # 0 on a fresh segment

@@ -117,7 +117,6 @@ class Group:
         self.global_rank = global_rank
         self.key = key
         self.config = config
-        self._seg = segment
         self._alloc = alloc
         self._waiter = waiter
         self._barrier = Barrier(segment.words(), 0, self.ranks, self.index, waiter, f"group {list(self.ranks)}")

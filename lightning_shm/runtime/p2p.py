@@ -64,7 +64,6 @@ class Channel:
         self._payload = [segment.tensor(torch.uint8, base + s * config.slot_bytes, config.slot_bytes)
                          for s in range(config.slots)]
         self._count = self._w[_HEAD] if self._is_sender else self._w[_TAIL]
-        self._seg = segment
         self.bytes_sent = 0
 
     def send(self, tensor: torch.Tensor) -> None:

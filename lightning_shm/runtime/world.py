@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Optional, Sequence
 
-import torch
 
 from lightning_shm.runtime.group import Group, GroupConfig
 from lightning_shm.runtime.messages import recv, send
@@ -143,10 +142,3 @@ class World:
 
     def __repr__(self) -> str:
         return f"World(rank={self.rank}, size={self.size})"
-
-
-def set_thread_budget(world_size: int) -> int:
-    n = thread_budget(world_size)
-    torch.set_num_threads(n)
-    os.environ["OMP_NUM_THREADS"] = str(n)
-    return n

@@ -47,7 +47,6 @@ class SHMStrategyBase(ParallelStrategy):
         runtime: full runtime configuration (overrides ``timeout``).
     """
 
-    strategy_name = "shm"
 
     def __init__(self, accelerator: Optional["pl.accelerators.Accelerator"] = None,
                  parallel_devices: Optional[list[torch.device]] = None,

@@ -31,7 +31,6 @@ class SHMDDPStrategy(SHMStrategyBase):
         **kwargs: see :class:`~lightning_shm.strategies.base.SHMStrategyBase` (start_method, timeout).
     """
 
-    strategy_name = "shm_ddp"
 
     def __init__(self, *args: Any, bucket_cap_mb: float = 25.0, find_unused_parameters: bool = False,
                  broadcast_buffers: bool = True, **kwargs: Any) -> None:

@@ -36,7 +36,6 @@ class SHMFSDPStrategy(ShardedStateStrategy):
         **kwargs: see :class:`~lightning_shm.strategies.base.SHMStrategyBase`.
     """
 
-    strategy_name = "shm_fsdp"
 
     def __init__(self, *args: Any, unit_policy: Union[None, int, Callable[[str, nn.Module], bool]] = None,
                  reshard_after_forward: bool = True, **kwargs: Any) -> None:

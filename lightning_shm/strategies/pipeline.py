@@ -20,7 +20,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
@@ -59,7 +59,6 @@ class SHMPipeline(ShardedStateStrategy):
         **kwargs: see :class:`~lightning_shm.strategies.base.SHMStrategyBase`.
     """
 
-    strategy_name = "shm_pipeline"
 
     def __init__(self, *args: Any, pipeline_parallel_size: int = 2, microbatches: int = 4,
                  schedule: str = "1f1b", virtual_stages: Optional[int] = None,
@@ -84,7 +83,6 @@ class SHMPipeline(ShardedStateStrategy):
         self.engine: Optional[PipelineEngine] = None
         self.stage: Optional[PipelineStage] = None
         self.chunk_starts: Optional[list[int]] = None
-        self.split_method = ""
         self._groups: Optional[ParallelGroups] = None
         self._sync_grads = True
         self._warned_short = False
@@ -148,7 +146,9 @@ class SHMPipeline(ShardedStateStrategy):
             plan = plan_chunks(seq, sched.chunks, self.split_points, sample, stages=sched.stages)
         else:
             plan = None
-        self.chunk_starts, self.split_method = self.group.broadcast_object(plan, src=0)
+        self.chunk_starts, split_method = self.group.broadcast_object(plan, src=0)
+        rank_zero_info(f"shm_pipeline: {sched.chunks} chunks of {len(seq)} layers start at {self.chunk_starts} "
+                       f"(split by {split_method}), schedule {sched.kind.value}, {sched.microbatches} microbatches")
         pp_index = self._groups.coords.pp
         self.stage = PipelineStage(seq, self.chunk_starts, sched.chunks_of(pp_index))
         replace_submodule(module, path, self.stage)

@@ -34,7 +34,6 @@ class SHMTensorParallel(ShardedStateStrategy):
         **kwargs: see :class:`~lightning_shm.strategies.base.SHMStrategyBase`.
     """
 
-    strategy_name = "shm_tp"
 
     def __init__(self, *args: Any, tensor_parallel_size: int = 2, plan: Optional[Mapping[str, str]] = None,
                  sequential: Optional[str] = None, **kwargs: Any) -> None:

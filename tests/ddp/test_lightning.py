@@ -16,7 +16,7 @@ from torchmetrics import SumMetric
 
 from lightning_shm import SHMDDPStrategy
 from lightning_shm.models import MNISTClassifier
-from tests.helpers import flat_params, loader, mnist_like, trainer
+from tests.helpers import fit_adam64, flat_params, loader, mnist_like, trainer
 
 
 # ---------------------------------------------------------------------- contract
@@ -142,19 +142,9 @@ def test_fit_returns_weights_metrics_and_best_model_path(tmp_path):
 
 def test_resume_from_checkpoint_equals_uninterrupted_training(tmp_path):
     ds = mnist_like(64)
-
-    def run(max_epochs, ckpt_path=None, save=False):
-        pl.seed_everything(1)
-        model = MNISTClassifier(optimizer="adam", lr=1e-3)
-        cb = [ModelCheckpoint(dirpath=tmp_path, save_last=True)] if save else []
-        t = trainer(strategy="shm_ddp_fork", devices=2, max_epochs=max_epochs, enable_checkpointing=save,
-                    callbacks=cb, precision="64-true")
-        t.fit(model, loader(ds, 8), ckpt_path=ckpt_path)
-        return flat_params(model).double()
-
-    straight = run(3)
-    run(1, save=True)
-    resumed = run(3, ckpt_path=str(tmp_path / "last.ckpt"))
+    straight, _ = fit_adam64("shm_ddp_fork", 2, 3, 8, ds)
+    _, path = fit_adam64("shm_ddp_fork", 2, 1, 8, ds, ckpt_dir=tmp_path)
+    resumed, _ = fit_adam64("shm_ddp_fork", 2, 3, 8, ds, ckpt_path=path)
     torch.testing.assert_close(resumed, straight, rtol=0, atol=1e-6)  # main-process model is float32: 1e-6 ~ a few ulp
 
 

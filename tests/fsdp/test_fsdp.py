@@ -7,7 +7,6 @@ import math
 import lightning.pytorch as pl
 import pytest
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -16,7 +15,17 @@ from lightning_shm import SHMFSDPStrategy
 from lightning_shm.models import MNISTClassifier
 from lightning_shm.parallel.fsdp import ShardedModule, UnitPolicy, find_units
 from lightning_shm.runtime import launch
-from tests.helpers import GLOBAL_BATCH, SchedClassifier, flat_params, loader, mnist_like, train_mnist, trainer
+from tests.helpers import (
+    GLOBAL_BATCH,
+    SchedClassifier,
+    check_plain_checkpoint,
+    fit_adam64,
+    flat_params,
+    loader,
+    mnist_like,
+    train_mnist,
+    trainer,
+)
 
 
 @pytest.fixture(scope="module")
@@ -97,30 +106,12 @@ def test_without_reshard_the_units_stay_gathered_until_backward():
 # ---------------------------------------------------------------------- checkpoints
 def test_checkpoint_is_plain_and_resumes_on_ddp_and_other_world_size(tmp_path):
     ds = mnist_like(GLOBAL_BATCH * 4)
-
-    def run(strategy, devices, epochs, ckpt_path=None, save=False):
-        pl.seed_everything(1)
-        model = MNISTClassifier(optimizer="adam", lr=1e-3)
-        cb = [ModelCheckpoint(dirpath=tmp_path, filename=f"{devices}", save_last=False)] if save else []
-        t = trainer(strategy=strategy, devices=devices, max_epochs=epochs, enable_checkpointing=save, callbacks=cb,
-                    precision="64-true")
-        t.fit(model, loader(ds, GLOBAL_BATCH // devices), ckpt_path=ckpt_path)
-        return flat_params(model).double(), (cb[0].best_model_path if save else None)
-
-    straight, _ = run("shm_fsdp_fork", 2, 3)
-    _, path = run("shm_fsdp_fork", 2, 1, save=True)
-    ckpt = torch.load(path, weights_only=False)
-    plain = MNISTClassifier()
-    assert list(ckpt["state_dict"]) == list(plain.state_dict())
-    assert all(ckpt["state_dict"][k].shape == v.shape for k, v in plain.state_dict().items())
-    # the optimizer state is a plain single-process Adam state
-    adam = torch.optim.Adam(plain.parameters(), lr=1e-3)
-    adam.load_state_dict(ckpt["optimizer_states"][0])
+    straight, _ = fit_adam64("shm_fsdp_fork", 2, 3, GLOBAL_BATCH // 2, ds)
+    _, path = fit_adam64("shm_fsdp_fork", 2, 1, GLOBAL_BATCH // 2, ds, ckpt_dir=tmp_path)
+    _, plain, adam = check_plain_checkpoint(path)
     assert adam.state[plain.net[1].weight]["exp_avg"].shape == (256, 784)
-    single = MNISTClassifier.load_from_checkpoint(path)
-    torch.testing.assert_close(single.state_dict()["net.1.weight"], ckpt["state_dict"]["net.1.weight"].float())
     for strategy, devices in (("shm_ddp_fork", 2), ("shm_fsdp_fork", 3)):
-        resumed, _ = run(strategy, devices, 3, ckpt_path=path)
+        resumed, _ = fit_adam64(strategy, devices, 3, GLOBAL_BATCH // devices, ds, ckpt_path=path)
         torch.testing.assert_close(resumed, straight, rtol=0, atol=1e-6)
 
 

@@ -7,7 +7,6 @@ import itertools
 import lightning.pytorch as pl
 import pytest
 import torch
-from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.demos.boring_classes import BoringModel
 from torch import nn
 from torch.utils.data import DataLoader
@@ -15,7 +14,19 @@ from torch.utils.data import DataLoader
 import lightning_shm  # noqa: F401
 from lightning_shm import SHMPipeline
 from lightning_shm.models import MNISTClassifier
-from tests.helpers import GLOBAL_BATCH, SchedClassifier, flat_params, loader, mnist_like, train_mnist, trainer
+from tests.helpers import (
+    GLOBAL_BATCH,
+    SEED,
+    flat_params,
+    reference_loader,
+    SchedClassifier,
+    check_plain_checkpoint,
+    fit_adam64,
+    loader,
+    mnist_like,
+    train_mnist,
+    trainer,
+)
 
 SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"]
 
@@ -40,6 +51,30 @@ def test_every_schedule_equals_one_process(references, schedule, P):
 def test_dp2_x_pp2_equals_one_process_with_the_global_batch(references, schedule):
     got = train_mnist(pp(2, schedule), 4, "adam", batch=GLOBAL_BATCH // 2)
     torch.testing.assert_close(got, references["adam"], rtol=0, atol=2e-5)
+
+
+class _SeesFallback(pl.Callback):
+    def on_train_epoch_end(self, trainer, pl_module):
+        pl_module.log("gpipe_fallback", float(trainer.strategy._warned_short))
+
+
+def test_short_last_batch_runs_with_fewer_microbatches_and_stays_exact():
+    """51 samples in batches of 24: the last batch (3) cannot be 4 microbatches and 3 is not a multiple
+    of the 2 stages that interleaving needs, so it runs as GPipe over 3 microbatches of one sample,
+    each loss weighted by its share of the batch."""
+    ds = mnist_like(2 * GLOBAL_BATCH + 3, seed=1)
+
+    def run(strategy, ref, callbacks=()):
+        pl.seed_everything(SEED)
+        model = MNISTClassifier(optimizer="sgd", lr=0.1)
+        dl = reference_loader(ds, GLOBAL_BATCH, SEED) if ref else loader(ds, GLOBAL_BATCH)
+        t = trainer(strategy=strategy, devices=1 if ref else 2, max_epochs=1, callbacks=list(callbacks))
+        t.fit(model, dl)
+        return flat_params(model), t
+
+    got, t = run(pp(2, "interleaved_1f1b"), ref=False, callbacks=[_SeesFallback()])
+    assert float(t.callback_metrics["gpipe_fallback"]) == 1.0
+    torch.testing.assert_close(got, run("auto", ref=True)[0], rtol=0, atol=2e-5)
 
 
 def test_checkpointing_accumulation_clipping_and_scheduler():
@@ -88,27 +123,11 @@ def test_predict_runs_forward_through_the_pipeline():
 
 def test_checkpoint_is_plain_resumable_and_monitors_work(tmp_path):
     ds = mnist_like(GLOBAL_BATCH * 4)
-
-    def run(strategy, devices, epochs, batch, ckpt_path=None, save=False):
-        pl.seed_everything(1)
-        model = MNISTClassifier(optimizer="adam", lr=1e-3)
-        cb = [ModelCheckpoint(dirpath=tmp_path, filename="pp", monitor="val_loss"),
-              EarlyStopping("val_loss", patience=5)] if save else []
-        t = trainer(strategy=strategy, devices=devices, max_epochs=epochs, enable_checkpointing=save, callbacks=cb,
-                    precision="64-true", limit_val_batches=1)
-        t.fit(model, loader(ds, batch), DataLoader(ds, batch_size=batch), ckpt_path=ckpt_path)
-        return flat_params(model).double(), (cb[0].best_model_path if save else None)
-
-    straight, _ = run("shm_ddp_fork", 2, 3, GLOBAL_BATCH // 2)
-    _, path = run(pp(2), 4, 1, GLOBAL_BATCH // 2, save=True)
-    ckpt = torch.load(path, weights_only=False)
-    plain = MNISTClassifier()
-    assert list(ckpt["state_dict"]) == list(plain.state_dict())
-    adam = torch.optim.Adam(plain.parameters())
-    adam.load_state_dict(ckpt["optimizer_states"][0])
-    MNISTClassifier.load_from_checkpoint(path)
+    straight, _ = fit_adam64("shm_ddp_fork", 2, 3, GLOBAL_BATCH // 2, ds, monitor="val_loss")
+    _, path = fit_adam64(pp(2), 4, 1, GLOBAL_BATCH // 2, ds, ckpt_dir=tmp_path, monitor="val_loss")
+    check_plain_checkpoint(path)
     for strategy, devices, batch in ((pp(2, "gpipe"), 2, GLOBAL_BATCH), ("shm_ddp_fork", 2, GLOBAL_BATCH // 2)):
-        resumed, _ = run(strategy, devices, 3, batch, ckpt_path=path)
+        resumed, _ = fit_adam64(strategy, devices, 3, batch, ds, ckpt_path=path, monitor="val_loss")
         torch.testing.assert_close(resumed, straight, rtol=0, atol=1e-6)
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import pytest
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -15,7 +14,15 @@ from lightning_shm.models import MNISTClassifier, build_mlp
 from lightning_shm.parallel.tp import derive_plan
 from lightning_shm.runtime import launch
 from lightning_shm.parallel.tp import TensorParallelModule
-from tests.helpers import GLOBAL_BATCH, SchedClassifier, flat_params, loader, mnist_like, train_mnist, trainer
+from tests.helpers import (
+    GLOBAL_BATCH,
+    SchedClassifier,
+    check_plain_checkpoint,
+    fit_adam64,
+    mnist_like,
+    train_mnist,
+    trainer,
+)
 
 
 def tp(size, **kw):
@@ -80,28 +87,12 @@ def test_distributed_inference_matches_one_process():
 
 def test_checkpoint_is_plain_and_resumable(tmp_path):
     ds = mnist_like(GLOBAL_BATCH * 4)
-
-    def run(strategy, devices, epochs, batch, ckpt_path=None, save=False):
-        pl.seed_everything(1)
-        model = MNISTClassifier(optimizer="adam", lr=1e-3)
-        cb = [ModelCheckpoint(dirpath=tmp_path, filename="tp")] if save else []
-        t = trainer(strategy=strategy, devices=devices, max_epochs=epochs, enable_checkpointing=save, callbacks=cb,
-                    precision="64-true")
-        t.fit(model, loader(ds, batch), ckpt_path=ckpt_path)
-        return flat_params(model).double(), (cb[0].best_model_path if save else None)
-
-    straight, _ = run("shm_ddp_fork", 2, 3, GLOBAL_BATCH // 2)
-    _, path = run(tp(2), 4, 1, GLOBAL_BATCH // 2, save=True)
-    ckpt = torch.load(path, weights_only=False)
-    plain = MNISTClassifier()
-    assert list(ckpt["state_dict"]) == list(plain.state_dict())
-    assert all(ckpt["state_dict"][k].shape == v.shape for k, v in plain.state_dict().items())
-    adam = torch.optim.Adam(plain.parameters())
-    adam.load_state_dict(ckpt["optimizer_states"][0])
+    straight, _ = fit_adam64("shm_ddp_fork", 2, 3, GLOBAL_BATCH // 2, ds)
+    _, path = fit_adam64(tp(2), 4, 1, GLOBAL_BATCH // 2, ds, ckpt_dir=tmp_path)
+    _, plain, adam = check_plain_checkpoint(path)
     assert adam.state[plain.net[4].weight]["exp_avg"].shape == (64, 256)
-    MNISTClassifier.load_from_checkpoint(path)
     for strategy, devices, batch in ((tp(2), 2, GLOBAL_BATCH), ("shm_ddp_fork", 2, GLOBAL_BATCH // 2)):
-        resumed, _ = run(strategy, devices, 3, batch, ckpt_path=path)
+        resumed, _ = fit_adam64(strategy, devices, 3, batch, ds, ckpt_path=path)
         torch.testing.assert_close(resumed, straight, rtol=0, atol=1e-6)
 
 

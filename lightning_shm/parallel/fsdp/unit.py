@@ -96,9 +96,7 @@ class FSDPUnit:
         for _, owner, attr, *_ in self.layout:
             del owner._parameters[attr]
             object.__setattr__(owner, attr, _EMPTY(self.dtype))
-        first_owner = spec.modules[0][1]
-        first_owner.register_parameter(f"_fsdp_shard_{index}", self.shard)
-        self.shard_attr = (first_owner, f"_fsdp_shard_{index}")
+        spec.modules[0][1].register_parameter(f"_fsdp_shard_{index}", self.shard)
         self._live: Optional[torch.Tensor] = None  # full parameters of the current forward
         # full tensors awaiting their backward, by application. Held strongly here: autograd keeps
         # only views of them (the Python object, and any weakref to it, would die after forward).
@@ -202,11 +200,6 @@ class FSDPUnit:
         for full in self.pending.values():
             self.free(full)
         self.pending.clear()
-
-    def remove_hooks(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
 
 
 class MemoryStats:

@@ -19,7 +19,7 @@ from typing import Mapping, Optional
 
 from torch import nn
 
-from lightning_shm.parallel.tp.layers import ColumnParallelLinear, RowParallelLinear, ShardedLayerNorm, even_split_sizes
+from lightning_shm.parallel.tp.layers import ColumnParallelLinear, RowParallelLinear, ShardedLayerNorm
 from lightning_shm.runtime import Group
 
 STYLES = ("column", "row", "replicate")
@@ -117,7 +117,3 @@ def apply_plan(seq: nn.Sequential, plan: Mapping[str, str], prefix: str, group: 
             setattr(seq, name, new)
             replaced[q] = new
     return replaced
-
-
-def split_sizes(n: int, tp: int) -> list[int]:
-    return even_split_sizes(n, tp)
