@@ -147,6 +147,7 @@ def rows_for(model: str, world: int, gb: int, warmup: int, steps: int) -> list[R
         RunSpec("ddp_spawn (gloo)", "ddp_spawn", world, **common),
         RunSpec("shm_ddp", "shm_ddp", world, **common),
         RunSpec("shm_fsdp", "shm_fsdp", world, **common),
+        RunSpec("shm_fsdp, prefetch", "shm_fsdp", world, strategy_kwargs={"prefetch": True}, **common),
         RunSpec(f"shm_tp (tp={world})", "shm_tp", world, strategy_kwargs={"tensor_parallel_size": world},
                 data_parallel=1, **common),
         RunSpec(f"shm_pipeline (1f1b, P={world}, M=4)", "shm_pipeline", world, data_parallel=1,
@@ -209,6 +210,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         plot_data[model] = {s.row: res[s.row]["samples_per_s"] for s in specs}
     if not args.no_memory:
         lines.append(memory_table([2, 4], args.models))
+        lines.append(prefetch_table(args.models, args.global_batch, 4 if args.quick else 10, repeats))
         lines.append(tp_table([2, 4], args.models, args.global_batch))
         lines.append(pipeline_table([2, 4], [4, 8], args.global_batch, 3 if args.quick else 5))
     text = "\n".join(lines)
@@ -275,6 +277,72 @@ def memory_table(worlds: list[int], models: list[str]) -> str:
             mib = 2 ** 20
             lines.append(f"| {model} | {w} | {d / mib:.2f} | {f / mib:.2f} | {fsdp['peak'] / mib:.2f} | "
                          f"{f / d:.3f} | {(d / w + fsdp['largest_unit']) / mib:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def prefetch_worker(world: Any, hidden: list[int], policy: Optional[int], prefetch: bool, batch: int, steps: int,
+                    threads: int) -> dict[str, float]:
+    """Median FSDP training step (SGD) with and without prefetch, and the gather time it could hide."""
+    import statistics
+
+    from torch import nn
+
+    sys.path.insert(0, str(ROOT))
+    from lightning_shm.models import MNISTClassifier
+    from lightning_shm.parallel.fsdp import ShardedModule
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    model = MNISTClassifier(hidden_sizes=hidden)
+    sharded = ShardedModule(model, world.group(), policy, prefetch=prefetch)
+    opt = model.configure_optimizers()
+    x, y = torch.randn(batch, 1, 28, 28), torch.randint(0, 10, (batch,))
+    times = []
+    for _ in range(steps + 2):
+        t0 = time.perf_counter()
+        sharded.begin_step()
+        sharded.stats.reset_peak()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        world.group().barrier()
+        times.append(time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    for u in sharded.units:  # one gather of every unit into fresh memory, as forward does
+        u._copy_shards_into(torch.empty(u.padded_numel))
+    gather = time.perf_counter() - t0
+    sharded.close()
+    return {"step_ms": statistics.median(times[2:]) * 1e3, "gather_ms": gather * 1e3,
+            "peak_mib": sharded.stats.peak / 2**20}
+
+
+def prefetch_table(models: list[str], global_batch: int, steps: int, repeats: int) -> str:
+    """shm_fsdp with and without prefetch where no core is free (W=2) and where one is (W=1, 1 thread),
+    with the default units and with units of >= 1M parameters (each LayerNorm merged into the next
+    Linear, so the unit prefetched during a Linear's compute is the next big one)."""
+    import statistics
+
+    from lightning_shm.runtime import launch
+
+    lines = [f"## shm_fsdp prefetch (runtime only, SGD, batch {global_batch // 2} per rank, median step of "
+             f"{repeats} repeats)\n", "| model | units | ranks x compute threads | step ms | step ms, prefetch | "
+             "prefetch speed-up | gathers per step ms | full params peak MiB | with prefetch |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    configs = [(m, None) for m in models] + ([("wide", 1_000_000)] if "wide" in models else [])
+    for model, policy in configs:
+        for w in (2, 1):
+            res: dict[bool, list[dict[str, float]]] = {False: [], True: []}
+            for _ in range(repeats):
+                for pf in (False, True):
+                    res[pf].append(launch(prefetch_worker, w, MODELS[model], policy, pf, global_batch // 2, steps, 1,
+                                          start_method="fork")[0])
+            med = {pf: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for pf, rs in res.items()}
+            off, on = med[False], med[True]
+            note = "a core free" if w < (os.cpu_count() or 1) else "no core free"
+            units = "per layer" if policy is None else f">= {policy:,} params"
+            lines.append(f"| {model} | {units} | {w} x 1 ({note}) | {off['step_ms']:.1f} | {on['step_ms']:.1f} | "
+                         f"{off['step_ms'] / on['step_ms']:.2f}x | {2 * off['gather_ms']:.1f} | "
+                         f"{off['peak_mib']:.2f} | {on['peak_mib']:.2f} |")
     return "\n".join(lines) + "\n"
 
 

@@ -32,6 +32,7 @@ def test_bench_strategies_runs_the_rows(tmp_path):
                "--steps", "20", "--repeats", "1", "--out-dir", str(tmp_path)], timeout=600)
     for row in ("single", "shm_ddp", "ceiling"):
         assert re.search(rf"\| {re.escape(row)}[^|]* \| [\d,]+ \|", out), out
+    assert "## shm_fsdp prefetch" in out and "| reference | per layer | 2 x 1" in out
     assert (tmp_path / "strategies_w2.png").exists()
 
 

@@ -17,12 +17,11 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Optional, Sequence
 
-
 from lightning_shm.runtime.group import Group, GroupConfig
 from lightning_shm.runtime.messages import recv, send
 from lightning_shm.runtime.p2p import Channel, ChannelConfig
 from lightning_shm.runtime.segment import Segment
-from lightning_shm.runtime.wait import WaitPolicy, Waiter
+from lightning_shm.runtime.wait import Waiter, WaitPolicy
 
 ABORT_WORD = 0  # control segment word: 0 = running, else the abort code set by the main process
 CONTROL_BYTES = 4096

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Iterator, Mapping, Optional, Union
 
+import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.seed import reset_seed
@@ -29,7 +30,6 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from torch import Tensor
 from torch.optim import Optimizer
 
-import lightning.pytorch as pl
 from lightning_shm.parallel.ddp import GradReducer, broadcast_module_state
 from lightning_shm.runtime import Group, RuntimeConfig, Topology, World
 from lightning_shm.runtime.launcher import START_METHODS

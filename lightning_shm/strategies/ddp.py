@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import lightning.pytorch as pl
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 
-import lightning.pytorch as pl
 from lightning_shm.parallel.ddp import GradReducer, broadcast_tensors
 from lightning_shm.strategies.base import SHMStrategyBase
 

@@ -33,15 +33,19 @@ class SHMFSDPStrategy(ShardedStateStrategy):
             or a callable ``(name, module) -> bool`` marking unit roots.
         reshard_after_forward: free a unit's full parameters after its forward and gather them
             again for backward (ZeRO-3); False keeps them until the unit's backward (ZeRO-2-like).
+        prefetch: gather the next unit on a helper thread while the current one computes. Costs one
+            more unit's full parameters; faster only when cores are left over (e.g. devices <
+            cores with OMP_NUM_THREADS=1) -- see README "shm_fsdp" for the measurement.
         **kwargs: see :class:`~lightning_shm.strategies.base.SHMStrategyBase`.
     """
 
 
     def __init__(self, *args: Any, unit_policy: Union[None, int, Callable[[str, nn.Module], bool]] = None,
-                 reshard_after_forward: bool = True, **kwargs: Any) -> None:
+                 reshard_after_forward: bool = True, prefetch: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.unit_policy = UnitPolicy.parse(unit_policy)
         self.reshard_after_forward = reshard_after_forward
+        self.prefetch = prefetch
         self.sharded: Optional[ShardedModule] = None
 
     def validate_model(self, module: "pl.LightningModule", trainer: Optional["pl.Trainer"] = None,
@@ -60,7 +64,8 @@ class SHMFSDPStrategy(ShardedStateStrategy):
 
     def setup(self, trainer: "pl.Trainer") -> None:
         self.prepare_model(trainer)  # shards are cut from rank 0's weights
-        self.sharded = ShardedModule(self.lightning_module, self.group, self.unit_policy, self.reshard_after_forward)
+        self.sharded = ShardedModule(self.lightning_module, self.group, self.unit_policy, self.reshard_after_forward,
+                                     self.prefetch)
         self.state_manager = self.sharded
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)  # configure_optimizers sees only the local shards
@@ -77,6 +82,11 @@ class SHMFSDPStrategy(ShardedStateStrategy):
         out = super().optimizer_step(optimizer, closure, model, **kwargs)
         self.group.barrier()  # every shard updated before any rank gathers for the next forward
         return out
+
+    def teardown(self) -> None:
+        if self.sharded is not None:
+            self.sharded.close()
+        super().teardown()
 
     @classmethod
     def register_strategies(cls, strategy_registry: StrategyRegistry) -> None:

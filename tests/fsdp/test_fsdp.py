@@ -43,8 +43,8 @@ def test_fsdp_equals_one_process_and_ddp(references, world_size, optimizer):
     torch.testing.assert_close(got, ddp, rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("kwargs", [dict(reshard_after_forward=False), dict(unit_policy=100_000)],
-                         ids=["no-reshard", "merged-units"])
+@pytest.mark.parametrize("kwargs", [dict(reshard_after_forward=False), dict(unit_policy=100_000), dict(prefetch=True)],
+                         ids=["no-reshard", "merged-units", "prefetch"])
 def test_fsdp_variants_equal_one_process(references, kwargs):
     got = train_mnist(SHMFSDPStrategy(start_method="fork", **kwargs), 2, "adam", batch=GLOBAL_BATCH // 2)
     torch.testing.assert_close(got, references["adam"], rtol=0, atol=1e-5)
@@ -101,6 +101,51 @@ def test_each_rank_persistently_holds_ceil_numel_over_w_per_unit(world_size):
 def test_without_reshard_the_units_stay_gathered_until_backward():
     (_, _, live, fwd_peak, padded, _), _ = launch(_shard_and_step, 2, False, start_method="fork")
     assert live == 0 and fwd_peak == max(padded)  # no-grad forward frees at once either way
+
+
+def _steps_with_prefetch(world, prefetch):
+    torch.manual_seed(0)
+    model = MNISTClassifier(optimizer="adam")
+    sharded = ShardedModule(model, world.group(), prefetch=prefetch)
+    opt = model.configure_optimizers()
+    torch.manual_seed(1 + world.rank)
+    outs, peaks = [], []
+    for _ in range(3):
+        x, y = torch.randn(16, 1, 28, 28), torch.randint(0, 10, (16,))
+        sharded.begin_step()
+        sharded.stats.reset_peak()
+        nn.functional.cross_entropy(model(x), y).backward()
+        peaks.append(sharded.stats.peak)
+        opt.step()
+        opt.zero_grad()
+        world.group().barrier()
+        with torch.no_grad():
+            outs.append(model(x))
+    # a forward cut short leaves a prefetched gather behind; new weights must not be served from it
+    with torch.no_grad():
+        model.net[1](model.net[0](x))
+    torch.manual_seed(7)  # the same new weights on every rank
+    other = MNISTClassifier(optimizer="adam")
+    sharded.load_full_state_dict(other.state_dict())
+    with torch.no_grad():
+        outs.append(model(x) - other(x))
+    live = sharded.stats.live
+    started = sharded.prefetcher.started if sharded.prefetcher else 0
+    sharded.close()
+    return torch.cat([u.shard.detach() for u in sharded.units]), outs, peaks, live, started
+
+
+def test_prefetch_changes_nothing_but_the_peak():
+    plain = launch(_steps_with_prefetch, 2, False, start_method="fork")
+    pre = launch(_steps_with_prefetch, 2, True, start_method="fork")
+    for (s0, o0, p0, live0, n0), (s1, o1, p1, live1, n1) in zip(plain, pre):
+        assert torch.equal(s0, s1)  # bitwise: the same copies, only earlier and on another thread
+        for a, b in zip(o0, o1):
+            assert torch.equal(a, b)
+        assert torch.equal(o1[-1], torch.zeros_like(o1[-1]))  # the stale prefetch was dropped
+        assert n0 == 0 and n1 > 0 and live0 == live1 == 0
+        # at most two neighbouring units' full parameters at once instead of one (net.1 + net.2)
+        assert all(b >= a for a, b in zip(p0, p1)) and max(p1) <= (200_960 + 512) * 4 + 16_448 * 4
 
 
 # ---------------------------------------------------------------------- checkpoints

@@ -17,13 +17,13 @@ from lightning_shm.models import MNISTClassifier
 from tests.helpers import (
     GLOBAL_BATCH,
     SEED,
-    flat_params,
-    reference_loader,
     SchedClassifier,
     check_plain_checkpoint,
     fit_adam64,
+    flat_params,
     loader,
     mnist_like,
+    reference_loader,
     train_mnist,
     trainer,
 )

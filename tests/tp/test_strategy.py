@@ -11,9 +11,8 @@ from torch.utils.data import DataLoader
 import lightning_shm  # noqa: F401
 from lightning_shm import SHMTensorParallel
 from lightning_shm.models import MNISTClassifier, build_mlp
-from lightning_shm.parallel.tp import derive_plan
+from lightning_shm.parallel.tp import TensorParallelModule, derive_plan
 from lightning_shm.runtime import launch
-from lightning_shm.parallel.tp import TensorParallelModule
 from tests.helpers import (
     GLOBAL_BATCH,
     SchedClassifier,

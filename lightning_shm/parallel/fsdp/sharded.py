@@ -18,15 +18,20 @@ import torch
 from torch import nn
 
 from lightning_shm.parallel.fsdp.policy import PolicyFn, UnitPolicy, find_units
+from lightning_shm.parallel.fsdp.prefetch import Prefetcher
 from lightning_shm.parallel.fsdp.unit import FSDPUnit, MemoryStats
 from lightning_shm.runtime import Group
 
 
 class ShardedModule:
-    """Owns the units of ``module`` on ``group``. Every rank constructs it with the same arguments."""
+    """Owns the units of ``module`` on ``group``. Every rank constructs it with the same arguments.
+
+    ``prefetch=True`` gathers the next unit on a helper thread while the current one computes
+    (one more unit's full parameters alive at a time); it pays off only with a core to spare.
+    """
 
     def __init__(self, module: nn.Module, group: Group, policy: Union[None, int, PolicyFn, UnitPolicy] = None,
-                 reshard_after_forward: bool = True) -> None:
+                 reshard_after_forward: bool = True, prefetch: bool = False) -> None:
         self.module = module
         self.group = group
         self.plain_keys = list(module.state_dict().keys())
@@ -40,15 +45,28 @@ class ShardedModule:
             raise ValueError(f"the FSDP unit policy selected no module with parameters in {type(module).__name__} "
                              f"({len(self.plain_param_names)} parameters): nothing to shard")
         self.stats = MemoryStats()
-        self.units = [FSDPUnit(spec, group, i, reshard_after_forward, self.stats) for i, spec in enumerate(specs)]
+        self.prefetcher = Prefetcher() if prefetch else None
+        self.units = [FSDPUnit(spec, group, i, reshard_after_forward, self.stats, self.prefetcher)
+                      for i, spec in enumerate(specs)]
+        # units are found in module order, which is the Sequential's execution order; for another
+        # order a prefetched gather is merely wasted (used later or dropped), never wrong
+        for a, b in zip(self.units, self.units[1:]):
+            a.next_unit, b.prev_unit = b, a
         self._unit_of = {id(u.shard): u for u in self.units}
         group.barrier()  # every shard is written before any rank gathers
 
     def begin_step(self) -> None:
         """Call before each training forward: releases leftovers of a forward without backward."""
         for u in self.units:
-            if u.pending:
+            if u.pending or u._prefetched is not None:
                 u.drop_pending()
+
+    def close(self) -> None:
+        """Stop the prefetch thread (if any) after its copies finished."""
+        if self.prefetcher is not None:
+            for u in self.units:
+                u.drop_pending()
+            self.prefetcher.close()
 
     # ------------------------------------------------------------------ model state
     def full_state_dict(self, rank0_only: bool = True) -> dict[str, Any]:

@@ -17,6 +17,9 @@ Per training step::
     backward of gather  reduce-scatter (mean) of the full gradient; the shard gets its 1/W slice;
                         free the full parameters again
 
+With a :class:`~lightning_shm.parallel.fsdp.prefetch.Prefetcher`, unit k's pre-forward also starts
+unit k+1's gather on a helper thread, and unit k's pre-backward starts unit k-1's re-gather.
+
 ``_GatherShards`` is the autograd edge between shard and full tensor: its forward is the gather,
 its backward the reduce-scatter, so the optimizer's gradient arrives on the shard without any
 hook on the gradient path.
@@ -31,6 +34,7 @@ import torch
 from torch import nn
 
 from lightning_shm.parallel.fsdp.policy import UnitSpec
+from lightning_shm.parallel.fsdp.prefetch import Prefetcher
 from lightning_shm.runtime import Group, SharedBuffer
 
 
@@ -56,8 +60,12 @@ class FSDPUnit:
     """Shards ``spec``'s parameters over ``group`` and installs the gather/free hooks."""
 
     def __init__(self, spec: UnitSpec, group: Group, index: int, reshard_after_forward: bool,
-                 stats: "MemoryStats") -> None:
+                 stats: "MemoryStats", prefetcher: Optional[Prefetcher] = None) -> None:
         self.name = spec.name
+        self.prefetcher = prefetcher
+        # neighbours in execution order (set by ShardedModule): whose gather to start early
+        self.next_unit: Optional[FSDPUnit] = None
+        self.prev_unit: Optional[FSDPUnit] = None
         self.group = group
         self.reshard_after_forward = reshard_after_forward
         self.stats = stats
@@ -102,6 +110,8 @@ class FSDPUnit:
         # only views of them (the Python object, and any weakref to it, would die after forward).
         self.pending: dict[int, torch.Tensor] = {}
         self._next_key = 0
+        # a full tensor being gathered ahead by the prefetcher, and the shard version it reads
+        self._prefetched: Optional[tuple[torch.Tensor, int]] = None
         self._handles = [spec.modules[0][1].register_forward_pre_hook(self._pre_forward)]
         self._handles.append(spec.modules[-1][1].register_forward_hook(self._post_forward))
 
@@ -112,6 +122,14 @@ class FSDPUnit:
             flat[j * S:(j + 1) * S].copy_(self.buffer.region(j))
 
     def gather_new(self) -> torch.Tensor:
+        if self._prefetched is not None:
+            full, version = self._prefetched
+            self._prefetched = None
+            assert self.prefetcher is not None
+            self.prefetcher.wait(full)
+            if version == self.shard._version:
+                return full
+            self.free(full)  # the shards changed (optimizer step, load) since it was started
         full = torch.empty(self.padded_numel, dtype=self.dtype)
         self._copy_shards_into(full)
         self.stats.alloc(full)
@@ -120,13 +138,49 @@ class FSDPUnit:
     def regather(self, full: torch.Tensor) -> None:
         """Refill a freed full tensor in place. Writes through a storage alias, so the version
         counter that autograd checks on the saved views is untouched."""
+        if self.prefetcher is not None:
+            self.prefetcher.wait(full)
+        view = self._refill_view(full)
+        if view is not None:
+            self._copy_shards_into(view)
+
+    def _refill_view(self, full: torch.Tensor) -> Optional[torch.Tensor]:
+        """Re-allocate a freed full tensor's storage; a storage alias to copy into (None if not freed)."""
         storage = full.untyped_storage()
-        if storage.nbytes() == 0:
-            storage.resize_(self.padded_numel * full.element_size())
-            self._copy_shards_into(torch.empty(0, dtype=self.dtype).set_(storage, 0, (self.padded_numel,)))
-            self.stats.alloc(full)
+        if storage.nbytes():
+            return None
+        storage.resize_(self.padded_numel * full.element_size())
+        self.stats.alloc(full)
+        return torch.empty(0, dtype=self.dtype).set_(storage, 0, (self.padded_numel,))
+
+    # ------------------------------------------------------------------ prefetch
+    def prefetch_gather(self) -> None:
+        """Start this unit's forward gather on the helper thread (called from the previous unit)."""
+        if self.prefetcher is None or self._prefetched is not None:
+            return
+        full = torch.empty(self.padded_numel, dtype=self.dtype)
+        self.stats.alloc(full)
+        self._prefetched = (full, self.shard._version)
+        self.prefetcher.submit(full, lambda: self._copy_shards_into(full))
+
+    def prefetch_regather(self) -> None:
+        """Start refilling the full tensor of this unit's latest forward (its backward runs next)."""
+        if self.prefetcher is None or not self.pending:
+            return
+        full = self.pending[max(self.pending)]
+        view = self._refill_view(full)
+        if view is not None:
+            self.prefetcher.submit(full, lambda: self._copy_shards_into(view))
+
+    def drop_prefetched(self) -> None:
+        if self._prefetched is not None:
+            full, _ = self._prefetched
+            self._prefetched = None
+            self.free(full)
 
     def free(self, full: torch.Tensor) -> None:
+        if self.prefetcher is not None:
+            self.prefetcher.wait(full)  # never release memory the helper thread is writing
         storage = full.untyped_storage()
         if storage.nbytes():
             self.stats.release(full)
@@ -149,6 +203,8 @@ class FSDPUnit:
             full = self.gather_new()
         self._live = full
         self._set_views(full)
+        if self.next_unit is not None:
+            self.next_unit.prefetch_gather()
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         full = self._live
@@ -161,6 +217,8 @@ class FSDPUnit:
                 if not fired[0]:
                     fired[0] = True
                     self.regather(full)
+                    if self.prev_unit is not None:
+                        self.prev_unit.prefetch_regather()
                 return grad
 
             for t in _tensors(output):
@@ -200,6 +258,7 @@ class FSDPUnit:
         for full in self.pending.values():
             self.free(full)
         self.pending.clear()
+        self.drop_prefetched()
 
 
 class MemoryStats:
