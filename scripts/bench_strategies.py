@@ -37,6 +37,7 @@ from lightning.pytorch.callbacks import Callback
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = {"reference": [256, 64], "wide": [4096, 4096]}
 DATASET_SAMPLES = 60_000
+TABLES = ("memory", "prefetch", "tp", "pipeline")
 
 
 @dataclass
@@ -171,7 +172,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--models", nargs="+", default=["reference", "wide"], choices=sorted(MODELS))
     p.add_argument("--global-batch", type=int, default=128)
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--no-memory", action="store_true", help="skip the per-rank memory table (FSDP vs DDP)")
+    p.add_argument("--no-memory", action="store_true", help="skip the extra tables (same as --tables without names)")
+    p.add_argument("--tables", nargs="*", default=list(TABLES), choices=list(TABLES),
+                   help="extra tables after the throughput rows (default: all)")
+    p.add_argument("--no-throughput", action="store_true", help="only the extra tables")
     p.add_argument("--rows", nargs="+", default=None, help="only these rows (by name prefix, e.g. shm_ddp "
                    "ddp_spawn); 'single' and 'ceiling' are always measured since the ratios refer to them")
     p.add_argument("--steps", type=int, default=None, help="measured steps (overrides the per-model default)")
@@ -187,7 +191,7 @@ def main(argv: Optional[list[str]] = None) -> None:
              f"{os.cpu_count()} cores, median of {repeats}\n"]
     plot_data = {}
     t_start = time.time()
-    for model in args.models:
+    for model in [] if args.no_throughput else args.models:
         steps = {"reference": (50, 1000), "wide": (3, 12)}[model]  # reference: windows of ~3 s
         warmup, n_steps = (steps[0], steps[1] // 3) if args.quick else steps
         n_steps = args.steps or n_steps
@@ -212,14 +216,19 @@ def main(argv: Optional[list[str]] = None) -> None:
                          f"{sps / ceiling:.2f}x |")
         lines.append("")
         plot_data[model] = {s.row: res[s.row]["samples_per_s"] for s in specs}
-    if not args.no_memory:
+    tables = [] if args.no_memory else args.tables
+    if "memory" in tables:
         lines.append(memory_table([2, 4], args.models))
+    if "prefetch" in tables:
         lines.append(prefetch_table(args.models, args.global_batch, 4 if args.quick else 10, repeats))
+    if "tp" in tables:
         lines.append(tp_table([2, 4], args.models, args.global_batch))
+    if "pipeline" in tables:
         lines.append(pipeline_table([2, 4], [4, 8], args.global_batch, 3 if args.quick else 5))
     text = "\n".join(lines)
     (args.out_dir / f"strategies_w{args.world_size}.md").write_text(text)
-    plot(args.out_dir / f"strategies_w{args.world_size}.png", plot_data, args.world_size)
+    if plot_data:
+        plot(args.out_dir / f"strategies_w{args.world_size}.png", plot_data, args.world_size)
     print(text)
     print(f"(written to {args.out_dir}/; {time.time() - t_start:.0f} s)")
 
@@ -299,10 +308,21 @@ def prefetch_worker(world: Any, hidden: list[int], policy: Optional[int], prefet
     torch.manual_seed(0)
     model = MNISTClassifier(hidden_sizes=hidden)
     sharded = ShardedModule(model, world.group(), policy, prefetch=prefetch)
+    gather = [0.0]  # seconds spent copying shards into full tensors (on whichever thread does it)
+    for u in sharded.units:
+        copy = u._copy_shards_into
+
+        def timed(flat: torch.Tensor, copy: Any = copy) -> None:
+            t0 = time.perf_counter()
+            copy(flat)
+            gather[0] += time.perf_counter() - t0
+
+        u._copy_shards_into = timed  # type: ignore[method-assign]
     opt = model.configure_optimizers()
     x, y = torch.randn(batch, 1, 28, 28), torch.randint(0, 10, (batch,))
-    times = []
+    times, gathers = [], []
     for _ in range(steps + 2):
+        gather[0] = 0.0
         t0 = time.perf_counter()
         sharded.begin_step()
         sharded.stats.reset_peak()
@@ -311,12 +331,9 @@ def prefetch_worker(world: Any, hidden: list[int], policy: Optional[int], prefet
         opt.zero_grad()
         world.group().barrier()
         times.append(time.perf_counter() - t0)
-    t0 = time.perf_counter()
-    for u in sharded.units:  # one gather of every unit into fresh memory, as forward does
-        u._copy_shards_into(torch.empty(u.padded_numel))
-    gather = time.perf_counter() - t0
+        gathers.append(gather[0])
     sharded.close()
-    return {"step_ms": statistics.median(times[2:]) * 1e3, "gather_ms": gather * 1e3,
+    return {"step_ms": statistics.median(times[2:]) * 1e3, "gather_ms": statistics.median(gathers[2:]) * 1e3,
             "peak_mib": sharded.stats.peak / 2**20}
 
 
@@ -330,7 +347,7 @@ def prefetch_table(models: list[str], global_batch: int, steps: int, repeats: in
 
     lines = [f"## shm_fsdp prefetch (runtime only, SGD, batch {global_batch // 2} per rank, median step of "
              f"{repeats} repeats)\n", "| model | units | ranks x compute threads | step ms | step ms, prefetch | "
-             "prefetch speed-up | gathers per step ms | full params peak MiB | with prefetch |",
+             "prefetch speed-up | gathering per step ms | full params peak MiB | with prefetch |",
              "|---|---|---|---:|---:|---:|---:|---:|---:|"]
     configs = [(m, None) for m in models] + ([("wide", 1_000_000)] if "wide" in models else [])
     for model, policy in configs:
@@ -345,7 +362,7 @@ def prefetch_table(models: list[str], global_batch: int, steps: int, repeats: in
             note = "a core free" if w < (os.cpu_count() or 1) else "no core free"
             units = "per layer" if policy is None else f">= {policy:,} params"
             lines.append(f"| {model} | {units} | {w} x 1 ({note}) | {off['step_ms']:.1f} | {on['step_ms']:.1f} | "
-                         f"{off['step_ms'] / on['step_ms']:.2f}x | {2 * off['gather_ms']:.1f} | "
+                         f"{off['step_ms'] / on['step_ms']:.2f}x | {off['gather_ms']:.1f} | "
                          f"{off['peak_mib']:.2f} | {on['peak_mib']:.2f} |")
     return "\n".join(lines) + "\n"
 
