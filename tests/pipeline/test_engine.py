@@ -80,4 +80,7 @@ def test_timelines_are_consistent(schedule, M, v):
 def test_gpipe_holds_more_activations_than_1f1b():
     gp = launch(train_pipeline, 4, HIDDEN, "gpipe", 8, 1, 2, 128, start_method="fork")
     ob = launch(train_pipeline, 4, HIDDEN, "1f1b", 8, 1, 2, 128, start_method="fork")
-    assert gp[0].peak_activation_bytes > 1.5 * ob[0].peak_activation_bytes  # 8 vs 4 microbatches alive
+    # stage 0 (Flatten, Linear) saves only views of the input batch: the same storage either way
+    assert gp[0].peak_activation_bytes == ob[0].peak_activation_bytes
+    for g, o in zip(gp[1:], ob[1:]):  # 8 microbatches alive vs at most P - stage
+        assert g.peak_activation_bytes > 1.5 * o.peak_activation_bytes

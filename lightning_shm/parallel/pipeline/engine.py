@@ -10,7 +10,8 @@ Data movement per action (chunk c of V, microbatch m)::
 
 ``act[c]`` / ``grad[c]`` are point-to-point channels between the ranks of chunks c and c+1: no
 barrier, no other rank involved. Every compute action is timed into :attr:`timeline`; the bytes of
-tensors autograd saves for backward are counted per (m, c) to report peak activation memory.
+storages autograd saves for backward are recorded per (m, c) to report peak activation memory; a
+storage shared by several microbatches (the batch they were cut from) counts once.
 """
 
 from __future__ import annotations
@@ -108,7 +109,7 @@ class PipelineEngine:
         self.timeline: list[Record] = []
         self.peak_activation_bytes = 0
         self._store: dict[tuple[int, int], tuple[torch.Tensor, Any]] = {}
-        self._saved: dict[tuple[int, int], int] = {}
+        self._saved: dict[tuple[int, int], dict[int, int]] = {}  # (m, c) -> {storage ptr: bytes}
         self._stash: dict[tuple[int, int], list[tuple[nn.Parameter, torch.Tensor, torch.Tensor]]] = {}
         self._current: Optional[tuple[int, int]] = None
 
@@ -145,11 +146,12 @@ class PipelineEngine:
         if c > 0 and training and x.is_floating_point():
             x.requires_grad_(True)
         chunk = self.chunks[c]
-        saved = [0]
+        saved: dict[int, int] = {}
 
         def pack(t: torch.Tensor) -> torch.Tensor:
-            if t.untyped_storage().data_ptr() not in self._param_ptrs:
-                saved[0] += t.untyped_storage().nbytes()
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in self._param_ptrs:
+                saved[storage.data_ptr()] = storage.nbytes()
             return t
 
         t0 = time.perf_counter()
@@ -160,7 +162,9 @@ class PipelineEngine:
         self._record("F", m, c, t0)
         if training:
             self._store[(m, c)] = (x, out)
-            self._saved[(m, c)] = saved[0] + (x.untyped_storage().nbytes() if self.checkpointing else 0)
+            if self.checkpointing:  # only the chunk input is kept
+                saved = {x.untyped_storage().data_ptr(): x.untyped_storage().nbytes()}
+            self._saved[(m, c)] = saved
             self._update_peak()
         if not last:
             self.act_out[c].send(out.detach())
@@ -202,9 +206,14 @@ class PipelineEngine:
         self.timeline.append(Record(kind, mb, chunk, t0, time.perf_counter()))
 
     def _update_peak(self) -> None:
-        stash = sum(x.untyped_storage().nbytes() + g.untyped_storage().nbytes()
-                    for items in self._stash.values() for _, x, g in items)
-        self.peak_activation_bytes = max(self.peak_activation_bytes, sum(self._saved.values()) + stash)
+        alive: dict[int, int] = {}
+        for storages in self._saved.values():
+            alive.update(storages)
+        for items in self._stash.values():
+            for _, x, g in items:
+                for t in (x, g):
+                    alive[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        self.peak_activation_bytes = max(self.peak_activation_bytes, sum(alive.values()))
 
     def _reset(self) -> None:
         self.timeline = []
