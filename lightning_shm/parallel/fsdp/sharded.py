@@ -58,8 +58,7 @@ class ShardedModule:
     def begin_step(self) -> None:
         """Call before each training forward: releases leftovers of a forward without backward."""
         for u in self.units:
-            if u.pending or u._prefetched is not None:
-                u.drop_pending()
+            u.drop_pending()
 
     def close(self) -> None:
         """Stop the prefetch thread (if any) after its copies finished."""

@@ -254,7 +254,8 @@ class FSDPUnit:
             self.shard.copy_(flat[r * S:(r + 1) * S])
 
     def drop_pending(self) -> None:
-        """Free full parameters of forwards whose backward never ran (e.g. a skipped step)."""
+        """Free full parameters of forwards whose backward never ran (e.g. a skipped step) and any
+        prefetched gather not taken."""
         for full in self.pending.values():
             self.free(full)
         self.pending.clear()
