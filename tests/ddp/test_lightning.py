@@ -14,7 +14,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from torch.utils.data import DataLoader
 from torchmetrics import SumMetric
 
-from lightning_shm import SHMDDPStrategy
+from lightning_shm import SHMDDPStrategy, SHMFSDPStrategy, SHMPipeline, SHMTensorParallel
 from lightning_shm.models import MNISTClassifier
 from tests.helpers import fit_adam64, flat_params, loader, mnist_like, trainer
 
@@ -42,8 +42,12 @@ def test_bad_arguments():
         SHMDDPStrategy(start_method="thread")
 
 
-def test_teardown_of_a_strategy_never_set_up():
-    SHMDDPStrategy().teardown()
+@pytest.mark.parametrize("cls", [SHMDDPStrategy, SHMFSDPStrategy, SHMTensorParallel, SHMPipeline])
+def test_teardown_of_a_strategy_never_set_up(cls):
+    strategy = cls()
+    strategy.teardown()  # Lightning tears down after a failed setup too: must not raise
+    strategy.teardown()
+    assert strategy.model is None and strategy.lightning_module is None
 
 
 # ---------------------------------------------------------------------- logging & metrics
