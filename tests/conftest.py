@@ -1,4 +1,4 @@
-"""Shared fixtures. Every test is checked for leaked /dev/shm entries (a full /dev/shm is a bus error)."""
+"""Shared fixtures. Every test is checked for leaked /dev/shm segments (a full /dev/shm is a bus error)."""
 
 from __future__ import annotations
 
@@ -8,25 +8,24 @@ from pathlib import Path
 import pytest
 import torch
 
+from lightning_shm.runtime.segment import list_owned
+
 ROOT = Path(__file__).resolve().parents[1]
 MNIST_DIR = (ROOT / ".." / "shared" / "data" / "mnist").resolve()
 
 
-def _shm_entries() -> set[str]:
-    try:
-        return set(os.listdir("/dev/shm"))
-    except FileNotFoundError:
-        return set()
-
-
 @pytest.fixture(autouse=True)
 def no_shm_leak():
-    """Fail any test that leaves a new entry in /dev/shm behind."""
-    before = _shm_entries()
+    """Fail any test that leaves a segment of this test process behind.
+
+    Only this process's own segments count (their names carry its pid; see ``segment.list_owned``):
+    other programs on the machine may use /dev/shm as they like. Tests that start scripts in
+    processes of their own check those processes' segments themselves."""
+    before = set(list_owned())
     yield
-    leaked = sorted(_shm_entries() - before)
+    leaked = sorted(set(list_owned()) - before)
     if leaked:
-        pytest.fail(f"test left shared-memory entries behind in /dev/shm: {leaked}")
+        pytest.fail(f"test left shared-memory segments behind in /dev/shm: {leaked}")
 
 
 @pytest.fixture(autouse=True)

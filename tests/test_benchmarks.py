@@ -10,8 +10,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run(args: list[str], timeout: int = 300) -> str:
-    out = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+def run(args: list[str]) -> str:
+    """No wall-clock limit of its own: how long a benchmark takes depends on the machine's load; pytest's
+    per-test timeout (pyproject) still catches a hang."""
+    out = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]
     return out.stdout
 
@@ -29,7 +31,7 @@ def test_bench_collectives_prints_table_plot_and_summary(tmp_path):
 
 def test_bench_strategies_runs_the_rows(tmp_path):
     out = run(["scripts/bench_strategies.py", "--quick", "--models", "reference", "--rows", "shm_ddp",
-               "--steps", "20", "--repeats", "1", "--out-dir", str(tmp_path)], timeout=600)
+               "--steps", "20", "--repeats", "1", "--out-dir", str(tmp_path)])
     for row in ("single", "shm_ddp", "ceiling"):
         assert re.search(rf"\| {re.escape(row)}[^|]* \| [\d,]+ \|", out), out
     assert "## shm_fsdp prefetch" in out and "| reference | per layer | 2 x 1" in out

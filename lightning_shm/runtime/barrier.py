@@ -57,7 +57,7 @@ class Barrier:
         self.gen = words[self._me]  # 0 on a fresh segment
 
     def wait(self, seq: int, op: int, dtype: int, numel: int, root: int, check_numel: bool = True,
-             check: bool = True) -> int:
+             check: bool = True, check_root: bool = True) -> int:
         """Enter the next generation announcing (seq, op, dtype, numel, root); return the generation."""
         w = self._w
         g = self.gen + 1
@@ -71,21 +71,23 @@ class Barrier:
         w[self._me] = g  # publish: everything above is visible to whoever sees this
         for j, row in self._peers:
             if w[row] < g:
-                self._waiter.wait_ge(w, row, g, lambda: self._timeout_message(g, seq, op))
+                self._waiter.wait_ge(w, row, g, lambda: self._timeout_message(g, seq, op),
+                                     lambda: self.missing(g))
         if check:
-            self._check(g, seq, op, dtype, numel, root, check_numel)
+            self._check(g, seq, op, dtype, numel, root, check_numel, check_root)
         return g
 
     def peer_field(self, member: int, g: int, field: str) -> int:
         """A field of ``member``'s descriptor for generation ``g`` (valid right after ``wait``)."""
         return self._w[self._rows[member] + _DESC_BASE[g & 1] + DESC_FIELDS.index(field)]
 
-    def _check(self, g: int, seq: int, op: int, dtype: int, numel: int, root: int, check_numel: bool) -> None:
+    def _check(self, g: int, seq: int, op: int, dtype: int, numel: int, root: int, check_numel: bool,
+               check_root: bool) -> None:
         w = self._w
         base = _DESC_BASE[g & 1]
         for j, row in self._peers:
             d = row + base
-            if w[d] != seq or w[d + 1] != op or w[d + 2] != dtype or w[d + 4] != root or (
+            if w[d] != seq or w[d + 1] != op or w[d + 2] != dtype or (check_root and w[d + 4] != root) or (
                 check_numel and w[d + 3] != numel
             ):
                 mine = dict(zip(DESC_FIELDS, (seq, op, dtype, numel, root)))
@@ -97,8 +99,12 @@ class Barrier:
                     f"order with matching dtypes and sizes."
                 )
 
+    def missing(self, g: int) -> list[int]:
+        """Global ranks that have not entered generation ``g``."""
+        return [self._ranks[j] for j, row in self._peers if self._w[row] < g]
+
     def _timeout_message(self, g: int, seq: int, op: int) -> str:
-        missing = [self._ranks[j] for j, row in self._peers if self._w[row] < g]
+        missing = self.missing(g)
         return (
             f"{self._label}: {op_name(op)} (collective #{seq}, generation {g}) timed out after "
             f"{self._waiter.policy.timeout_s:g} s on rank {self._ranks[self._index]}: rank(s) {missing} "

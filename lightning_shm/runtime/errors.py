@@ -6,6 +6,8 @@ processes can be understood from the single traceback the main process re-raises
 
 from __future__ import annotations
 
+from typing import Any, Sequence
+
 
 class SHMRuntimeError(RuntimeError):
     """Base class of every runtime failure."""
@@ -23,7 +25,14 @@ class PeerAbortedError(SHMRuntimeError):
 
 
 class BarrierTimeoutError(SHMRuntimeError, TimeoutError):
-    """A wait exceeded its timeout; the message names the ranks that did not arrive."""
+    """A wait exceeded its timeout; the message names the ranks that did not arrive (``missing``)."""
+
+    def __init__(self, message: str, missing: Sequence[int] = ()) -> None:
+        super().__init__(message)
+        self.missing = list(missing)
+
+    def __reduce__(self) -> Any:  # keep ``missing`` (and notes) across the pipe to the main process
+        return (type(self), (self.args[0] if self.args else "", self.missing), self.__dict__)
 
 
 class CollectiveMismatchError(SHMRuntimeError):

@@ -183,6 +183,18 @@ class Group:
         self._seq += 1
         self._sync(Coll.BARRIER, 0, 0, 0, check=True)
 
+    def vote_max(self, value: int) -> int:
+        """The largest of every member's ``value`` (an int >= 0), for the price of one barrier: each
+        value travels in its member's barrier descriptor. Members use it to agree, at the same point
+        of their programs, on something each saw at a different moment (a stop request)."""
+        if value < 0:
+            raise ValueError(f"vote_max takes ints >= 0, got {value}")
+        if self.size == 1:
+            return value
+        self._seq += 1
+        g = self._barrier.wait(self._seq, Coll.VOTE, 0, 0, value, check_root=False)
+        return max(self._barrier.peer_field(j, g, "root") for j in range(self.size))
+
     # ------------------------------------------------------------------ all-reduce
     def all_reduce(self, tensor: torch.Tensor, op: Any = "sum") -> torch.Tensor:
         """In-place reduction of ``tensor`` over the group; returns ``tensor``."""

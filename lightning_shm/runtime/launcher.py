@@ -2,25 +2,36 @@
 
 The main process:
 
-1. sweeps segments left by dead runs, creates the control segment (abort flag);
-2. starts W processes (``spawn`` by default, ``fork`` selectable) running ``fn(world, *args)``;
-3. loops on ``multiprocessing.connection.wait`` over the workers' pipes *and* process sentinels:
-   it creates segments on request (it is the only creator, see :mod:`.segment`), collects results,
-   and notices a worker that raised or died (SIGKILL, segfault, OOM) the moment it happens;
-4. on the first failure sets the abort flag -- every waiting rank raises
-   :class:`PeerAbortedError` within milliseconds -- gives the others ``abort_grace_s`` to stop,
-   then terminates / kills the rest;
-5. re-raises the failing worker's own exception (same type and message, its traceback text as
-   ``__cause__``), or :class:`WorkerDiedError` naming the rank and signal;
-6. unlinks every segment in ``finally``: normal exit, worker exception, worker SIGKILL, Ctrl-C
-   or SIGTERM to the main process (SIGTERM is turned into ``SystemExit`` while launching).
+1. sweeps segments left by dead runs, creates the control segment (abort flag, stop requests);
+2. starts W processes (``spawn`` by default, ``fork`` selectable) running ``fn(world, *args)``. A
+   spawned worker reads the pickled job from a segment (a pipe would block the main process for
+   ever if the child died before reading it); its stderr passes through the main process
+   (:mod:`.relay`), which keeps the last lines;
+3. loops on ``multiprocessing.connection.wait`` over the workers' pipes, process sentinels, stderr
+   pipes and a wake-up pipe for signals: it creates segments on request (it is the only creator,
+   see :mod:`.segment`), collects results, and notices a worker that raised or died (SIGKILL,
+   segfault, OOM, a failed start-up) the moment it happens;
+4. on the first failure asks the surviving workers for their Python stacks (:mod:`.stacks`), sets
+   the abort flag -- every waiting rank raises :class:`PeerAbortedError` within milliseconds --,
+   gives them ``abort_grace_s`` to report, SIGKILLs the rest and re-raises the failing worker's own
+   exception (same type and message, its traceback text as ``__cause__``; a timeout adds where the
+   ranks it waited for were), or :class:`WorkerDiedError` with the worker's last stderr lines.
+   All of it within ~2 s of the failure;
+5. SIGINT / SIGTERM: with ``graceful_stop`` the first one becomes a stop request the workers agree
+   on at their next safe point (:meth:`World.stop_requested`, :meth:`Group.vote_max`) and unwind
+   from; a second signal, or ``stop_grace_s`` without them stopping, stops them at once. Without
+   ``graceful_stop`` the first signal stops them at once. ``stop_signal`` tells the caller;
+6. unlinks every segment in ``finally``: normal exit, worker exception, worker SIGKILL, signals.
 
-Workers ignore SIGINT (Ctrl-C reaches the whole process group; the main process coordinates the
-shutdown) and ask the kernel to SIGKILL them if the main process dies (``PR_SET_PDEATHSIG``).
+Workers ignore SIGINT (Ctrl-C reaches the whole process group; the main process coordinates),
+turn their own SIGTERM into a stop request (``graceful_stop``), ask the kernel to SIGKILL them if
+the main process dies (``PR_SET_PDEATHSIG``) and leave with ``os._exit`` once their result is sent:
+interpreter shutdown with torch loaded takes seconds and nothing in it matters to the run.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import logging
@@ -36,14 +47,17 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, Iterator, Optional
 
-from lightning_shm.runtime.errors import PeerAbortedError, WorkerDiedError, WorkerTraceback
+from lightning_shm.runtime import stacks
+from lightning_shm.runtime.errors import BarrierTimeoutError, PeerAbortedError, WorkerDiedError, WorkerTraceback
 from lightning_shm.runtime.messages import send
-from lightning_shm.runtime.segment import Segment, sweep_stale
-from lightning_shm.runtime.world import ABORT_WORD, CONTROL_BYTES, RuntimeConfig, World, thread_budget
+from lightning_shm.runtime.relay import StderrRelay
+from lightning_shm.runtime.segment import SHM_DIR, Segment, close_inherited_owner_lock, sweep_stale
+from lightning_shm.runtime.world import ABORT_WORD, STOP_WORD, RuntimeConfig, World, control_bytes, thread_budget
 
 log = logging.getLogger(__name__)
 
 START_METHODS = ("spawn", "fork", "forkserver")
+_STACK_BYTES = 64 << 10
 
 
 @dataclass
@@ -53,8 +67,10 @@ class LaunchConfig:
     world_size: int
     start_method: str = "spawn"
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
-    abort_grace_s: float = 3.0  # after a failure: time for the others to notice the abort flag
+    abort_grace_s: float = 1.0  # after a failure: time for the others to report before they are killed
     threads: Optional[int] = None  # per worker; None = user's OMP_NUM_THREADS or cores // W
+    graceful_stop: bool = False  # SIGINT/SIGTERM: ask the workers to stop at a safe point (they must poll)
+    stop_grace_s: float = 60.0  # ... and stop them at once if they have not stopped by then
 
     def __post_init__(self) -> None:
         if not isinstance(self.world_size, int) or self.world_size < 1:
@@ -65,8 +81,9 @@ class LaunchConfig:
             raise ValueError(f"start_method {self.start_method!r} is not available on this platform")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
-        if self.abort_grace_s < 0:
-            raise ValueError(f"abort_grace_s must be >= 0, got {self.abort_grace_s}")
+        if self.abort_grace_s < 0 or self.stop_grace_s < 0:
+            raise ValueError(f"abort_grace_s and stop_grace_s must be >= 0, got {self.abort_grace_s}, "
+                             f"{self.stop_grace_s}")
 
 
 @dataclass
@@ -77,14 +94,32 @@ class _Failure:
     secondary: bool  # a consequence of another failure (PeerAbortedError)
 
 
+@dataclass(frozen=True)
+class _WorkerArgs:
+    rank: int
+    world_size: int
+    control: str
+    runtime: RuntimeConfig
+    threads: int
+    parent_pid: int
+    stack_path: str
+    start_method: str
+    graceful_stop: bool
+
+
 class Launcher:
     """Runs ``fn(world, *args, **kwargs)`` on ``world_size`` processes; returns every rank's result."""
 
     def __init__(self, config: LaunchConfig) -> None:
         self.config = config
         self.procs: list[mp.process.BaseProcess] = []
+        self.stop_signal = 0  # the first SIGINT/SIGTERM received while running (0: none)
         self._segments: dict[str, Segment] = {}
         self._control: Optional[Segment] = None
+        self._stack_paths: dict[int, str] = {}
+        self._relay = StderrRelay()
+        self._signals: list[int] = []
+        self._wake: Optional[tuple[int, int]] = None
 
     # ------------------------------------------------------------------ public
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
@@ -96,22 +131,19 @@ class Launcher:
             threads = _fork_safe_threads(threads)
         conns: list[Connection] = []
         self.procs = []
+        self.stop_signal = 0
         try:
-            with _sigterm_as_exit():
-                self._control = Segment.create(CONTROL_BYTES, "control")
-                # spawn: pickle the job by value ourselves. multiprocessing's ForkingPickler would turn
-                # every CPU tensor into shared memory -- all workers would then update one tensor
-                # (seen: a torchmetrics SumMetric counting every rank's updates twice).
-                job = (fn, args, kwargs) if cfg.start_method == "fork" else pickle.dumps(
-                    (fn, args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
+            with self._signal_handlers():
+                self._control = self._create("control", control_bytes(cfg.world_size))
+                job = self._job(fn, args, kwargs)
                 for rank in range(cfg.world_size):
+                    self._stack_paths[rank] = os.path.join(SHM_DIR, self._create(f"stack{rank}", _STACK_BYTES).name)
+                    wargs = _WorkerArgs(rank, cfg.world_size, self._control.name, cfg.runtime, threads, os.getpid(),
+                                        self._stack_paths[rank], cfg.start_method, cfg.graceful_stop)
                     parent, child = ctx.Pipe(duplex=True)
-                    p = ctx.Process(
-                        target=_worker_entry,
-                        args=(rank, cfg.world_size, self._control.name, child, cfg.runtime, threads, os.getpid(), job),
-                        name=f"lightning_shm-rank{rank}",
-                    )
-                    p.start()
+                    p = ctx.Process(target=_worker_entry, args=(wargs, child, job), name=f"lightning_shm-rank{rank}")
+                    with self._relay.capturing(rank):
+                        p.start()
                     child.close()
                     conns.append(parent)
                     self.procs.append(p)
@@ -126,9 +158,54 @@ class Launcher:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(p.pid, signum)
 
+    # ------------------------------------------------------------------ set-up
+    def _create(self, key: str, nbytes: int) -> Segment:
+        seg = Segment.create(nbytes, key)
+        self._segments[key] = seg
+        return seg
+
+    def _job(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """Fork: the objects themselves. Spawn: pickled here, by value -- multiprocessing's ForkingPickler
+        would turn every CPU tensor into shared memory and all workers would update one tensor (seen:
+        a torchmetrics SumMetric counting every rank's updates twice) -- into a segment the workers read.
+        A pickling error surfaces here, before any worker starts."""
+        if self.config.start_method == "fork":
+            return ("object", (fn, args, kwargs))
+        data = pickle.dumps((fn, args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
+        seg = self._create("job", len(data))
+        seg.write_bytes(data)
+        return ("segment", seg.name, len(data))
+
+    @contextlib.contextmanager
+    def _signal_handlers(self) -> Iterator[None]:
+        """SIGINT / SIGTERM are queued and handled by the supervision loop (main thread only)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        r, w = os.pipe()
+        os.set_blocking(r, False)
+        os.set_blocking(w, False)
+        self._wake = (r, w)
+
+        def handler(signum: int, frame: Any) -> None:
+            self._signals.append(signum)
+            with contextlib.suppress(OSError):
+                os.write(w, b"\0")
+
+        previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for s, h in previous.items():
+                signal.signal(s, h)
+            self._wake = None
+            os.close(r)
+            os.close(w)
+
     # ------------------------------------------------------------------ supervision
     def _supervise(self, conns: list[Connection]) -> list[Any]:
-        W = self.config.world_size
+        cfg = self.config
+        W = cfg.world_size
         results: dict[int, Any] = {}
         failures: list[_Failure] = []
         finished: set[int] = set()  # process exited (with or without a message)
@@ -136,29 +213,69 @@ class Launcher:
         open_conns = {r: c for r, c in enumerate(conns)}
         sentinels = {p.sentinel: r for r, p in enumerate(self.procs)}
         abort_at: Optional[float] = None
+        stop_at: Optional[float] = None
+        hard_stop = 0
+        where: dict[int, list[tuple[str, int, str]]] = {}
         while len(finished) < W:
-            timeout = 0.2 if abort_at is None else 0.05
-            ready = wait(list(open_conns.values()) + [s for s, r in sentinels.items() if r not in finished], timeout)
+            waitables: list[Any] = list(open_conns.values()) + [s for s, r in sentinels.items() if r not in finished]
+            waitables += self._relay.fds + ([self._wake[0]] if self._wake else [])
+            ready = wait(waitables, 0.2 if abort_at is None else 0.02)
+            for obj in ready:
+                if isinstance(obj, int):
+                    self._relay.pump(obj)
             for obj in ready:
                 if isinstance(obj, Connection):
                     self._drain(conn_rank[id(obj)], obj, open_conns, results, failures)
             for obj in ready:
-                if not isinstance(obj, Connection) and sentinels[obj] not in finished:
+                if obj in sentinels and sentinels[obj] not in finished:
                     r = sentinels[obj]
                     if r in open_conns:  # the last messages may arrive together with the exit
                         self._drain(r, open_conns[r], open_conns, results, failures)
                     self.procs[r].join(timeout=1.0)
                     finished.add(r)
                     if r not in results and not any(f.rank == r for f in failures):
-                        failures.append(_Failure(r, time.monotonic(), _died(r, self.procs[r]), secondary=False))
-            if failures and abort_at is None:
+                        self._relay.pump_all()
+                        failures.append(_Failure(r, time.monotonic(), self._died(r), secondary=False))
+            # signals: the first asks for a graceful stop (if enabled), any further one stops at once
+            if self._wake is not None:
+                with contextlib.suppress(OSError):
+                    os.read(self._wake[0], 64)
+            while self._signals:
+                signum = self._signals.pop(0)
+                if cfg.graceful_stop and not self.stop_signal:
+                    self.stop_signal = signum
+                    self._control.words()[STOP_WORD] = signum  # type: ignore[union-attr]
+                    stop_at = time.monotonic()
+                    log.warning("received %s: the workers stop at their next safe point (send it again to stop "
+                                "them at once)", signal.Signals(signum).name)
+                elif not hard_stop:
+                    self.stop_signal = self.stop_signal or signum
+                    hard_stop = signum
+            if stop_at is not None and not hard_stop and time.monotonic() - stop_at > cfg.stop_grace_s:
+                log.warning("the workers did not stop within stop_grace_s=%g s of %s; stopping them now",
+                            cfg.stop_grace_s, signal.Signals(self.stop_signal).name)
+                hard_stop = self.stop_signal
+            if (failures or hard_stop) and abort_at is None:
+                where = self._where(finished | set(results))
                 self._set_abort(1)
                 abort_at = time.monotonic()
-            if abort_at is not None and time.monotonic() - abort_at > self.config.abort_grace_s:
-                break  # stragglers are terminated in _shutdown
-        if failures:
-            raise self._primary_error(failures)
+            if abort_at is not None and time.monotonic() - abort_at > cfg.abort_grace_s:
+                break  # stragglers are killed in _shutdown
+        if failures and not (hard_stop and all(f.secondary for f in failures)):
+            raise self._primary_error(failures, where)
+        if hard_stop:
+            for rank, frames in sorted(where.items()):
+                log.warning(stacks.describe(rank, frames))
+            raise KeyboardInterrupt() if hard_stop == signal.SIGINT else SystemExit(128 + hard_stop)
         return [results[r] for r in range(W)]
+
+    def _where(self, done: set[int]) -> dict[int, list[tuple[str, int, str]]]:
+        """Stacks of the workers still running, taken before the abort flag moves them."""
+        live = {r: p.pid for r, p in enumerate(self.procs) if r not in done and p.pid is not None and p.is_alive()}
+        if not live:
+            return {}
+        stacks.request(live)
+        return stacks.collect({r: self._stack_paths[r] for r in live})
 
     def _drain(self, rank: int, conn: Connection, open_conns: dict[int, Connection], results: dict[int, Any],
                failures: list[_Failure]) -> None:
@@ -186,8 +303,7 @@ class Launcher:
         seg = self._segments.get(key)
         try:
             if seg is None:
-                seg = Segment.create(nbytes, key)
-                self._segments[key] = seg
+                seg = self._create(key, nbytes)
             elif seg.size < nbytes:
                 raise ValueError(f"shared segment {key!r} was created with {seg.size} bytes; another rank asked "
                                  f"for {nbytes}: ranks disagree on its size")
@@ -199,27 +315,39 @@ class Launcher:
         if self._control is not None and not self._control.closed:
             self._control.words()[ABORT_WORD] = code
 
+    def _died(self, rank: int) -> WorkerDiedError:
+        err = _died(rank, self.procs[rank])
+        tail = self._relay.tail(rank)
+        if tail:
+            err.add_note(f"last lines rank {rank} wrote to stderr:\n{tail}")
+        return err
+
     @staticmethod
-    def _primary_error(failures: list[_Failure]) -> BaseException:
+    def _primary_error(failures: list[_Failure], where: dict[int, list[tuple[str, int, str]]]) -> BaseException:
         primary = [f for f in failures if not f.secondary] or failures
         first = min(primary, key=lambda f: f.at)
         others = sorted({f.rank for f in failures} - {first.rank})
-        if others and hasattr(first.exc, "add_note"):
+        if others:
             first.exc.add_note(f"(ranks {others} stopped because rank {first.rank} failed)")
+        if isinstance(first.exc, BarrierTimeoutError):
+            for rank in first.exc.missing:
+                if where.get(rank):
+                    first.exc.add_note(stacks.describe(rank, where[rank]))
         return first.exc
 
     # ------------------------------------------------------------------ cleanup
     def _shutdown(self, conns: list[Connection]) -> None:
-        """Stop every worker and unlink every segment. Never raises over the original error."""
+        """Stop every worker and unlink every segment. Never raises over the original error.
+
+        Workers still alive here either missed the abort flag (stuck outside our waits) or the main
+        process is leaving on an error of its own: SIGKILL, not SIGTERM (a worker's SIGTERM is a stop
+        request that user code may not reach)."""
         try:
             if any(p.is_alive() for p in self.procs):
                 self._set_abort(2)
-                _join_all(self.procs, self.config.abort_grace_s)
-                for sig, grace in ((signal.SIGTERM, 2.0), (signal.SIGKILL, 5.0)):
-                    if not any(p.is_alive() for p in self.procs):
-                        break
-                    self.kill(sig)
-                    _join_all(self.procs, grace)
+                _join_all(self.procs, 0.2)
+                self.kill(signal.SIGKILL)
+                _join_all(self.procs, 5.0)
             for p in self.procs:
                 with contextlib.suppress(Exception):
                     p.join(timeout=0)
@@ -231,7 +359,9 @@ class Launcher:
             for c in conns:
                 with contextlib.suppress(Exception):
                     c.close()
-            segs = list(self._segments.values()) + ([self._control] if self._control is not None else [])
+            with contextlib.suppress(Exception):
+                self._relay.close()
+            segs = list(self._segments.values())
             for seg in segs:
                 try:
                     seg.close()
@@ -249,21 +379,26 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, start_method: st
 
 
 # ---------------------------------------------------------------------- worker side
-def _worker_entry(rank: int, world_size: int, control_name: str, conn: Connection, runtime: RuntimeConfig,
-                  threads: int, parent_pid: int, job: Any) -> None:
+def _worker_entry(a: _WorkerArgs, conn: Connection, job: Any) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    _die_with_parent(parent_pid)
+    _die_with_parent(a.parent_pid)
+    if a.start_method == "fork":
+        close_inherited_owner_lock()  # the main process's liveness lock stays the main process's
+    stacks.register(a.stack_path)
     import torch
 
-    torch.set_num_threads(threads)
-    os.environ["OMP_NUM_THREADS"] = str(threads)
-    os.environ["LIGHTNING_SHM_RANK"] = str(rank)
+    torch.set_num_threads(a.threads)
+    os.environ["OMP_NUM_THREADS"] = str(a.threads)
+    os.environ["LIGHTNING_SHM_RANK"] = str(a.rank)
     world: Optional[World] = None
     code = 0
     try:
-        fn, args, kwargs = pickle.loads(job) if isinstance(job, bytes) else job
-        world = World(rank, world_size, Segment.attach(control_name), conn, runtime)
+        fn, args, kwargs = _load_job(job)
+        world = World(a.rank, a.world_size, Segment.attach(a.control), conn, a.runtime)
+        if a.graceful_stop:
+            w = world
+            signal.signal(signal.SIGTERM, lambda signum, frame: w.request_stop(signum))
         result = fn(world, *args, **kwargs)
         send(conn, ("done", result))
     except BaseException as e:  # noqa: BLE001 - everything is reported to the main process
@@ -274,8 +409,35 @@ def _worker_entry(rank: int, world_size: int, control_name: str, conn: Connectio
             world.close()
         with contextlib.suppress(Exception):
             conn.close()
-    if code:
-        sys.exit(code)  # multiprocessing still runs its finalizers (semaphores, queues) on the way out
+    _fast_exit(code, run_atexit=a.start_method != "fork")
+
+
+def _load_job(job: Any) -> tuple[Callable[..., Any], tuple, dict]:
+    if job[0] == "object":
+        return job[1]
+    _, name, nbytes = job
+    seg = Segment.attach(name)
+    try:
+        data = seg.read_bytes(nbytes)
+    finally:
+        seg.close()
+    return pickle.loads(data)
+
+
+def _fast_exit(code: int, run_atexit: bool) -> None:
+    """Leave without interpreter shutdown: flush, run what must run (a spawned worker's own atexit
+    handlers, multiprocessing's exit function -- it stops DataLoader workers), then ``os._exit``.
+    A forked worker skips atexit, as multiprocessing's own fork children do: the handlers are the
+    parent's."""
+    for f in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            f.flush()
+    if run_atexit:
+        with contextlib.suppress(BaseException):
+            atexit._run_exitfuncs()
+    with contextlib.suppress(BaseException):
+        mp.util._exit_function()
+    os._exit(code)
 
 
 def _report(conn: Connection, e: BaseException) -> None:
@@ -306,8 +468,7 @@ def _rebuild(rank: int, payload: Optional[bytes], type_name: str, message: str, 
     if exc is None:
         exc = RuntimeError(f"{type_name}: {message}")
     exc.__cause__ = WorkerTraceback(f"\n\nTraceback in worker rank {rank}:\n{tb}")
-    if hasattr(exc, "add_note"):
-        exc.add_note(f"raised in lightning_shm worker rank {rank}")
+    exc.add_note(f"raised in lightning_shm worker rank {rank}")
     return exc
 
 
@@ -344,20 +505,3 @@ def _join_all(procs: list[mp.process.BaseProcess], timeout: float) -> None:
     for p in procs:
         with contextlib.suppress(Exception):
             p.join(timeout=max(0.0, deadline - time.monotonic()))
-
-
-@contextlib.contextmanager
-def _sigterm_as_exit() -> Iterator[None]:
-    """Turn SIGTERM into ``SystemExit`` so ``finally`` clean-up runs (main thread only)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def handler(signum: int, frame: Any) -> None:
-        raise SystemExit(128 + signum)
-
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)

@@ -44,6 +44,7 @@ class Coll(enum.IntEnum):
     ALL_GATHER_V = 5
     BROADCAST = 6
     BROADCAST_OBJECT = 7
+    VOTE = 8
 
 
 _DTYPES: list[torch.dtype] = [

@@ -77,7 +77,8 @@ class Channel:
         for f in range(max(1, math.ceil(nbytes / sb))):
             c = self._count
             if w[_TAIL] < c - S + 1:
-                self._waiter.wait_ge(w, _TAIL, c - S + 1, lambda: self._timeout("send", c))
+                self._waiter.wait_ge(w, _TAIL, c - S + 1, lambda: self._timeout("send", c),
+                                     lambda: [self.dst])
             slot = c % S
             L = min(sb, nbytes - f * sb)
             if L:
@@ -100,7 +101,7 @@ class Channel:
         w, S, sb = self._w, self.config.slots, self.config.slot_bytes
         c = self._count
         if w[_HEAD] < c + 1:
-            self._waiter.wait_ge(w, _HEAD, c + 1, lambda: self._timeout("recv", c))
+            self._waiter.wait_ge(w, _HEAD, c + 1, lambda: self._timeout("recv", c), lambda: [self.src])
         h = _HDR0 + (c % S) * _HDR_WORDS
         nbytes, dtype = w[h], _DTYPE_OF[w[h + 1]]
         shape = tuple(w[h + 3 + d] for d in range(w[h + 2]))
@@ -112,7 +113,7 @@ class Channel:
         for f in range(max(1, math.ceil(nbytes / sb))):
             c = self._count
             if w[_HEAD] < c + 1:
-                self._waiter.wait_ge(w, _HEAD, c + 1, lambda: self._timeout("recv", c))
+                self._waiter.wait_ge(w, _HEAD, c + 1, lambda: self._timeout("recv", c), lambda: [self.src])
             L = min(sb, nbytes - f * sb)
             if L:
                 raw[f * sb:f * sb + L].copy_(self._payload[c % S][:L])

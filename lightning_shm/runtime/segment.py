@@ -12,8 +12,12 @@ leaking:
 * Workers map with ``MAP_POPULATE``: their page tables are filled at attach time, not on the hot
   path.
 
-Names are ``lshm_<owner pid>_<token>_<tag>``: :func:`sweep_stale` removes segments whose owner
-died without cleaning up (SIGKILL of the main process), mode is 0600.
+Names are ``lshm_<pid>.<owner token>_<token>_<tag>``, mode 0600. Each creating process holds an
+exclusive ``flock`` on its owner file ``lshm_<pid>.<owner token>.lock`` for as long as it lives:
+:func:`sweep_stale` removes the segments of an owner whose lock it can take (the owner died
+without cleaning up, e.g. SIGKILL of the main process). A lock, unlike ``kill(pid, 0)``, means the
+same thing in every PID namespace that shares ``/dev/shm`` (``docker --ipc=host``, pods sharing
+IPC), so a run never deletes the segments of a live run it cannot see.
 
 Tensor views are built on a NumPy array over the mapping: NumPy holds a buffer export, so
 ``mmap.close()`` refuses (``BufferError``) while any view is alive instead of leaving a dangling
@@ -23,12 +27,15 @@ crashes a process that still holds a view; the mapping is released when the last
 
 from __future__ import annotations
 
+import atexit
 import errno
+import fcntl
 import logging
 import mmap
 import os
 import re
 import secrets
+import threading
 from typing import Optional
 
 import numpy as np
@@ -41,7 +48,7 @@ log = logging.getLogger(__name__)
 PREFIX = "lshm"
 SHM_DIR = "/dev/shm"
 ALIGN = 64  # cache line: every region starts on its own line
-_NAME_RE = re.compile(rf"^{PREFIX}_(\d+)_[0-9a-f]+_")
+_OWNER_RE = re.compile(rf"^{PREFIX}_(\d+)\.([0-9a-f]{{8}})(\.lock$|_)")
 
 
 def align_up(n: int, a: int = ALIGN) -> int:
@@ -57,7 +64,7 @@ def shm_free_bytes() -> int:
     return st.f_bavail * st.f_frsize
 
 
-def check_free_space(nbytes: int, what: str = "segment") -> None:
+def check_free_space(nbytes: int, what: str = "segment", detail: str = "") -> None:
     """Fail early, with numbers and the usual fixes, when /dev/shm cannot hold ``nbytes`` more."""
     if not os.path.isdir(SHM_DIR):
         raise SharedMemoryFullError(f"{SHM_DIR} does not exist: lightning_shm needs POSIX shared memory (Linux).")
@@ -65,49 +72,105 @@ def check_free_space(nbytes: int, what: str = "segment") -> None:
     if nbytes > free:
         raise SharedMemoryFullError(
             f"{what} needs {nbytes / 2**20:.1f} MiB of shared memory but {SHM_DIR} has only "
-            f"{free / 2**20:.1f} MiB free. In Docker the default is 64 MB: start the container with "
+            f"{free / 2**20:.1f} MiB free{detail}. In Docker the default is 64 MB: start the container with "
             f"--shm-size=1g (or --ipc=host), or reduce the model / bucket / scratch sizes."
         )
 
 
-def _pid_alive(pid: int) -> bool:
+class _Owner:
+    """This process's identity in segment names, and the lock that says it is alive."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.token = f"{self.pid}.{secrets.token_hex(4)}"
+        self.lock_name = f"{PREFIX}_{self.token}.lock"
+        fd = os.open(_path(self.lock_name), os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        self.fd = fd
+        atexit.register(self.release)
+
+    def release(self) -> None:
+        """Drop the lock file (at exit of the creating process only: forked children inherit atexit)."""
+        if os.getpid() != self.pid or self.fd < 0:
+            return
+        _unlink_quietly(self.lock_name)
+        os.close(self.fd)
+        self.fd = -1
+
+
+_owner: Optional[_Owner] = None
+_owner_guard = threading.Lock()
+
+
+def owner_token() -> str:
+    """``<pid>.<token>`` of this process, creating (and locking) its owner file on first use."""
+    global _owner
+    with _owner_guard:
+        if _owner is None or _owner.pid != os.getpid():  # a forked child is a new owner
+            _owner = _Owner()
+        return _owner.token
+
+
+def close_inherited_owner_lock() -> None:
+    """In a forked child: close the copy of the parent's lock fd (the parent keeps its lock; this
+    child, should it create segments, becomes an owner of its own)."""
+    if _owner is not None and _owner.pid != os.getpid() and _owner.fd >= 0:
+        os.close(_owner.fd)
+        _owner.fd = -1
+
+
+def _owner_alive(lock_name: str) -> bool:
+    """True while some process holds the owner's lock (any PID namespace)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        fd = os.open(_path(lock_name), os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError:
         return False
-    except PermissionError:
+    except PermissionError:  # another user's run: not ours to judge
         return True
-    return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # also releases the lock if we took it
+    return False
 
 
 def sweep_stale() -> list[str]:
-    """Unlink segments of this project whose owner process no longer exists. Returns their names."""
-    removed: list[str] = []
+    """Unlink segments (and lock files) of owners that no longer hold their lock. Returns their names."""
     try:
         entries = os.listdir(SHM_DIR)
     except FileNotFoundError:
-        return removed
+        return []
+    by_owner: dict[str, list[str]] = {}
     for name in entries:
-        m = _NAME_RE.match(name)
-        if m is None or _pid_alive(int(m.group(1))):
+        m = _OWNER_RE.match(name)
+        if m is not None:
+            by_owner.setdefault(f"{m.group(1)}.{m.group(2)}", []).append(name)
+    removed: list[str] = []
+    for token, names in by_owner.items():
+        lock = f"{PREFIX}_{token}.lock"
+        if _owner_alive(lock):
             continue
-        try:
-            os.unlink(_path(name))
-            removed.append(name)
-        except FileNotFoundError:
-            pass
-        except PermissionError:  # another user's stale segment: not ours to remove
-            continue
+        for name in sorted(names, key=lambda n: n == lock):  # segments first, the lock file last
+            try:
+                os.unlink(_path(name))
+                removed.append(name)
+            except FileNotFoundError:
+                pass
+            except PermissionError:  # another user's stale segment: not ours to remove
+                continue
     if removed:
         log.warning("removed %d stale shared-memory segment(s) of dead processes: %s", len(removed), removed)
     return removed
 
 
 def list_owned(pid: Optional[int] = None) -> list[str]:
-    """Names of this project's segments owned by ``pid`` (default: this process)."""
+    """Names of this project's segments (not lock files) created by process ``pid`` (default: this one)."""
     pid = os.getpid() if pid is None else pid
     try:
-        return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(f"{PREFIX}_{pid}_"))
+        return sorted(n for n in os.listdir(SHM_DIR)
+                      if n.startswith(f"{PREFIX}_{pid}.") and not n.endswith(".lock"))
     except FileNotFoundError:
         return []
 
@@ -130,7 +193,7 @@ class Segment:
         nbytes = max(align_up(nbytes, mmap.PAGESIZE), mmap.PAGESIZE)
         check_free_space(nbytes, f"shared-memory segment '{tag}'")
         safe_tag = re.sub(r"[^A-Za-z0-9.-]", "-", tag)[:80]
-        name = f"{PREFIX}_{os.getpid()}_{secrets.token_hex(4)}_{safe_tag}"
+        name = f"{PREFIX}_{owner_token()}_{secrets.token_hex(4)}_{safe_tag}"
         fd = os.open(_path(name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
             try:
@@ -193,6 +256,16 @@ class Segment:
         if offset % itemsize or end > self.size:
             raise ValueError(f"view [{offset}, {end}) of {dtype} does not fit segment {self.name} of {self.size} bytes")
         return self._base[offset:end].view(dtype)
+
+    def write_bytes(self, data: bytes, offset: int = 0) -> None:
+        if self._mm is None:
+            raise ValueError(f"segment {self.name} is closed")
+        self._mm[offset:offset + len(data)] = data
+
+    def read_bytes(self, nbytes: int, offset: int = 0) -> bytes:
+        if self._mm is None:
+            raise ValueError(f"segment {self.name} is closed")
+        return self._mm[offset:offset + nbytes]
 
     def words(self) -> memoryview:
         """The whole segment as int64 words: fast scalar loads/stores for flags and counters.

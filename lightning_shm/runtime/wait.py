@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional, Sequence
 
 from lightning_shm.runtime.errors import BarrierTimeoutError, PeerAbortedError
 
@@ -67,8 +67,10 @@ class Waiter:
                 "The main process reports the original error."
             )
 
-    def wait_ge(self, words: memoryview, index: int, target: int, describe: Callable[[], str]) -> None:
-        """Block until ``words[index] >= target``. ``describe()`` builds the timeout message."""
+    def wait_ge(self, words: memoryview, index: int, target: int, describe: Callable[[], str],
+                missing: Optional[Callable[[], Sequence[int]]] = None) -> None:
+        """Block until ``words[index] >= target``. ``describe()`` builds the timeout message, ``missing()``
+        names the ranks waited for (carried by the error, so the main process can say where they were)."""
         for _ in range(self.policy.spin_iters):
             if words[index] >= target:
                 return
@@ -85,7 +87,7 @@ class Waiter:
                 os.sched_yield()
                 continue
             if now > deadline:
-                raise BarrierTimeoutError(describe())
+                raise BarrierTimeoutError(describe(), missing() if missing is not None else ())
             if os.getppid() != self._ppid:
                 raise PeerAbortedError("the main process died; this worker stops waiting")
             time.sleep(sleep)

@@ -23,8 +23,17 @@ from lightning_shm.runtime.p2p import Channel, ChannelConfig
 from lightning_shm.runtime.segment import Segment
 from lightning_shm.runtime.wait import Waiter, WaitPolicy
 
-ABORT_WORD = 0  # control segment word: 0 = running, else the abort code set by the main process
-CONTROL_BYTES = 4096
+# The control segment (created by the main process), one 128-byte row per writer, one writer per word:
+#   row 0      [abort code, stop request]   written by the main process
+#   row 1 + r  [stop request of rank r]     written by worker r (it received SIGTERM itself)
+# A stop request is a signal number; workers agree on it at a safe point (see World.stop_requested).
+CONTROL_ROW_WORDS = 16
+ABORT_WORD = 0
+STOP_WORD = 1
+
+
+def control_bytes(world_size: int) -> int:
+    return max(4096, (world_size + 1) * CONTROL_ROW_WORDS * 8)
 
 
 def available_cores() -> int:
@@ -129,6 +138,25 @@ class World:
     # ------------------------------------------------------------------ state
     def aborted(self) -> bool:
         return self.waiter.aborted()
+
+    def request_stop(self, signum: int) -> None:
+        """Ask the run to stop at its next safe point (this worker received ``signum`` itself)."""
+        w = self._control.words()
+        row = (self.rank + 1) * CONTROL_ROW_WORDS
+        if not w[row]:
+            w[row] = int(signum)
+
+    def stop_requested(self) -> int:
+        """The signal number of a pending stop request (the main process's or any rank's), else 0.
+
+        Ranks see a request at different moments; they act on it only after agreeing through
+        :meth:`Group.vote_max` at the same point of their program.
+        """
+        w = self._control.words()
+        seen = w[STOP_WORD]
+        for r in range(self.size):
+            seen = max(seen, w[(r + 1) * CONTROL_ROW_WORDS])
+        return seen
 
     def close(self) -> None:
         """Unmap everything (the main process unlinks). Views still held elsewhere stay valid until freed."""

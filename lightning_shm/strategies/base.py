@@ -14,6 +14,7 @@ Lightning checks (read ``lightning/pytorch/strategies/ddp.py``, ``parallel.py``)
 from __future__ import annotations
 
 import contextlib
+import signal
 from typing import Any, Iterator, Mapping, Optional, Union
 
 import lightning.pytorch as pl
@@ -25,7 +26,8 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.optim import Optimizer
@@ -33,9 +35,24 @@ from torch.optim import Optimizer
 from lightning_shm.parallel.ddp import GradReducer, broadcast_module_state
 from lightning_shm.runtime import Group, RuntimeConfig, Topology, World
 from lightning_shm.runtime.launcher import START_METHODS
+from lightning_shm.runtime.segment import check_free_space
+from lightning_shm.runtime.world import control_bytes
 from lightning_shm.strategies import collectives
 from lightning_shm.strategies.launcher import SHMLauncher
 from lightning_shm.strategies.predictions import merge_predictions
+
+
+def param_bytes(module: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+def shm_ddp_bytes(module: torch.nn.Module, world_size: int, page: int = 4096) -> int:
+    """A gradient bucket per dtype, one region per rank (see ``GradReducer``)."""
+    by_dtype: dict[torch.dtype, int] = {}
+    for p in module.parameters():
+        if p.requires_grad:
+            by_dtype[p.dtype] = by_dtype.get(p.dtype, 0) + p.numel() * p.element_size()
+    return sum(world_size * ((n + page - 1) // page * page) for n in by_dtype.values())
 
 
 class SHMStrategyBase(ParallelStrategy):
@@ -45,21 +62,28 @@ class SHMStrategyBase(ParallelStrategy):
         start_method: "spawn" (default) or "fork" (faster start, Linux, no CUDA in the parent).
         timeout: seconds any wait may block before raising with the ranks that did not arrive.
         runtime: full runtime configuration (overrides ``timeout``).
+        stop_grace_s: after SIGINT / SIGTERM, how long the workers may take to reach their next step
+            (where they stop together and run ``on_exception`` callbacks) before they are stopped at once.
     """
-
 
     def __init__(self, accelerator: Optional["pl.accelerators.Accelerator"] = None,
                  parallel_devices: Optional[list[torch.device]] = None,
                  cluster_environment: Optional[ClusterEnvironment] = None,
                  checkpoint_io: Optional[CheckpointIO] = None, precision_plugin: Optional[Precision] = None,
-                 start_method: str = "spawn", timeout: float = 300.0, runtime: Optional[RuntimeConfig] = None) -> None:
+                 start_method: str = "spawn", timeout: float = 300.0, runtime: Optional[RuntimeConfig] = None,
+                 stop_grace_s: float = 60.0) -> None:
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
         if start_method not in START_METHODS:
             raise ValueError(f"start_method must be one of {START_METHODS}, got {start_method!r}")
+        if stop_grace_s < 0:
+            raise ValueError(f"stop_grace_s must be >= 0, got {stop_grace_s}")
         self._start_method = start_method
         self.runtime_config = runtime or RuntimeConfig(timeout_s=timeout)
+        self.stop_grace_s = stop_grace_s
+        self.stop_agreed = 0  # in a worker: the signal all ranks agreed to stop on
+        self.workers_handled_failure = False  # in the main process: the run failed or stopped in the workers
         self._num_nodes = 1
         self._world: Optional[World] = None
         self._group: Optional[Group] = None
@@ -176,6 +200,68 @@ class SHMStrategyBase(ParallelStrategy):
         self.model_to_device()
         broadcast_module_state(self.model, self.group)
 
+    # ------------------------------------------------------------------ stopping on SIGINT / SIGTERM
+    def stop_point(self) -> None:
+        """Where every rank agrees whether to stop on a pending SIGINT / SIGTERM (one barrier).
+
+        Called at the start of each training, validation and test step -- points every rank passes
+        equally often --, never in predict (ranks may predict different numbers of batches). A stop
+        raises what one process would raise at this point: ``KeyboardInterrupt`` for SIGINT,
+        Lightning's ``SIGTERMException`` for SIGTERM (after the previous batch completed, as Lightning
+        does).
+        """
+        if self._world is None:
+            return
+        signum = self._world.world_group.vote_max(self._world.stop_requested())
+        if signum:
+            self.stop_agreed = signum
+            raise KeyboardInterrupt() if signum == signal.SIGINT else SIGTERMException()
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self.stop_point()
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        self.stop_point()
+        return super().validation_step(*args, **kwargs)
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        self.stop_point()
+        return super().test_step(*args, **kwargs)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        """In the main process while Lightning handles a failure or stop that happened in the workers, nothing
+        is written: the workers ran ``on_exception`` themselves (a stop) or hold no consistent state (a
+        failure), and the main process's copy must not overwrite what they wrote."""
+        if self._world is None and self.workers_handled_failure:
+            rank_zero_info(f"lightning_shm: not writing {filepath} from the main process: the run stopped in the "
+                           "workers, which saved what their callbacks asked for")
+            return
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    # ------------------------------------------------------------------ shared memory
+    def shm_components(self, module: "pl.LightningModule") -> dict[str, int]:
+        """Bytes this strategy puts in /dev/shm for ``module``, by component (data-parallel gradients
+        here); the base adds what every run needs."""
+        return {"gradient buckets": shm_ddp_bytes(module, self.world_size)}
+
+    def check_shared_memory(self, module: "pl.LightningModule") -> None:
+        """Fail before any worker starts when /dev/shm cannot hold the run (the total and its parts named)."""
+        W = self.world_size
+        parts = {"control, stacks": control_bytes(W) + W * (64 << 10),
+                 "collective scratch": self._group_bytes(), **self.shm_components(module)}
+        if self._start_method != "fork":
+            parts["job (pickled module)"] = param_bytes(module)
+        total = sum(parts.values())
+        detail = " (" + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in parts.items() if v) + ")"
+        check_free_space(total, f"this run ({type(self).__name__}, {W} processes)", detail)
+
+    def _group_bytes(self) -> int:
+        topo = self.topology()
+        members = {tuple(ranks) for r in range(topo.world_size)
+                   for ranks in (range(topo.world_size), topo.dp_ranks(r), topo.tp_ranks(r), topo.pp_ranks(r))}
+        cfg = self.runtime_config.group
+        return sum(cfg.segment_bytes(len(m)) for m in members if len(m) > 1)
+
     # ------------------------------------------------------------------ collectives for Lightning
     def data_parallel_group(self) -> Optional[Group]:
         """Ranks holding *different* data and equal model pieces: where logged values, metric states
@@ -272,6 +358,7 @@ class SHMStrategyBase(ParallelStrategy):
 
     # ------------------------------------------------------------------ lifecycle
     def teardown(self) -> None:
+        self.workers_handled_failure = False  # main process: Lightning's failure handling ends with teardown
         if self._reducer is not None:
             self._reducer.close()
             self._reducer = None
@@ -317,6 +404,8 @@ class ShardedStateStrategy(SHMStrategyBase):
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         opt = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        if self.state_manager is None:  # the main process: a plain optimizer over the plain module
+            return opt.state_dict()
         state = self._manager().full_optimizer_state(opt)  # collective: every rank takes part
         return state if self.global_rank == 0 else {}  # only rank 0 writes checkpoints
 

@@ -21,7 +21,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_shm.parallel.fsdp import ShardedModule, UnitPolicy, find_units
-from lightning_shm.strategies.base import ShardedStateStrategy
+from lightning_shm.strategies.base import ShardedStateStrategy, param_bytes
 
 
 class SHMFSDPStrategy(ShardedStateStrategy):
@@ -61,6 +61,9 @@ class SHMFSDPStrategy(ShardedStateStrategy):
             if spec.numel < W:
                 raise ValueError(f"FSDP unit '{spec.name}' has {spec.numel} parameters, fewer than devices={W}; merge "
                                  f"small units (unit_policy=<min parameters>) or use fewer devices")
+
+    def shm_components(self, module: "pl.LightningModule") -> dict[str, int]:
+        return {"parameter shards": param_bytes(module)}
 
     def setup(self, trainer: "pl.Trainer") -> None:
         self.prepare_model(trainer)  # shards are cut from rank 0's weights

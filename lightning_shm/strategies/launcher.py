@@ -2,16 +2,26 @@
 
 The main process calls ``trainer.fit`` -> :meth:`SHMLauncher.launch`, which runs the Trainer's own
 ``_fit_impl`` / ``_test_impl`` / ``_predict_impl`` in W workers through
-:class:`lightning_shm.runtime.Launcher` (segments, fault handling, clean-up), then copies back to
-the main process what a user expects there: the trained weights, ``trainer.state``,
-``callback_metrics``, ``best_model_path`` and -- unlike Lightning's spawn launcher -- the
-predictions of *all* ranks, in dataset order.
+:class:`lightning_shm.runtime.Launcher` (segments, fault handling, clean-up), then makes the main
+process's Trainer the one that ran (:mod:`.main_state`): weights, loops, optimizer, scheduler and
+callback states, ``callback_metrics`` and -- unlike Lightning's spawn launcher -- the predictions
+of *all* ranks, in dataset order.
+
+Interrupts (SIGINT / SIGTERM to the main process or the process group): the runtime turns the
+first one into a stop request; the workers agree on it at the start of their next training,
+validation or test step (:meth:`SHMStrategyBase.stop_point`) and unwind through Lightning's own
+exception path there -- ``on_exception`` callbacks run on the ranks that hold the state, so an
+``OnExceptionCheckpoint`` holds the real step and weights. The main process then loads that state
+and raises what one process would have raised (KeyboardInterrupt -> exit status 1; SIGTERM ->
+Lightning's ``SIGTERMException``); it never writes a checkpoint of its own copy on that path.
 """
 
 from __future__ import annotations
 
 import io
 import os
+import signal
+import sys
 import tempfile
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional
 
@@ -19,10 +29,14 @@ import torch
 from lightning.fabric.strategies.launchers.multiprocessing import _check_missing_main_guard
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from lightning.pytorch.strategies.launchers.multiprocessing import _GlobalStateSnapshot
+from lightning.pytorch.trainer import call
+from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
 from lightning.pytorch.trainer.states import TrainerFn, TrainerState
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning_utilities.core.apply_func import apply_to_collection
 
 from lightning_shm.runtime import LaunchConfig, Launcher, World
+from lightning_shm.strategies.main_state import restore_trainer
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -31,11 +45,11 @@ if TYPE_CHECKING:
 
 
 class WorkerOutput(NamedTuple):
-    best_model_path: Optional[str]
-    weights_path: Optional[str]
+    checkpoint_path: Optional[str]  # rank 0's full end-of-fit checkpoint, for the main process's Trainer
     trainer_state: TrainerState
     trainer_results: Any
     callback_metrics_bytes: bytes
+    stopped_by: int  # the signal all ranks agreed to stop on (0: ran to the end)
 
 
 class SHMLauncher(_Launcher):
@@ -52,8 +66,10 @@ class SHMLauncher(_Launcher):
         return self._start_method == "fork"
 
     def launch(self, function: Callable, *args: Any, trainer: Optional["pl.Trainer"] = None, **kwargs: Any) -> Any:
+        strategy = self._strategy
         if self._start_method == "spawn":
             _check_missing_main_guard()
+            _check_main_is_importable()
         if self._already_fit and trainer is not None and trainer.state.fn == TrainerFn.FITTING:
             raise NotImplementedError(
                 "Calling `trainer.fit()` twice on the same Trainer with a process-launching strategy is not "
@@ -61,17 +77,25 @@ class SHMLauncher(_Launcher):
                 "`fit(ckpt_path=...)` to continue training."
             )
         if trainer is not None and trainer.lightning_module is not None:  # bad input fails before any worker starts
-            self._strategy.validate_model(trainer.lightning_module, trainer, (args, kwargs))
+            strategy.validate_model(trainer.lightning_module, trainer, (args, kwargs))
+            strategy.check_shared_memory(trainer.lightning_module)
         snapshot = _GlobalStateSnapshot.capture() if self._start_method == "spawn" else None
-        config = LaunchConfig(world_size=self._strategy.num_processes, start_method=self._start_method,
-                              runtime=self._strategy.runtime_config)
+        predicting = trainer is not None and trainer.state.fn == TrainerFn.PREDICTING
+        config = LaunchConfig(world_size=strategy.num_processes, start_method=self._start_method,
+                              runtime=strategy.runtime_config, graceful_stop=not predicting,
+                              stop_grace_s=strategy.stop_grace_s)
         self._runtime = Launcher(config)
+        strategy.workers_handled_failure = True  # any exception leaving here comes after the workers' own handling
         outputs = self._runtime.run(_run_in_worker, self, trainer, function, args, kwargs, snapshot)
         output = outputs[0]
+        stop = self._runtime.stop_signal
         if trainer is None:
             return output
         self._already_fit |= trainer.state.fn == TrainerFn.FITTING
-        self._recover_in_main_process(output, trainer)
+        self._recover_in_main_process(output, trainer, list(args) + list(kwargs.values()))
+        if output.stopped_by or stop == signal.SIGINT:  # one process would have raised this
+            raise KeyboardInterrupt() if (output.stopped_by or stop) == signal.SIGINT else SIGTERMException()
+        strategy.workers_handled_failure = False
         return output.trainer_results
 
     def kill(self, signum: Any) -> None:
@@ -79,36 +103,37 @@ class SHMLauncher(_Launcher):
             self._runtime.kill(int(signum))
 
     # ------------------------------------------------------------------ worker side
-    def _collect_results(self, trainer: "pl.Trainer", results: Any) -> Optional[WorkerOutput]:
+    def _collect_results(self, trainer: "pl.Trainer", results: Any, stopped_by: int) -> Optional[WorkerOutput]:
         """Collective on all ranks; rank 0 returns what the main process needs."""
         strategy = self._strategy
         if trainer.state.fn == TrainerFn.PREDICTING and trainer.predict_loop.return_predictions:
             results = strategy.gather_predictions(trainer, results)
-        state_dict = strategy.full_state_dict() if trainer.state.fn == TrainerFn.FITTING else None
+        checkpoint = None
+        if trainer.state.fn == TrainerFn.FITTING:  # what rank 0 would write now (collective for sharded models)
+            checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
         if strategy.global_rank != 0:
             return None
-        weights_path = None
-        if state_dict is not None:
-            weights_path = os.path.join(tempfile.mkdtemp(prefix="lightning_shm_"), "weights.ckpt")
-            strategy.checkpoint_io.save_checkpoint(state_dict, weights_path)
-        ckpt = trainer.checkpoint_callback
-        best = getattr(ckpt, "best_model_path", None) if ckpt is not None else None
+        path = None
+        if checkpoint is not None:
+            path = os.path.join(tempfile.mkdtemp(prefix="lightning_shm_"), "end.ckpt")
+            torch.save(checkpoint, path)
         metrics = apply_to_collection(trainer.callback_metrics, torch.Tensor, lambda t: t.detach().cpu())
         buffer = io.BytesIO()
         torch.save(metrics, buffer)
-        return WorkerOutput(best, weights_path, trainer.state, results, buffer.getvalue())
+        return WorkerOutput(path, trainer.state, results, buffer.getvalue(), stopped_by)
 
     # ------------------------------------------------------------------ main side
-    def _recover_in_main_process(self, output: WorkerOutput, trainer: "pl.Trainer") -> None:
-        if trainer.checkpoint_callback is not None and hasattr(trainer.checkpoint_callback, "best_model_path"):
-            trainer.checkpoint_callback.best_model_path = str(output.best_model_path or "")
-        if output.weights_path is not None:
-            state = self._strategy.checkpoint_io.load_checkpoint(output.weights_path)
-            trainer.lightning_module.load_state_dict(state, strict=False)
-            self._strategy.checkpoint_io.remove_checkpoint(os.path.dirname(output.weights_path))
+    def _recover_in_main_process(self, output: WorkerOutput, trainer: "pl.Trainer", launch_args: list[Any]) -> None:
         trainer.state = output.trainer_state
         metrics = torch.load(io.BytesIO(output.callback_metrics_bytes), weights_only=True)
         trainer.callback_metrics.update(metrics)
+        if output.checkpoint_path is not None:
+            checkpoint = torch.load(output.checkpoint_path, weights_only=False)
+            try:
+                restore_trainer(trainer, checkpoint, launch_args)
+            finally:
+                os.remove(output.checkpoint_path)
+                os.rmdir(os.path.dirname(output.checkpoint_path))
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
@@ -116,13 +141,51 @@ class SHMLauncher(_Launcher):
         return state
 
 
+class _StopRequestConnector(_SignalConnector):
+    """Lightning's signal handling in a worker: a SIGTERM the worker receives itself (e.g. the scheduler
+    signals every process of the job) becomes a stop request that all ranks agree on, instead of a flag
+    each rank would act on at a different step."""
+
+    def __init__(self, trainer: "pl.Trainer", world: World) -> None:
+        super().__init__(trainer)
+        self._world = world
+
+    def register_signal_handlers(self) -> None:
+        self.received_sigterm = False
+        self._original_handlers = self._get_current_signal_handlers()
+        self._register_signal(signal.SIGTERM, lambda signum, frame: self._world.request_stop(signum))
+
+
 def _run_in_worker(world: World, launcher: SHMLauncher, trainer: Optional["pl.Trainer"], function: Callable,
                    args: Any, kwargs: Any, snapshot: Optional[_GlobalStateSnapshot]) -> Optional[WorkerOutput]:
     if snapshot is not None:
         snapshot.restore()
     os.environ["LOCAL_RANK"] = str(world.rank)
-    launcher._strategy.attach_world(world)
-    results = function(*args, **kwargs)
+    strategy = launcher._strategy
+    strategy.attach_world(world)
     if trainer is None:
+        results = function(*args, **kwargs)
         return results if world.rank == 0 else None
-    return launcher._collect_results(trainer, results)
+    trainer._signal_connector = _StopRequestConnector(trainer, world)
+    try:
+        results = function(*args, **kwargs)
+    except (KeyboardInterrupt, SIGTERMException) as exc:
+        if not strategy.stop_agreed:
+            raise  # not a stop every rank agreed on: report it like any other failure
+        # every rank is here at the same step: Lightning's own interrupt handling, as in one process
+        call._interrupt(trainer, exc)
+        trainer._teardown()
+        results = None
+    return launcher._collect_results(trainer, results, strategy.stop_agreed)
+
+
+def _check_main_is_importable() -> None:
+    """A spawned worker re-imports the main script by its path; a script read from stdin has none."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if path is not None and getattr(main, "__spec__", None) is None and not os.path.isfile(path):
+        raise RuntimeError(
+            f"start_method='spawn' starts each worker by importing the main script again, but it has no file "
+            f"({path!r}: a script read from stdin or typed interactively). Save it to a file, or pass "
+            "start_method='fork' (e.g. strategy='shm_ddp_fork')."
+        )

@@ -36,7 +36,7 @@ from lightning_shm.parallel.pipeline import (
 from lightning_shm.parallel.pipeline.split import validate_split_points
 from lightning_shm.parallel.sequential import find_sequential, replace_submodule
 from lightning_shm.runtime import Group, ParallelGroups, Topology, World
-from lightning_shm.strategies.base import ShardedStateStrategy
+from lightning_shm.strategies.base import ShardedStateStrategy, shm_ddp_bytes
 from lightning_shm.strategies.pipeline_io import LightningStageIO
 
 _ELEMENTWISE_FRONT = (nn.Flatten, nn.Identity, nn.Dropout, nn.ReLU)
@@ -128,6 +128,12 @@ class SHMPipeline(ShardedStateStrategy):
             per_rank = bs  # Lightning gives each data-parallel replica batches of the loader's batch size
             if per_rank % self.microbatches:
                 raise ValueError(f"batch size {per_rank} is not divisible by microbatches={self.microbatches}")
+
+    def shm_components(self, module: "pl.LightningModule") -> dict[str, int]:
+        topo, sched = self.topology(), self.pipeline_schedule
+        channel = PipelineEngine.channel_config(sched).segment_bytes()
+        return {"gradient buckets (dp)": shm_ddp_bytes(module, topo.dp) if topo.dp > 1 else 0,
+                "activation channels": topo.dp * 2 * (sched.chunks - 1) * channel}
 
     # ------------------------------------------------------------------ setup
     def setup(self, trainer: "pl.Trainer") -> None:
@@ -231,6 +237,8 @@ class SHMPipeline(ShardedStateStrategy):
 
     def _eval(self, step: str, batch: Any, batch_idx: int, *args: Any) -> Any:
         assert self.engine is not None
+        if step != "predict_step":
+            self.stop_point()
         io = LightningStageIO(self, step, batch, batch_idx, self.microbatches, training=False, extra=args)
         self.engine.eval_step(io, io.parts)
         last = self.pp_group.size - 1

@@ -20,7 +20,7 @@ from lightning_shm.parallel.sequential import find_sequential
 from lightning_shm.parallel.tp import TensorParallelModule, check_plan, derive_plan
 from lightning_shm.parallel.tp.plan import normalise_plan
 from lightning_shm.runtime import Group, ParallelGroups, Topology, World
-from lightning_shm.strategies.base import ShardedStateStrategy
+from lightning_shm.strategies.base import ShardedStateStrategy, shm_ddp_bytes
 
 
 class SHMTensorParallel(ShardedStateStrategy):
@@ -64,6 +64,10 @@ class SHMTensorParallel(ShardedStateStrategy):
         prefix, seq = find_sequential(module, self.sequential)
         plan = normalise_plan(self.plan, seq, prefix) if self.plan is not None else derive_plan(seq, prefix)
         check_plan(seq, plan, prefix, self.tensor_parallel_size)
+
+    def shm_components(self, module: "pl.LightningModule") -> dict[str, int]:
+        dp = self.topology().dp
+        return {"gradient buckets (dp)": shm_ddp_bytes(module, dp) if dp > 1 else 0}
 
     # ------------------------------------------------------------------ setup
     def setup(self, trainer: "pl.Trainer") -> None:

@@ -73,7 +73,9 @@ def _shard_and_step(world, reshard):
     opt = model.configure_optimizers()
     x = torch.randn(16, 1, 28, 28)
     sharded.stats.reset_peak()
-    nn.functional.cross_entropy(model(x), torch.zeros(16, dtype=torch.long)).backward()
+    loss = nn.functional.cross_entropy(model(x), torch.zeros(16, dtype=torch.long))
+    live_before_backward = sharded.stats.live
+    loss.backward()
     opt.step()
     world.group().barrier()
     with torch.no_grad():
@@ -81,14 +83,15 @@ def _shard_and_step(world, reshard):
         model(x)
         forward_only_peak = sharded.stats.peak
     return ([u.shard.numel() for u in sharded.units], sharded.persistent_bytes(opt), sharded.stats.live,
-            forward_only_peak, [u.padded_numel * 4 for u in sharded.units], [len(opt.param_groups[0]["params"])])
+            forward_only_peak, [u.padded_numel * 4 for u in sharded.units], [len(opt.param_groups[0]["params"])],
+            live_before_backward)
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_each_rank_persistently_holds_ceil_numel_over_w_per_unit(world_size):
     numels = [200_960, 512, 16_448, 128, 650]
-    for shards, persistent, live, fwd_peak, padded, n_opt in launch(_shard_and_step, world_size, True,
-                                                                  start_method="fork"):
+    for shards, persistent, live, fwd_peak, padded, n_opt, _ in launch(_shard_and_step, world_size, True,
+                                                                     start_method="fork"):
         assert shards == [math.ceil(n / world_size) for n in numels]
         expect = sum(shards) * 4
         # Adam: exp_avg and exp_avg_sq per shard, plus one float32 `step` per shard
@@ -98,9 +101,13 @@ def test_each_rank_persistently_holds_ceil_numel_over_w_per_unit(world_size):
         assert n_opt == [5]  # the optimizer sees one shard per unit, not the 10 original parameters
 
 
-def test_without_reshard_the_units_stay_gathered_until_backward():
-    (_, _, live, fwd_peak, padded, _), _ = launch(_shard_and_step, 2, False, start_method="fork")
-    assert live == 0 and fwd_peak == max(padded)  # no-grad forward frees at once either way
+@pytest.mark.parametrize("reshard", [True, False])
+def test_units_are_freed_after_forward_or_kept_until_backward(reshard):
+    """ZeRO-3 frees every unit after its forward and gathers it again for backward; without resharding the
+    units stay gathered from forward to backward. Either way nothing full survives the step."""
+    (_, _, live, fwd_peak, padded, _, before_backward), _ = launch(_shard_and_step, 2, reshard, start_method="fork")
+    assert before_backward == (0 if reshard else sum(padded))
+    assert live == 0 and fwd_peak == max(padded)  # a no-grad forward frees each unit at once either way
 
 
 def _steps_with_prefetch(world, prefetch):

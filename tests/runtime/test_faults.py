@@ -1,12 +1,16 @@
-"""A failing, killed or late worker must never hang the others or leak /dev/shm.
+"""A failing, killed, stuck or late worker must never hang the others or leak /dev/shm.
 
-Each test measures how long the main process takes to raise: the contract is "within seconds"
-(10 s here, with margin for a loaded 2-core CI machine).
+The contract: the main process raises within 3 s of the first failure (or timeout). Each test
+measures from the failure itself -- the moment a worker raised, was killed or timed out, taken
+with the wall clock in that process -- not from the start of the run, so the time spent starting
+processes on a loaded 2-core machine does not count against the limit.
 """
 
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -25,57 +29,75 @@ from lightning_shm.runtime import (
     WorkerDiedError,
     launch,
 )
-from lightning_shm.runtime.segment import PREFIX, Segment, check_free_space, list_owned, sweep_stale
+from lightning_shm.runtime.segment import PREFIX, SHM_DIR, Segment, check_free_space, list_owned, sweep_stale
 
 ROOT = Path(__file__).resolve().parents[2]
+LIMIT_S = 3.0  # main process raises within this long after the failure
+
+
+def _at(exc: BaseException) -> float:
+    """The wall-clock time a worker noted on the exception it raised."""
+    notes = " ".join(getattr(exc, "__notes__", [])) + str(exc)
+    return float(re.search(r"at=([\d.]+)", notes).group(1))
 
 
 def _raise_on_rank_1(world):
     g = world.group()
     g.barrier()
     if world.rank == 1:
-        raise ValueError("boom from rank 1: bad value 42")
+        time.sleep(0.2)  # rank 0 is waiting in the all-reduce by now
+        raise ValueError(f"boom from rank 1: bad value 42 at={time.time()}")
     g.all_reduce(torch.ones(10))  # rank 0 waits here for a peer that will never come
 
 
-def test_worker_exception_is_reraised_with_type_message_and_traceback():
-    t0 = time.monotonic()
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_worker_exception_is_reraised_with_type_message_and_traceback(start_method):
     with pytest.raises(ValueError, match="boom from rank 1: bad value 42") as info:
-        launch(_raise_on_rank_1, 3, start_method="fork")
-    assert time.monotonic() - t0 < 10
+        launch(_raise_on_rank_1, 3, start_method=start_method)
+    assert time.time() - _at(info.value) < LIMIT_S
     cause = info.value.__cause__
     assert cause is not None and "_raise_on_rank_1" in str(cause) and "Traceback" in str(cause)
     assert "rank 1" in str(cause)
+    assert "(ranks [0, 2] stopped because rank 1 failed)" in info.value.__notes__
 
 
-def _die_mid_collective(world):
+def _die_mid_collective(world, stamp):
     g = world.group()
     pids = g.all_gather_object(os.getpid())
     x = torch.randn(1 << 20)
     for i in range(10_000):
         if world.rank == 0 and i == 20:
+            Path(stamp).write_text(str(time.time()))
             os.kill(pids[1], signal.SIGKILL)
         g.all_reduce(x, "mean")
 
 
-def test_sigkilled_worker_stops_everyone_within_seconds():
-    t0 = time.monotonic()
+def test_sigkilled_worker_stops_everyone_within_seconds(tmp_path):
+    stamp = tmp_path / "killed_at"
     with pytest.raises(WorkerDiedError, match=r"rank 1 .* killed by signal SIGKILL"):
-        launch(_die_mid_collective, 3, start_method="fork")
-    assert time.monotonic() - t0 < 10
+        launch(_die_mid_collective, 3, str(stamp), start_method="fork")
+    assert time.time() - float(stamp.read_text()) < LIMIT_S
 
 
-def _late(world):
+def _stuck_in_user_code(world):
     if world.rank == 1:
-        time.sleep(60)
-    world.group().barrier()
+        time.sleep(60)  # a rank stuck outside the runtime: it never sees the abort flag
+    try:
+        world.group().barrier()
+    except BarrierTimeoutError as e:
+        e.add_note(f"at={time.time()}")
+        raise
 
 
-def test_barrier_timeout_names_the_missing_rank():
-    t0 = time.monotonic()
-    with pytest.raises(BarrierTimeoutError, match=r"rank\(s\) \[1\] did not arrive"):
-        launch(_late, 2, start_method="fork", runtime=RuntimeConfig(timeout_s=1.0))
-    assert time.monotonic() - t0 < 10
+def test_timeout_names_the_missing_rank_and_where_it_was():
+    with pytest.raises(BarrierTimeoutError, match=r"rank\(s\) \[1\] did not arrive") as info:
+        launch(_stuck_in_user_code, 2, start_method="fork", runtime=RuntimeConfig(timeout_s=1.0))
+    assert time.time() - _at(info.value) < LIMIT_S  # includes SIGKILL of the rank stuck in time.sleep
+    assert info.value.missing == [1]
+    where = [n for n in info.value.__notes__ if n.startswith("rank 1 was here")]
+    assert where, info.value.__notes__
+    first_frame = where[0].splitlines()[1]
+    assert "test_faults.py" in first_frame and "in _stuck_in_user_code" in first_frame, where[0]
 
 
 def _mismatch(world):
@@ -103,18 +125,15 @@ def test_mismatched_sizes_raise():
 def _exit_silently(world):
     world.group().barrier()
     if world.rank == 1:
+        os.write(2, b"rank 1 says goodbye on stderr\n")  # fd 2: pytest swaps sys.stderr for its own file
         os._exit(3)
     world.group().barrier()
 
 
-def test_worker_exiting_without_result_is_reported():
-    with pytest.raises(WorkerDiedError, match="rank 1 .* exited with code 3"):
+def test_worker_exiting_without_result_is_reported_with_its_last_words():
+    with pytest.raises(WorkerDiedError, match="rank 1 .* exited with code 3") as info:
         launch(_exit_silently, 2, start_method="fork")
-
-
-def test_spawn_start_method_reports_errors_too():
-    with pytest.raises(ValueError, match="boom from rank 1"):
-        launch(_raise_on_rank_1, 2, start_method="spawn")
+    assert any("rank 1 says goodbye on stderr" in n for n in info.value.__notes__)
 
 
 def test_free_space_check_says_how_much_and_how_to_fix():
@@ -127,7 +146,7 @@ def test_segments_are_private_and_removed():
     try:
         mode = os.stat(f"/dev/shm/{seg.name}").st_mode & 0o777
         assert mode == 0o600
-        assert seg.name.startswith(f"{PREFIX}_{os.getpid()}_")
+        assert seg.name.startswith(f"{PREFIX}_{os.getpid()}.")
         assert seg.name in list_owned()
         view = seg.tensor(torch.float32, 64, 10)
         view.fill_(3.0)
@@ -138,6 +157,7 @@ def test_segments_are_private_and_removed():
     assert seg.name not in list_owned()
 
 
+# ---------------------------------------------------------------------- the main process and its signals
 _SCRIPT = textwrap.dedent(
     """
     import sys, time, torch
@@ -163,10 +183,12 @@ def _run_script(tmp_path: Path, start_method: str) -> subprocess.Popen:
     proc = subprocess.Popen([sys.executable, str(script), start_method], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     assert proc.stdout is not None and proc.stdout.readline().strip() == "started"
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and len(list_owned(proc.pid)) < 2:  # control + group segments exist
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and len(_children(proc.pid)) < 2:
         time.sleep(0.05)
-    assert len(list_owned(proc.pid)) >= 2, "workers did not start"
+    while time.monotonic() < deadline and not any(n.endswith("_group-0-1") for n in list_owned(proc.pid)):
+        time.sleep(0.05)  # the workers run their loop once the group segment exists
+    assert len(_children(proc.pid)) >= 2, "workers did not start"
     return proc
 
 
@@ -175,18 +197,29 @@ def _children(pid: int) -> list[int]:
     return [int(p) for p in out]
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_signal_to_main_process_stops_workers_and_cleans_up(tmp_path, sig):
+def _gone(pid: int) -> bool:
+    """Exited (a zombie waiting to be reaped counts as gone; the file may vanish while we read it)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+
+
+# SIGINT ends in KeyboardInterrupt, which an interpreter left by it reports as death by SIGINT
+@pytest.mark.parametrize("sig, rc", [(signal.SIGTERM, 128 + signal.SIGTERM), (signal.SIGINT, -signal.SIGINT)])
+def test_signal_to_main_process_stops_workers_and_cleans_up(tmp_path, sig, rc):
     proc = _run_script(tmp_path, "fork")
     workers = _children(proc.pid)
     t0 = time.monotonic()
     proc.send_signal(sig)
-    proc.wait(timeout=15)
-    assert time.monotonic() - t0 < 10
+    assert proc.wait(timeout=30) == rc
+    assert time.monotonic() - t0 < LIMIT_S + 1.0  # + interpreter exit of the main process
     assert list_owned(proc.pid) == []
-    time.sleep(0.2)
-    assert all(not Path(f"/proc/{w}").exists() or "Z" in Path(f"/proc/{w}/stat").read_text().split()[2]
-               for w in workers)
+    assert not [n for n in os.listdir(SHM_DIR) if n.startswith(f"{PREFIX}_{proc.pid}.")], "lock file left"
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and not all(_gone(w) for w in workers):
+        time.sleep(0.05)
+    assert all(_gone(w) for w in workers)
 
 
 def test_sigkill_of_main_kills_workers_and_sweep_removes_its_segments(tmp_path):
@@ -196,11 +229,93 @@ def test_sigkill_of_main_kills_workers_and_sweep_removes_its_segments(tmp_path):
     proc.kill()
     proc.wait(timeout=10)
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and any(Path(f"/proc/{w}").exists() for w in workers):
+    while time.monotonic() < deadline and not all(_gone(w) for w in workers):
         time.sleep(0.05)
-    assert not any(Path(f"/proc/{w}").exists() for w in workers), "workers survived their parent"
-    leftovers = list_owned(proc.pid)
-    assert leftovers, "SIGKILL cannot run clean-up; the segments are expected to be left for the sweep"
+    assert all(_gone(w) for w in workers), "workers survived their parent"
+    leftovers = [n for n in os.listdir(SHM_DIR) if n.startswith(f"{PREFIX}_{proc.pid}.")]
+    assert len(leftovers) >= 2, "SIGKILL cannot run clean-up; the segments are expected to be left for the sweep"
     removed = sweep_stale()
-    assert set(leftovers) <= set(removed)
-    assert list_owned(proc.pid) == []
+    assert set(leftovers) <= set(removed)  # segments and the dead owner's lock file
+    assert [n for n in os.listdir(SHM_DIR) if n.startswith(f"{PREFIX}_{proc.pid}.")] == []
+
+
+# ---------------------------------------------------------------------- the sweep across PID namespaces
+_HOLD = textwrap.dedent(
+    """
+    import sys
+    from lightning_shm.runtime.segment import Segment, sweep_stale
+    seg = Segment.create(4096, "held")
+    print(seg.name, flush=True)
+    print(",".join(sweep_stale()), flush=True)   # what a run starting in this namespace would remove
+    sys.stdin.readline()                         # live until told to go
+    seg.close(); seg.unlink()
+    """
+)
+
+needs_unshare = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("unshare") is None,
+    reason="a second PID namespace needs root and util-linux's unshare",
+)
+
+
+@needs_unshare
+def test_sweep_spares_live_owners_in_another_pid_namespace():
+    """Liveness by pid is meaningless across PID namespaces (docker --ipc=host): the owner lock is not."""
+    mine = Segment.create(4096, "mine")
+    proc = subprocess.Popen(["unshare", "-pf", "--mount-proc", sys.executable, "-c", _HOLD], cwd=ROOT,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        theirs = proc.stdout.readline().strip()
+        removed_there = proc.stdout.readline().strip().split(",")
+        assert theirs.startswith(f"{PREFIX}_1.") or theirs.startswith(f"{PREFIX}_2."), theirs  # pid 1/2 in there
+        assert mine.name not in removed_there  # the other namespace did not delete our live segment
+        assert os.path.exists(os.path.join(SHM_DIR, mine.name))
+        assert theirs not in sweep_stale()  # nor do we delete theirs, though no process here has its pid
+        assert os.path.exists(os.path.join(SHM_DIR, theirs))
+    finally:
+        proc.communicate("\n", timeout=30)
+        mine.close()
+        mine.unlink()
+    assert not os.path.exists(os.path.join(SHM_DIR, theirs))
+
+
+def test_sweep_removes_what_a_dead_owner_left():
+    proc = subprocess.Popen([sys.executable, "-c", _HOLD], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True)
+    name = proc.stdout.readline().strip()
+    proc.stdout.readline()
+    assert name not in sweep_stale()  # alive: kept
+    proc.kill()
+    proc.wait(timeout=10)
+    removed = sweep_stale()
+    lock = name.split("_")[0] + "_" + name.split("_")[1] + ".lock"
+    assert name in removed and lock in removed
+
+
+# ---------------------------------------------------------------------- workers that die during start-up
+_NO_GUARD = textwrap.dedent(
+    """
+    import torch
+    from lightning_shm.runtime import launch
+
+    def work(world, blob):
+        return len(blob)
+
+    print("main process started", flush=True)
+    launch(work, 2, b"x" * (8 << 20), start_method="spawn")   # no __main__ guard; an 8 MiB job
+    """
+)
+
+
+def test_spawned_worker_dying_at_start_up_surfaces_its_own_error(tmp_path):
+    """The spawned interpreter re-imports a script without the ``__main__`` guard and dies before any
+    of our code runs. The main process must neither block (the 8 MiB job once went through a pipe
+    the dead child never read) nor stay silent: it raises with the child's own last words."""
+    script = tmp_path / "no_guard.py"
+    script.write_text(_NO_GUARD)
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert time.monotonic() - t0 < 60
+    assert out.returncode != 0
+    assert "WorkerDiedError" in out.stderr, out.stderr[-3000:]
+    assert "last lines rank" in out.stderr and "bootstrapping phase" in out.stderr, out.stderr[-3000:]

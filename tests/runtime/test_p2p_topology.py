@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
 
-from lightning_shm.runtime import ChannelConfig, RuntimeConfig, Topology, launch
+from lightning_shm.runtime import BarrierTimeoutError, ChannelConfig, RuntimeConfig, Topology, launch
 from lightning_shm.runtime.launcher import _fork_safe_threads
 from lightning_shm.runtime.world import thread_budget
 
@@ -55,17 +56,23 @@ def test_channel_preserves_order_under_streaming():
     assert got == [float(i) for i in range(500)] and sent == 500 * 40
 
 
-def test_channel_wrong_end_raises():
-    def body(world):
-        ch = world.channel(0, 1)
-        try:
-            (ch.recv if world.rank == 0 else ch.send)(torch.ones(1))
-        except (RuntimeError, TypeError) as e:
-            return str(e)
-        return "no error"
+def _wrong_end(world):
+    """Each end calls the other end's method: both must refuse at once, before touching the ring."""
+    ch = world.channel(0, 1)
+    t0 = time.monotonic()
+    try:
+        ch.recv() if world.rank == 0 else ch.send(torch.ones(1))
+    except BarrierTimeoutError as e:  # a missing guard would wait for a message that never comes
+        return f"waited: {e}", time.monotonic() - t0
+    except RuntimeError as e:
+        return str(e), time.monotonic() - t0
+    return "no error", time.monotonic() - t0
 
-    msgs = launch(body, 2, start_method="fork")
-    assert "sending end" in msgs[0] or "receiving end" in msgs[1]
+
+def test_channel_wrong_end_raises_on_both_ends():
+    (m0, t0), (m1, t1) = launch(_wrong_end, 2, start_method="fork", runtime=RuntimeConfig(timeout_s=2.0))
+    assert m0 == "rank 0 is the sending end of channel 0->1" and t0 < 1.0
+    assert m1 == "rank 1 is the receiving end of channel 0->1" and t1 < 1.0
 
 
 def test_topology_layout_and_groups():

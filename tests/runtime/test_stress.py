@@ -13,8 +13,10 @@ CFG = RuntimeConfig(timeout_s=120, group=GroupConfig(slot_bytes=64 << 10, onesho
 
 
 def _mixed(world, n_ops):
+    """Every check depends on the other ranks' data, so a collective that does nothing fails it."""
     g = world.group()
     sub = world.group([r for r in range(world.size) if r % 2 == world.rank % 2])  # two disjoint subgroups
+    seen = g.alloc_shared(1, torch.int64, tag="arrivals")  # each rank's count of barriers passed
     rng = random.Random(1234)  # same sequence of ops on every rank
     checks = 0
     for i in range(n_ops):
@@ -25,9 +27,9 @@ def _mixed(world, n_ops):
             g.all_reduce(x)
             checks += bool((x == world.size * (world.size + 1) / 2).all())
         elif kind == "ar_big":
-            x = torch.full((50_000,), 1.0)
+            x = torch.full((50_000,), float(world.rank + 1))
             g.all_reduce(x, "mean")
-            checks += bool((x == 1.0).all())
+            checks += bool((x == (world.size + 1) / 2).all())
         elif kind == "bc":
             x = torch.full((n,), float(world.rank))
             g.broadcast(x, src=i % world.size)
@@ -38,15 +40,18 @@ def _mixed(world, n_ops):
         elif kind == "rs":
             out = g.reduce_scatter(torch.ones(n * world.size), "sum")
             checks += bool((out == world.size).all())
-        elif kind == "bar":
+        elif kind == "bar":  # after a barrier every rank has announced its arrival at it
+            seen.local += 1
             g.barrier()
-            checks += 1
+            checks += all(int(seen.region(j)) >= int(seen.local) for j in range(world.size))
+            g.barrier()  # nobody announces the next arrival before everyone has checked this one
         elif kind == "sub":
             x = torch.ones(n)
             sub.all_reduce(x)
             checks += bool((x == sub.size).all())
         else:
-            checks += g.broadcast_object(i, src=0) == i
+            src = i % world.size
+            checks += g.broadcast_object((i, world.rank), src=src) == (i, src)
     return checks
 
 

@@ -86,8 +86,7 @@ class PipelineEngine:
         V = schedule.chunks
         me = pp_ranks[pp_index]
         rank_of = [pp_ranks[schedule.rank_of(c)] for c in range(V)]
-        # generous slots: a sender never waits on a receiver that is itself waiting on it
-        cfg = channel or ChannelConfig(slots=2 * (schedule.chunks + 1), slot_bytes=256 << 10)
+        cfg = channel or self.channel_config(schedule)
         self.act_in: dict[int, Channel] = {}
         self.act_out: dict[int, Channel] = {}
         self.grad_in: dict[int, Channel] = {}
@@ -112,6 +111,11 @@ class PipelineEngine:
         self._saved: dict[tuple[int, int], dict[int, int]] = {}  # (m, c) -> {storage ptr: bytes}
         self._stash: dict[tuple[int, int], list[tuple[nn.Parameter, torch.Tensor, torch.Tensor]]] = {}
         self._current: Optional[tuple[int, int]] = None
+
+    @staticmethod
+    def channel_config(schedule: PipelineSchedule) -> ChannelConfig:
+        """Generous slots: a sender never waits on a receiver that is itself waiting on it."""
+        return ChannelConfig(slots=2 * (schedule.chunks + 1), slot_bytes=256 << 10)
 
     # ------------------------------------------------------------------ public
     def train_step(self, io: StageIO, schedule: Optional[PipelineSchedule] = None) -> None:

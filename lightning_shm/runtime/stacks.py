@@ -1,0 +1,106 @@
+"""Where was a worker? Python stacks dumped on request, so a hang names the line, not only the rank.
+
+Each worker registers :mod:`faulthandler` on ``SIGUSR2`` with a file the main process created for
+it (a segment, so it is cleaned up like every other). faulthandler writes from C inside the signal
+handler, without the GIL, so it works while the worker sleeps, spins in a barrier or computes in a
+kernel. The worker first writes its main thread's id, so the main process can pick that thread's
+frames out of the dump::
+
+    main 0x00007f3a...                               <- written by the worker at start
+    Thread 0x00007f39... (most recent call first):   <- faulthandler, on SIGUSR2
+      File ".../wait.py", line 88 in wait_ge
+    Current thread 0x00007f3a... (most recent call first):
+      File "train.py", line 12 in training_step
+      ...
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import re
+import signal
+import threading
+import time
+from typing import IO, Optional
+
+DUMP_SIGNAL = signal.SIGUSR2
+_FRAME = re.compile(r'^\s+File "(?P<file>.*)", line (?P<line>\d+) in (?P<func>.*)$')
+_THREAD = re.compile(r"^(?:Current thread|Thread) (0x[0-9a-f]+)")
+_file: Optional[IO[bytes]] = None  # kept open for the worker's lifetime: faulthandler only has the fd
+
+
+def register(path: str) -> None:
+    """Worker side: dump every thread's stack into ``path`` on ``SIGUSR2``."""
+    global _file
+    _file = open(path, "r+b", buffering=0)  # noqa: SIM115 - must outlive this call
+    _file.write(f"main 0x{threading.main_thread().ident:016x}\n".encode())
+    faulthandler.register(DUMP_SIGNAL, file=_file, all_threads=True, chain=False)
+
+
+def request(pids: dict[int, int]) -> None:
+    """Main side: ask the workers ``{rank: pid}`` to dump their stacks."""
+    for pid in pids.values():
+        try:
+            os.kill(pid, DUMP_SIGNAL)
+        except ProcessLookupError:
+            pass
+
+
+def collect(paths: dict[int, str], timeout_s: float = 0.5) -> dict[int, list[tuple[str, int, str]]]:
+    """Main side: the main thread's frames ``(file, line, function)``, innermost first, per rank.
+
+    Waits until each dump has stopped growing (faulthandler writes it in one go) or ``timeout_s``.
+    """
+    deadline = time.monotonic() + timeout_s
+    out: dict[int, list[tuple[str, int, str]]] = {}
+    pending = dict(paths)
+    last: dict[int, bytes] = {}
+    while pending and time.monotonic() < deadline:
+        time.sleep(0.02)
+        for rank, path in list(pending.items()):
+            text = _read(path)
+            frames = parse(text.decode(errors="replace"))
+            if frames and last.get(rank) == text:  # stable for one poll: complete
+                out[rank] = frames
+                del pending[rank]
+            last[rank] = text
+    for rank, path in pending.items():  # whatever arrived
+        frames = parse(_read(path).decode(errors="replace"))
+        if frames:
+            out[rank] = frames
+    return out
+
+
+def parse(text: str) -> list[tuple[str, int, str]]:
+    """Frames of the thread named on the ``main 0x...`` line (its last dump), innermost first."""
+    lines = text.splitlines()
+    if not lines or not lines[0].startswith("main "):
+        return []
+    main_id = int(lines[0].split()[1], 16)
+    frames: list[tuple[str, int, str]] = []
+    current: Optional[int] = None
+    for line in lines[1:]:
+        m = _THREAD.match(line)
+        if m:
+            current = int(m.group(1), 16)
+            if current == main_id:
+                frames = []  # a later dump replaces an earlier one
+            continue
+        f = _FRAME.match(line)
+        if f and current == main_id:
+            frames.append((f.group("file"), int(f.group("line")), f.group("func")))
+    return frames
+
+
+def describe(rank: int, frames: list[tuple[str, int, str]], depth: int = 4) -> str:
+    shown = "\n".join(f'    File "{f}", line {n}, in {fn}' for f, n, fn in frames[:depth])
+    return f"rank {rank} was here (innermost frame first):\n{shown}"
+
+
+def _read(path: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read().rstrip(b"\0")
+    except OSError:
+        return b""

@@ -1,0 +1,82 @@
+"""The main process's Trainer after the workers finished: the trained one, not the copy it started with.
+
+The Trainer in the main process never runs a step -- the workers do. So that ``trainer.global_step``,
+``trainer.save_checkpoint(path)``, ``trainer.test(ckpt_path="best")`` or ``fit(ckpt_path="last")``
+in the main process behave as in one process, rank 0 hands back the full checkpoint it would write
+at the end (model, loops, optimizer and scheduler states -- consolidated by sharded strategies --,
+callback, precision and datamodule states) and :func:`restore_trainer` loads it here, the way
+Lightning restores a checkpoint, except for the module's own ``on_load_checkpoint`` hook, which a
+single process would not call after ``fit`` either.
+
+Optimizers are built here by the module's ``configure_optimizers`` over the plain module and loaded
+with the plain (consolidated) state; if that cannot run in the main process the Trainer keeps no
+optimizers and says so.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Sequence
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.trainer import call
+
+log = logging.getLogger(__name__)
+
+_LOOPS = ("fit_loop", "validate_loop", "test_loop", "predict_loop")
+
+
+def restore_trainer(trainer: "pl.Trainer", checkpoint: dict[str, Any], launch_args: Sequence[Any] = ()) -> None:
+    """Load rank 0's end-of-run ``checkpoint`` into the main process's ``trainer`` and its module.
+
+    ``launch_args``: the entry point's arguments; a datamodule among them is attached here too, as
+    ``fit`` attached it in the workers."""
+    module = trainer.lightning_module
+    for arg in launch_args:
+        if isinstance(arg, pl.LightningDataModule):
+            trainer._data_connector.attach_datamodule(module, datamodule=arg)
+    module.trainer = trainer
+    if set(checkpoint["state_dict"]) - set(module.state_dict()):  # layers built in configure_model, as the workers did
+        call._call_configure_model(trainer)
+    module.load_state_dict(checkpoint["state_dict"])
+    for name in _LOOPS:
+        state = checkpoint.get("loops", {}).get(name)
+        if state is not None:
+            loop = getattr(trainer, name)
+            loop.load_state_dict(state)
+            loop.restarting = False  # it ran to here; nothing is being resumed
+    trainer._callback_connector._attach_model_callbacks()  # callbacks from configure_callbacks, as in the workers
+    states = checkpoint.get("callbacks") or {}
+    for cb in trainer.callbacks:
+        state = states.get(cb.state_key)
+        if isinstance(cb, ModelCheckpoint) and state and cb.dirpath is None:
+            cb.dirpath = state.get("dirpath")  # resolved in the workers: without it the state is not loaded
+    call._call_callbacks_load_state_dict(trainer, checkpoint)
+    for cb in trainer.callbacks:  # what ModelCheckpoint.load_state_dict leaves out (it is resuming, we are not)
+        state = states.get(cb.state_key)
+        if isinstance(cb, ModelCheckpoint) and state:
+            cb.current_score = state.get("current_score")
+    plugin = trainer.precision_plugin
+    if type(plugin).__qualname__ in checkpoint:
+        plugin.load_state_dict(checkpoint[type(plugin).__qualname__])
+    dm = trainer.datamodule
+    if dm is not None and type(dm).__qualname__ in checkpoint:
+        dm.load_state_dict(checkpoint[type(dm).__qualname__])
+    if "optimizer_states" in checkpoint:
+        _restore_optimizers(trainer, checkpoint)
+
+
+def _restore_optimizers(trainer: "pl.Trainer", checkpoint: dict[str, Any]) -> None:
+    strategy = trainer.strategy
+    try:
+        strategy.setup_optimizers(trainer)
+        for opt, state in zip(strategy.optimizers, checkpoint["optimizer_states"]):
+            opt.load_state_dict(state)
+        for config, state in zip(trainer.lr_scheduler_configs, checkpoint.get("lr_schedulers", [])):
+            config.scheduler.load_state_dict(state)
+    except Exception as e:  # e.g. configure_optimizers needs data only the workers built
+        strategy.optimizers, strategy.lr_scheduler_configs = [], []
+        log.warning("the main process could not rebuild the optimizers after the run (%r): its Trainer holds the "
+                    "trained weights, loops and callbacks but no optimizer state; the checkpoints the workers "
+                    "wrote hold it.", e)

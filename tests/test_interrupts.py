@@ -1,0 +1,131 @@
+"""Ctrl-C / SIGTERM to a training run: the workers stop together and save their real state.
+
+The signal goes to the main process (as Ctrl-C or ``kill`` does); every rank stops at the start of
+the same step, Lightning's ``on_exception`` callbacks run where the trained state is, and
+``OnExceptionCheckpoint`` writes the real step and weights. ``fit(ckpt_path="last")`` then
+continues from that step. Exit status as in one process: 1 after SIGINT, 0 after SIGTERM.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_shm.runtime.segment import PREFIX, SHM_DIR
+
+ROOT = Path(__file__).resolve().parents[1]
+
+_SCRIPT = textwrap.dedent(
+    """
+    import os, signal, sys, time
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import OnExceptionCheckpoint
+    import lightning_shm
+    from lightning_shm import SHMPipeline, SHMTensorParallel
+    from lightning_shm.models import MNISTClassifier
+    from tests.helpers import loader, mnist_like
+
+    STRATEGIES = {
+        "ddp": lambda fork: "shm_ddp_fork" if fork else "shm_ddp",
+        "fsdp": lambda fork: "shm_fsdp_fork" if fork else "shm_fsdp",
+        "tp": lambda fork: SHMTensorParallel(tensor_parallel_size=2, start_method="fork" if fork else "spawn"),
+        "pipeline": lambda fork: SHMPipeline(pipeline_parallel_size=2, microbatches=2,
+                                             start_method="fork" if fork else "spawn"),
+    }
+
+    class Interrupted(MNISTClassifier):
+        def __init__(self, signal_at, signum, steps_file):
+            super().__init__()
+            self.signal_at, self.signum, self.steps_file = signal_at, signum, steps_file
+
+        def training_step(self, batch, batch_idx):
+            # (a pipeline calls this once per microbatch: record and signal once per step)
+            if self.global_rank == 0 and self.global_step != getattr(self, "_seen", None):
+                self._seen = self.global_step
+                with open(self.steps_file, "a") as f:
+                    f.write(f"{self.global_step}\\n")
+                if self.global_step == self.signal_at:
+                    os.kill(os.getppid(), self.signum)  # the main process, as Ctrl-C or kill would
+                    time.sleep(1.0)  # its stop request is in place before the next step starts
+            return super().training_step(batch, batch_idx)
+
+    if __name__ == "__main__":
+        name, fork, signame, ckpt_dir, steps_file, mode = sys.argv[1:]
+        pl.seed_everything(0)
+        signum = int(getattr(signal, signame))
+        model = Interrupted(5 if mode == "interrupt" else -1, signum, steps_file)
+        trainer = pl.Trainer(strategy=STRATEGIES[name](fork == "fork"), accelerator="cpu", devices=2, max_epochs=1,
+                             callbacks=[OnExceptionCheckpoint(ckpt_dir)], logger=False, enable_progress_bar=False,
+                             enable_model_summary=False, enable_checkpointing=True, default_root_dir=ckpt_dir)
+        trainer.fit(model, loader(mnist_like(24 * 24), 24), ckpt_path="last" if mode == "resume" else None)
+        print("global_step", trainer.global_step, flush=True)
+    """
+)
+
+
+@pytest.mark.parametrize("name, fork, signame", [("ddp", "fork", "SIGINT"), ("fsdp", "fork", "SIGTERM"),
+                                                   ("pipeline", "spawn", "SIGINT"), ("tp", "spawn", "SIGTERM")])
+def test_interrupt_saves_the_real_step_and_resume_continues_from_it(tmp_path, name, fork, signame):
+    script = tmp_path / "run.py"
+    script.write_text(_SCRIPT)
+    steps = tmp_path / "steps.txt"
+
+    def run(mode):
+        proc = subprocess.Popen([sys.executable, str(script), name, fork, signame, str(tmp_path), str(steps), mode],
+                                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, "PYTHONPATH": str(ROOT)})
+        stdout, stderr = proc.communicate(timeout=300)
+        left = [n for n in os.listdir(SHM_DIR) if n.startswith(f"{PREFIX}_{proc.pid}.")]
+        assert not left, f"left in /dev/shm: {left}"
+        return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+    out = run("interrupt")
+    assert out.returncode == (1 if signame == "SIGINT" else 0), out.stderr[-3000:]
+    assert "global_step" not in out.stdout or signame == "SIGTERM"
+    ckpt = torch.load(tmp_path / "on_exception.ckpt", weights_only=False)
+    assert ckpt["global_step"] == 6  # steps 0..5 done; every rank stopped before step 6
+    assert ckpt["optimizer_states"][0]["state"], "the checkpoint must hold the trained optimizer state"
+    assert [int(s) for s in steps.read_text().split()] == [0, 1, 2, 3, 4, 5]
+
+    steps.write_text("")
+    resumed = run("resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    total = 12 if name in ("ddp", "fsdp") else 24  # 576 samples in batches of 24 per data-parallel replica
+    assert [int(s) for s in steps.read_text().split()] == list(range(6, total))
+    assert f"global_step {total}" in resumed.stdout
+
+
+def test_second_signal_stops_at_once(tmp_path):
+    """A rank that never reaches a step boundary (stuck in user code) cannot stop gracefully: the second
+    Ctrl-C stops everything at once, and the main process exits 1 as Lightning does."""
+    script = tmp_path / "stuck.py"
+    script.write_text(textwrap.dedent(
+        """
+        import os, signal, time
+        import lightning.pytorch as pl
+        from lightning.pytorch.demos.boring_classes import BoringModel
+
+        class Stuck(BoringModel):
+            def training_step(self, batch, batch_idx):
+                if self.global_rank == 0 and batch_idx == 1:
+                    os.kill(os.getppid(), signal.SIGINT)
+                    time.sleep(0.5)
+                    os.kill(os.getppid(), signal.SIGINT)
+                    time.sleep(60)
+                return super().training_step(batch, batch_idx)
+
+        if __name__ == "__main__":
+            import lightning_shm
+            pl.Trainer(strategy="shm_ddp_fork", accelerator="cpu", devices=2, max_epochs=1, logger=False,
+                       enable_progress_bar=False, enable_checkpointing=False).fit(Stuck())
+        """))
+    out = subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert "rank 0 was here" in out.stderr and "in training_step" in out.stderr, out.stderr[-3000:]

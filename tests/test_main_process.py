@@ -1,0 +1,98 @@
+"""The main process's Trainer after the workers ran: the trained one, as in one process.
+
+Every strategy runs its steps in worker processes; the Trainer the user holds in the main process
+must still end up with the real global step, loop progress, optimizer / scheduler / callback
+states (consolidated for sharded strategies), so that ``trainer.save_checkpoint`` there writes what
+a single process writes, and ``test(ckpt_path="best")`` finds the best checkpoint.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader
+
+from lightning_shm import SHMPipeline, SHMTensorParallel
+from lightning_shm.runtime import SharedMemoryFullError
+from tests.helpers import GLOBAL_BATCH, SEED, SchedClassifier, loader, mnist_like, reference_loader, trainer
+
+
+def _fit_then_save(strategy: Any, devices: int, batch: int, ckpt_dir, path, ref: bool = False):
+    pl.seed_everything(SEED)
+    model = SchedClassifier(optimizer="sgd", lr=0.1)
+    ds = mnist_like(GLOBAL_BATCH * 3, seed=1)
+    dl = reference_loader(ds, batch, SEED) if ref else loader(ds, batch)
+    cb = ModelCheckpoint(dirpath=ckpt_dir, monitor="val_loss", save_top_k=2)
+    t = trainer(strategy=strategy, devices=devices, max_epochs=2, enable_checkpointing=True, callbacks=[cb])
+    t.fit(model, dl, DataLoader(ds, batch_size=batch))  # per replica, as for training: same batch counts
+    t.save_checkpoint(path)
+    return t, torch.load(path, weights_only=False)
+
+
+def _assert_same(got: Any, want: Any, where: str = "checkpoint") -> None:
+    if isinstance(want, dict):
+        assert set(got) == set(want), f"{where}: keys {sorted(map(str, set(got) ^ set(want)))} differ"
+        for k in want:
+            _assert_same(got[k], want[k], f"{where}[{k!r}]")
+    elif isinstance(want, (list, tuple)):
+        assert len(got) == len(want), where
+        for i, (a, b) in enumerate(zip(got, want)):
+            _assert_same(a, b, f"{where}[{i}]")
+    elif isinstance(want, torch.Tensor):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5, msg=where)
+    elif isinstance(want, float):
+        assert got == pytest.approx(want, abs=1e-5), where
+    else:
+        assert got == want, where
+
+
+STRATEGIES = [
+    ("shm_ddp_fork", 2, GLOBAL_BATCH // 2),
+    ("shm_fsdp_fork", 2, GLOBAL_BATCH // 2),  # optimizer state consolidated from shards
+    (SHMTensorParallel(start_method="fork", tensor_parallel_size=2), 2, GLOBAL_BATCH),
+    (SHMPipeline(start_method="fork", pipeline_parallel_size=2, microbatches=4), 2, GLOBAL_BATCH),
+]
+
+
+@pytest.mark.parametrize("strategy, devices, batch", STRATEGIES, ids=["ddp", "fsdp", "tp", "pipeline"])
+def test_main_process_trainer_is_the_trained_one(tmp_path, strategy, devices, batch):
+    one, want = _fit_then_save("auto", 1, GLOBAL_BATCH, tmp_path / "one", tmp_path / "one.ckpt", ref=True)
+    ours, got = _fit_then_save(strategy, devices, batch, tmp_path / "ours", tmp_path / "ours.ckpt")
+    assert ours.global_step == one.global_step == 6 and ours.current_epoch == one.current_epoch == 2
+    assert got["optimizer_states"][0]["state"], "no optimizer state in the main process's checkpoint"
+    # the checkpoint callbacks wrote into their own folders: compare their states up to that
+    for ckpt in (got, want):
+        for state in ckpt["callbacks"].values():
+            if "dirpath" in state:
+                state["dirpath"] = "<dir>"
+            for key in ("best_model_path", "kth_best_model_path", "last_model_path"):
+                if isinstance(state.get(key), str):
+                    state[key] = state[key].rsplit("/", 1)[-1]
+            if "best_k_models" in state:
+                state["best_k_models"] = {k.rsplit("/", 1)[-1]: v for k, v in state["best_k_models"].items()}
+    _assert_same(got, want)
+    # and the main process's Trainer uses them as one process would
+    best = ours.checkpoint_callback.best_model_path
+    assert best.startswith(str(tmp_path / "ours")) and best.rsplit("/", 1)[-1] == one.checkpoint_callback.best_model_path.rsplit("/", 1)[-1]
+    res = ours.test(ckpt_path="best", dataloaders=DataLoader(mnist_like(48, seed=3), batch_size=12), verbose=False)
+    ref = one.test(ckpt_path="best", dataloaders=DataLoader(mnist_like(48, seed=3), batch_size=12), verbose=False)
+    assert res[0]["test_loss"] == pytest.approx(ref[0]["test_loss"], abs=1e-5)
+
+
+def test_too_small_dev_shm_fails_before_any_worker_starts(monkeypatch):
+    """The whole run's need is estimated in the main process and named, with its parts."""
+    import lightning_shm.runtime.segment as segment
+
+    monkeypatch.setattr(segment, "shm_free_bytes", lambda: 1 << 20)
+    started = []
+    monkeypatch.setattr("lightning_shm.runtime.launcher.Launcher.run", lambda *a, **k: started.append(1))
+    model = SchedClassifier(hidden_sizes=[1024, 1024])  # ~1.9M parameters: ~15 MiB of gradient buckets at W=2
+    with pytest.raises(SharedMemoryFullError, match=r"this run \(SHMDDPStrategy, 2 processes\) needs (\d+\.\d) MiB "
+                                                    r".* 1\.0 MiB free \(.*gradient buckets 14\.\d MiB") as info:
+        trainer(strategy="shm_ddp", devices=2, max_epochs=1).fit(model, loader(mnist_like(8), 4))
+    assert started == []
+    assert "--shm-size" in str(info.value)
