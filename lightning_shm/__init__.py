@@ -7,14 +7,21 @@ Importing the package registers the strategy names ("shm_ddp", ...) with Lightni
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_shm.models import MNISTClassifier, build_mlp
-from lightning_shm.strategies import SHMDDPStrategy, SHMFSDPStrategy, SHMPipeline, SHMStrategyBase, SHMTensorParallel
+from lightning_shm.strategies import (
+    SHMDDPStrategy,
+    SHMFSDPStrategy,
+    SHMModelParallel,
+    SHMPipeline,
+    SHMStrategyBase,
+    SHMTensorParallel,
+    register_all,
+)
 
 __version__ = "0.1.0"
 
-for _cls in (SHMDDPStrategy, SHMFSDPStrategy, SHMTensorParallel, SHMPipeline):
-    _cls.register_strategies(StrategyRegistry)
+register_all(StrategyRegistry)
 
 __all__ = [
-    "MNISTClassifier", "SHMDDPStrategy", "SHMFSDPStrategy", "SHMPipeline", "SHMStrategyBase", "SHMTensorParallel",
-    "build_mlp",
+    "MNISTClassifier", "SHMDDPStrategy", "SHMFSDPStrategy", "SHMModelParallel", "SHMPipeline", "SHMStrategyBase",
+    "SHMTensorParallel", "build_mlp",
 ]

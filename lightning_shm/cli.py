@@ -1,7 +1,17 @@
 """``python -m lightning_shm`` / ``lightning-shm``: LightningCLI over the MNIST module and data.
 
-Importing :mod:`lightning_shm` registers the strategy names, so ``--trainer.strategy shm_ddp`` and
-class paths (``lightning_shm.SHMDDPStrategy``) both work. Examples::
+Importing :mod:`lightning_shm` registers the strategy names. A strategy is chosen by
+
+* its registered name: ``--trainer.strategy shm_ddp`` (or ``shm_fsdp``, ``shm_tp``, ``shm_pipeline``,
+  ``shm_model_parallel``, each also ``_fork``);
+* its class, with arguments: ``--trainer.strategy.class_path lightning_shm.SHMPipeline
+  --trainer.strategy.init_args.pipeline_parallel_size 2``, or in a config file (``class_path`` /
+  ``init_args`` under ``trainer.strategy``, as in ``scripts/configs/``). A bare class path *followed by*
+  an argument also works (``--trainer.strategy lightning_shm.SHMDDPStrategy
+  --trainer.strategy.start_method fork``); a bare class path alone does not: the argument is then
+  read as a strategy name, and Lightning has no strategy of that name.
+
+Examples::
 
     python -m lightning_shm fit --config scripts/configs/shm_ddp.yaml
     python -m lightning_shm fit --trainer.strategy shm_ddp --trainer.devices 2 --test_after_fit true

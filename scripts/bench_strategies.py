@@ -264,11 +264,12 @@ def memory_worker(world: Any, hidden: list[int], kind: str) -> dict[str, int]:
         return {"params": params, "grads": grads, "optimizer": optim, "peak": params + grads + optim + largest}
     sharded = ShardedModule(model, world.group())
     opt = model.configure_optimizers()
+    sharded.watch([opt])
     sharded.stats.reset_peak()
     nn.functional.cross_entropy(model(x), y).backward()
     opt.step()
     per = sharded.persistent_bytes(opt)
-    largest_unit = max(u.padded_numel * u.shard.element_size() for u in sharded.units)
+    largest_unit = max(u.numel * 4 for u in sharded.units)
     # peak: persistent + the unsharded parameters alive at once (measured) + one unit's full gradient
     per["peak"] = sum(per.values()) + sharded.stats.peak + largest_unit
     per["largest_unit"] = largest_unit
@@ -310,15 +311,16 @@ def prefetch_worker(world: Any, hidden: list[int], policy: Optional[int], prefet
     sharded = ShardedModule(model, world.group(), policy, prefetch=prefetch)
     gather = [0.0]  # seconds spent copying shards into full tensors (on whichever thread does it)
     for u in sharded.units:
-        copy = u._copy_shards_into
+        copy = u.copy_shards_into
 
         def timed(flat: torch.Tensor, copy: Any = copy) -> None:
             t0 = time.perf_counter()
             copy(flat)
             gather[0] += time.perf_counter() - t0
 
-        u._copy_shards_into = timed  # type: ignore[method-assign]
+        u.copy_shards_into = timed  # type: ignore[method-assign]
     opt = model.configure_optimizers()
+    sharded.watch([opt])
     x, y = torch.randn(batch, 1, 28, 28), torch.randint(0, 10, (batch,))
     times, gathers = [], []
     for _ in range(steps + 2):
@@ -329,7 +331,6 @@ def prefetch_worker(world: Any, hidden: list[int], policy: Optional[int], prefet
         nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
         opt.zero_grad()
-        world.group().barrier()
         times.append(time.perf_counter() - t0)
         gathers.append(gather[0])
     sharded.close()
@@ -374,14 +375,14 @@ def tp_worker(world: Any, hidden: list[int], tp: int, global_batch: int) -> dict
     sys.path.insert(0, str(ROOT))
     from lightning_shm.models import MNISTClassifier
     from lightning_shm.parallel.ddp import GradReducer
-    from lightning_shm.parallel.tp import TensorParallelModule
+    from lightning_shm.parallel.tp import TensorParallelModule, check_plan, plan_for
     from lightning_shm.runtime import Topology
 
     topo = Topology.infer(world.size, tp=tp)
     groups = topo.groups(world)
     torch.manual_seed(0)
     model = MNISTClassifier(hidden_sizes=hidden)
-    tpm = TensorParallelModule(model, groups.tp)
+    tpm = TensorParallelModule(model, groups.tp, check_plan(model, plan_for(model, None), tp))
     reducer = GradReducer(list(model.named_parameters()), groups.dp) if groups.dp.size > 1 else None
     b = global_batch // topo.dp
     x, y = torch.randn(b, 1, 28, 28), torch.randint(0, 10, (b,))

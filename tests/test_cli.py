@@ -8,7 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from lightning_shm.cli import main
+from datamodules import MNISTDataModule
+from lightning_shm import SHMDDPStrategy, SHMFSDPStrategy, SHMPipeline, SHMTensorParallel
+from lightning_shm.cli import SHMCLI, TRAINER_DEFAULTS, main
+from lightning_shm.models import MNISTClassifier
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "scripts" / "configs").glob("*.yaml"))
@@ -20,6 +23,20 @@ def test_every_config_parses(config, capsys):
         main(["fit", "--config", str(config), "--print_config"])
     assert info.value.code == 0
     assert "strategy" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args, cls, check", [
+    (["--trainer.strategy", "shm_fsdp", "--trainer.devices", "4"], SHMFSDPStrategy, lambda s: s.num_processes == 4),
+    (["--trainer.strategy.class_path", "lightning_shm.SHMPipeline", "--trainer.strategy.init_args.microbatches", "2",
+      "--trainer.devices", "2"], SHMPipeline, lambda s: s.microbatches == 2),
+    (["--trainer.strategy", "lightning_shm.SHMDDPStrategy", "--trainer.strategy.start_method", "fork",
+      "--trainer.devices", "2"], SHMDDPStrategy, lambda s: s._start_method == "fork"),
+    (["--config", str(ROOT / "scripts" / "configs" / "shm_tp.yaml")], SHMTensorParallel,
+     lambda s: s.tensor_parallel_size == 2),
+], ids=["name", "class_path+init_args", "class+argument", "config"])
+def test_the_strategy_forms_the_docs_show(args, cls, check):
+    cli = SHMCLI(MNISTClassifier, MNISTDataModule, trainer_defaults=TRAINER_DEFAULTS, run=False, args=args)
+    assert isinstance(cli.trainer.strategy, cls) and check(cli.trainer.strategy)
 
 
 def test_fit_with_strategy_class_path_and_test_after_fit(tmp_path, mnist_dir):

@@ -9,7 +9,6 @@ continues from that step. Exit status as in one process: 1 after SIGINT, 0 after
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import textwrap

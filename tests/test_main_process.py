@@ -76,8 +76,8 @@ def test_main_process_trainer_is_the_trained_one(tmp_path, strategy, devices, ba
                 state["best_k_models"] = {k.rsplit("/", 1)[-1]: v for k, v in state["best_k_models"].items()}
     _assert_same(got, want)
     # and the main process's Trainer uses them as one process would
-    best = ours.checkpoint_callback.best_model_path
-    assert best.startswith(str(tmp_path / "ours")) and best.rsplit("/", 1)[-1] == one.checkpoint_callback.best_model_path.rsplit("/", 1)[-1]
+    best, one_best = ours.checkpoint_callback.best_model_path, one.checkpoint_callback.best_model_path
+    assert best.startswith(str(tmp_path / "ours")) and best.rsplit("/", 1)[-1] == one_best.rsplit("/", 1)[-1]
     res = ours.test(ckpt_path="best", dataloaders=DataLoader(mnist_like(48, seed=3), batch_size=12), verbose=False)
     ref = one.test(ckpt_path="best", dataloaders=DataLoader(mnist_like(48, seed=3), batch_size=12), verbose=False)
     assert res[0]["test_loss"] == pytest.approx(ref[0]["test_loss"], abs=1e-5)

@@ -9,7 +9,7 @@ all-reduces it, and every rank scales by the same factor.
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 
@@ -17,31 +17,29 @@ from lightning_shm.runtime import Group
 
 
 def global_grad_norm(params: Iterable[torch.Tensor], group: Optional[Group],
-                     replicated: Iterable[torch.Tensor] = ()) -> torch.Tensor:
-    """L2 norm over the union of all ranks' ``params`` gradients.
+                     copies: Callable[[torch.Tensor], int] = lambda p: 1) -> torch.Tensor:
+    """L2 norm over the union of all ranks' ``params`` gradients, each element counted once.
 
-    ``replicated`` parameters hold the same gradient on every rank of ``group``: they are counted
-    once (divided by the group size) instead of W times.
+    ``copies(p)``: how many ranks of ``group`` hold the same gradient piece as ``p`` (data-parallel
+    replicas, tensor-parallel ranks of a replicated layer); its square is divided by that.
     """
-    rep = {id(p) for p in replicated}
     total = torch.zeros((), dtype=torch.float64)
     for p in params:
         if p.grad is not None:
-            sq = p.grad.detach().double().pow(2).sum()
-            total += sq / group.size if (group is not None and id(p) in rep) else sq
+            total += p.grad.detach().double().pow(2).sum() / copies(p)
     if group is not None and group.size > 1:
         group.all_reduce(total, "sum")
     return total.sqrt()
 
 
 def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float, group: Optional[Group],
-                    replicated: Iterable[torch.Tensor] = ()) -> torch.Tensor:
+                    copies: Callable[[torch.Tensor], int] = lambda p: 1) -> torch.Tensor:
     """Scale gradients in place so that the global norm is at most ``max_norm``; return the norm.
 
     Same factor as ``torch.nn.utils.clip_grad_norm_``: ``max_norm / (norm + 1e-6)`` when above.
     """
     params = [p for p in params if p.grad is not None]
-    norm = global_grad_norm(params, group, replicated)
+    norm = global_grad_norm(params, group, copies)
     coef = max_norm / (float(norm) + 1e-6)
     if coef < 1.0:
         for p in params:

@@ -1,23 +1,23 @@
 """Loading a plain optimizer state (as a single process saves it) into an optimizer over model pieces.
 
-A plain state dict numbers parameters by their position in the plain module's parameter order
-(what ``configure_optimizers`` over ``self.parameters()`` produces). A rank holding slices (TP) or
-stages (pipeline) of the model has its own optimizer over its own parameters, which still carry
-their plain names; ``convert(name, key, value)`` turns a plain state entry into this rank's piece.
+A plain state dict numbers parameters as one process's optimizer does (``plain_ids``: parameter name
+-> id). A rank holding slices (TP), shards (FSDP) or stages (pipeline) of the model has its own
+optimizer over its own parameters, which still carry their plain names; ``convert(name, key,
+value)`` turns a plain state entry into this rank's piece.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
 
 
 def load_plain_optimizer_state(optimizer: torch.optim.Optimizer, full: Mapping[str, Any], module: nn.Module,
-                               plain_names: Sequence[str], convert: Callable[[str, str, Any], Any]) -> None:
+                               plain_ids: Mapping[str, int], convert: Callable[[str, str, Any], Any]) -> None:
     names = {id(p): n for n, p in module.named_parameters()}
-    index = {n: i for i, n in enumerate(plain_names)}
+    index = plain_ids
     saved_group = {i: g for g in full["param_groups"] for i in g["params"]}
     state: dict[int, dict[str, Any]] = {}
     groups = []

@@ -261,17 +261,26 @@ class Group:
         self._sync(Coll.ALL_REDUCE, dc, n, int(op) + _SHARED_FLAG, check=False)  # every result written
 
     # ------------------------------------------------------------------ reduce-scatter
-    def reduce_scatter(self, tensor: torch.Tensor, op: Any = "sum", out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def reduce_scatter(self, tensor: torch.Tensor, op: Any = "sum", out: Optional[torch.Tensor] = None,
+                       sizes: Optional[Sequence[int]] = None) -> torch.Tensor:
         """Reduce ``tensor`` (flattened, n elements) and return this member's part.
 
-        Parts follow :func:`even_split` (the first ``n % W`` members get one element more).
+        Parts follow ``sizes`` (elements per member, summing to n; e.g. whole rows of a matrix), by
+        default :func:`even_split` (the first ``n % W`` members get one element more).
         ``out`` must not overlap ``tensor``.
         """
         op = ReduceOp.parse(op)
         check_reducible(tensor.dtype, op)
         flat, contiguous = _flat(tensor)
         W, r, n = self.size, self.index, flat.numel()
-        bounds = even_split(n, W)
+        if sizes is None:
+            bounds = even_split(n, W)
+        else:
+            if len(sizes) != W or sum(sizes) != n or min(sizes) < 0:
+                raise ValueError(f"reduce_scatter: sizes {list(sizes)} must be {W} counts >= 0 summing to {n}")
+            bounds = [0]
+            for k in sizes:
+                bounds.append(bounds[-1] + k)
         mine_n = bounds[r + 1] - bounds[r]
         if out is None:
             out = torch.empty(mine_n, dtype=flat.dtype)
@@ -298,7 +307,7 @@ class Group:
             self._sync(Coll.REDUCE_SCATTER, dc, n, int(op) + _SHARED_FLAG, check=False)
             return out
         cp = max(self._cap(flat.dtype) // W, 1)  # elements of each destination per round
-        rounds = max(1, math.ceil((bounds[1] - bounds[0]) / cp))
+        rounds = max(1, math.ceil(max(b - a for a, b in zip(bounds, bounds[1:])) / cp))
         for c in range(rounds):
             slots = self._slots(flat.dtype)
             mine = slots[r]

@@ -1,9 +1,33 @@
-"""Lightning strategies: thin adapters of the parallelism code to the Trainer."""
+"""Lightning strategies: thin adapters of the parallelism code to the Trainer.
+
+One strategy, :class:`SHMModelParallel` (dp x tp x pp), and four presets of it; every name is
+registered twice, once per start method.
+"""
+
+from typing import Any
 
 from lightning_shm.strategies.base import SHMStrategyBase
 from lightning_shm.strategies.ddp import SHMDDPStrategy
 from lightning_shm.strategies.fsdp import SHMFSDPStrategy
+from lightning_shm.strategies.model_parallel import SHMModelParallel
 from lightning_shm.strategies.pipeline import SHMPipeline
 from lightning_shm.strategies.tp import SHMTensorParallel
 
-__all__ = ["SHMDDPStrategy", "SHMFSDPStrategy", "SHMPipeline", "SHMStrategyBase", "SHMTensorParallel"]
+REGISTRY = (
+    ("shm_ddp", SHMDDPStrategy, "shared-memory DDP"),
+    ("shm_fsdp", SHMFSDPStrategy, "shared-memory FSDP (ZeRO-3)"),
+    ("shm_tp", SHMTensorParallel, "shared-memory tensor parallel (tp=2)"),
+    ("shm_pipeline", SHMPipeline, "shared-memory pipeline parallel (P=2, 1F1B)"),
+    ("shm_model_parallel", SHMModelParallel, "shared-memory dp x tp x pp (dp only unless sizes are given)"),
+)
+
+
+def register_all(strategy_registry: Any) -> None:
+    for name, cls, description in REGISTRY:
+        for suffix, method in (("", "spawn"), ("_fork", "fork")):
+            strategy_registry.register(name + suffix, cls, description=f"{description}, start_method={method!r}",
+                                       start_method=method, override=True)
+
+
+__all__ = ["REGISTRY", "SHMDDPStrategy", "SHMFSDPStrategy", "SHMModelParallel", "SHMPipeline", "SHMStrategyBase",
+           "SHMTensorParallel", "register_all"]

@@ -1,8 +1,8 @@
-"""The Lightning contract shared by the four shared-memory strategies.
+"""The Lightning contract of the shared-memory strategies: ranks, launcher, collectives, stopping.
 
 A thin adapter: ranks and world size come from the runtime :class:`World` the launcher hands to
 each worker; ``reduce`` / ``barrier`` / ``broadcast`` / ``all_gather`` / metric syncing run on its
-groups; subclasses add only their parallelism (gradient reducer, FSDP units, TP layers, stages).
+groups. What a strategy parallelizes lives in :class:`~lightning_shm.strategies.model_parallel.SHMModelParallel`.
 
 Lightning checks (read ``lightning/pytorch/strategies/ddp.py``, ``parallel.py``) that matter here:
 
@@ -13,26 +13,21 @@ Lightning checks (read ``lightning/pytorch/strategies/ddp.py``, ``parallel.py``)
 
 from __future__ import annotations
 
-import contextlib
 import signal
-from typing import Any, Iterator, Mapping, Optional, Union
+from typing import Any, Optional, Union
 
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.accelerators import CPUAccelerator
-from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.parallel import ParallelStrategy
-from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
-from torch.optim import Optimizer
 
-from lightning_shm.parallel.ddp import GradReducer, broadcast_module_state
 from lightning_shm.runtime import Group, RuntimeConfig, Topology, World
 from lightning_shm.runtime.launcher import START_METHODS
 from lightning_shm.runtime.segment import check_free_space
@@ -42,21 +37,8 @@ from lightning_shm.strategies.launcher import SHMLauncher
 from lightning_shm.strategies.predictions import merge_predictions
 
 
-def param_bytes(module: torch.nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in module.parameters())
-
-
-def shm_ddp_bytes(module: torch.nn.Module, world_size: int, page: int = 4096) -> int:
-    """A gradient bucket per dtype, one region per rank (see ``GradReducer``)."""
-    by_dtype: dict[torch.dtype, int] = {}
-    for p in module.parameters():
-        if p.requires_grad:
-            by_dtype[p.dtype] = by_dtype.get(p.dtype, 0) + p.numel() * p.element_size()
-    return sum(world_size * ((n + page - 1) // page * page) for n in by_dtype.values())
-
-
 class SHMStrategyBase(ParallelStrategy):
-    """Base of ``shm_ddp``, ``shm_fsdp``, ``shm_tp``, ``shm_pipeline``: CPU processes on one machine.
+    """CPU processes on one machine, one shared-memory process group.
 
     Args:
         start_method: "spawn" (default) or "fork" (faster start, Linux, no CUDA in the parent).
@@ -88,7 +70,6 @@ class SHMStrategyBase(ParallelStrategy):
         self._world: Optional[World] = None
         self._group: Optional[Group] = None
         self._metric_state: list = []
-        self._reducer: Optional[GradReducer] = None  # data-parallel gradient averaging, where used
 
     # ------------------------------------------------------------------ topology
     @property
@@ -96,7 +77,7 @@ class SHMStrategyBase(ParallelStrategy):
         return len(self.parallel_devices) if self.parallel_devices is not None else 0
 
     def topology(self) -> Topology:
-        """The dp x tp x pp grid of this strategy (pure data parallel here)."""
+        """The dp x tp x pp grid (pure data parallel unless a subclass says otherwise)."""
         return Topology(world_size=max(self.num_processes, 1), dp=max(self.num_processes, 1))
 
     @property
@@ -182,24 +163,6 @@ class SHMStrategyBase(ParallelStrategy):
         assert self.model is not None
         self.model.to(self.root_device)
 
-    def _check_unsupported(self, trainer: "pl.Trainer") -> None:
-        if self._layer_sync is not None and trainer.state.fn == TrainerFn.FITTING:
-            raise ValueError(f"{type(self).__name__} does not support sync_batchnorm=True (it needs torch.distributed)")
-
-    def prepare_model(self, trainer: "pl.Trainer") -> None:
-        """The start of every ``setup``: accelerator, precision, device, then rank 0's weights everywhere.
-
-        The broadcast is explicit on purpose: spawn pickling, fork, and weights created in
-        ``configure_model`` with different random states must all end up identical (and shards,
-        slices or stages are cut from those weights).
-        """
-        assert self.accelerator is not None and self.model is not None
-        self._check_unsupported(trainer)
-        self.accelerator.setup(trainer)
-        self.precision_plugin.convert_module(self.model)
-        self.model_to_device()
-        broadcast_module_state(self.model, self.group)
-
     # ------------------------------------------------------------------ stopping on SIGINT / SIGTERM
     def stop_point(self) -> None:
         """Where every rank agrees whether to stop on a pending SIGINT / SIGTERM (one barrier).
@@ -220,14 +183,6 @@ class SHMStrategyBase(ParallelStrategy):
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self.stop_point()
 
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        self.stop_point()
-        return super().validation_step(*args, **kwargs)
-
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        self.stop_point()
-        return super().test_step(*args, **kwargs)
-
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         """In the main process while Lightning handles a failure or stop that happened in the workers, nothing
         is written: the workers ran ``on_exception`` themselves (a stop) or hold no consistent state (a
@@ -240,9 +195,8 @@ class SHMStrategyBase(ParallelStrategy):
 
     # ------------------------------------------------------------------ shared memory
     def shm_components(self, module: "pl.LightningModule") -> dict[str, int]:
-        """Bytes this strategy puts in /dev/shm for ``module``, by component (data-parallel gradients
-        here); the base adds what every run needs."""
-        return {"gradient buckets": shm_ddp_bytes(module, self.world_size)}
+        """Bytes the parallelisms put in /dev/shm for ``module``, by component."""
+        return {}
 
     def check_shared_memory(self, module: "pl.LightningModule") -> None:
         """Fail before any worker starts when /dev/shm cannot hold the run (the total and its parts named)."""
@@ -250,7 +204,7 @@ class SHMStrategyBase(ParallelStrategy):
         parts = {"control, stacks": control_bytes(W) + W * (64 << 10),
                  "collective scratch": self._group_bytes(), **self.shm_components(module)}
         if self._start_method != "fork":
-            parts["job (pickled module)"] = param_bytes(module)
+            parts["job (pickled module)"] = sum(p.numel() * p.element_size() for p in module.parameters())
         total = sum(parts.values())
         detail = " (" + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in parts.items() if v) + ")"
         check_free_space(total, f"this run ({type(self).__name__}, {W} processes)", detail)
@@ -299,28 +253,7 @@ class SHMStrategyBase(ParallelStrategy):
         assert g is not None
         return g
 
-    def install_global_clipping(self, group: Group, replicated: Any = ()) -> None:
-        """Make ``gradient_clip_val`` (norm) clip by the norm over *all* ranks' gradient pieces.
-
-        Lightning clips with ``torch.nn.utils.clip_grad_norm_`` over the optimizer's local
-        parameters; with sharded gradients that is a different norm on every rank.
-        """
-        from lightning_shm.parallel.clip import clip_grad_norm_
-
-        plugin = self.precision_plugin
-
-        def clip_grad_by_norm(optimizer: Any, clip_val: Union[int, float]) -> None:
-            params = [p for g in optimizer.param_groups for p in g["params"]]
-            clip_grad_norm_(params, float(clip_val), group, replicated)
-
-        plugin.clip_grad_by_norm = clip_grad_by_norm  # instance attribute: this strategy's plugin only
-
     # ------------------------------------------------------------------ results for the main process
-    def full_state_dict(self) -> dict[str, Any]:
-        """The plain module's state dict (collective for sharded strategies); meaningful on rank 0."""
-        assert self.lightning_module is not None
-        return self.lightning_module.state_dict()
-
     def gather_predictions(self, trainer: "pl.Trainer", results: Any) -> Any:
         """All ranks' predictions on rank 0, in dataset order (collective)."""
         loop = trainer.predict_loop
@@ -342,26 +275,9 @@ class SHMStrategyBase(ParallelStrategy):
     def prediction_group(self) -> Group:
         return self.metric_group()
 
-    # ------------------------------------------------------------------ data-parallel gradients
-    def post_backward(self, closure_loss: Tensor) -> None:
-        if self._reducer is not None:
-            self._reducer.post_backward()
-
-    @contextlib.contextmanager
-    def block_backward_sync(self) -> Iterator[None]:
-        """Gradient accumulation: no communication until the last micro-step."""
-        if self._reducer is None:
-            yield None
-            return
-        with self._reducer.no_sync():
-            yield None
-
     # ------------------------------------------------------------------ lifecycle
     def teardown(self) -> None:
         self.workers_handled_failure = False  # main process: Lightning's failure handling ends with teardown
-        if self._reducer is not None:
-            self._reducer.close()
-            self._reducer = None
         collectives.detach_metric_sync(self._metric_state)
         self._metric_state = []
         if self.cluster_environment is not None:
@@ -369,46 +285,3 @@ class SHMStrategyBase(ParallelStrategy):
         if self.accelerator is None:  # never connected to a Trainer: nothing else was set up
             return
         super(ParallelStrategy, self).teardown()
-
-
-class ShardedStateStrategy(SHMStrategyBase):
-    """A strategy whose ranks hold pieces of the model (FSDP shards, TP slices, pipeline stages).
-
-    ``self.state_manager`` (set in ``setup``) consolidates the pieces into the plain module's state
-    dict and a plain single-process optimizer state, and cuts them back out: checkpoints are
-    portable between strategies, world sizes and a single process. Restoring happens after setup,
-    when the pieces exist.
-    """
-
-    state_manager: Any = None
-
-    @property
-    def restore_checkpoint_after_setup(self) -> bool:
-        return True
-
-    def _manager(self) -> Any:
-        if self.state_manager is None:
-            raise RuntimeError(f"{type(self).__name__} has no model pieces before setup")
-        return self.state_manager
-
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        if self.state_manager is None:  # the main process (after fit it holds the full weights)
-            return super().lightning_module_state_dict()
-        return self._manager().full_state_dict()
-
-    def full_state_dict(self) -> dict[str, Any]:
-        return self.lightning_module_state_dict()
-
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        self._manager().load_full_state_dict(checkpoint["state_dict"], strict=strict)
-
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        opt = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-        if self.state_manager is None:  # the main process: a plain optimizer over the plain module
-            return opt.state_dict()
-        state = self._manager().full_optimizer_state(opt)  # collective: every rank takes part
-        return state if self.global_rank == 0 else {}  # only rank 0 writes checkpoints
-
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
-            self._manager().load_full_optimizer_state(optimizer, state)

@@ -12,17 +12,20 @@ that metric, after its state was copied from the last stage.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
+import contextlib
+from dataclasses import dataclass
+from typing import Any, ContextManager, Iterator, Mapping, Optional, Sequence
 
 import lightning.pytorch as pl
 import torch
 from torch import Tensor, nn
 
-from lightning_shm.parallel.pipeline import CapturedInput, split_batch
+from lightning_shm.parallel.pipeline import CapturedInput, PipelineStage, split_batch
 from lightning_shm.parallel.pipeline.stage import batch_size as batch_size_of
+from lightning_shm.runtime import Group
+from lightning_shm.strategies.metric_state import export_state, import_state
 
-if TYPE_CHECKING:
-    from lightning_shm.strategies.pipeline import SHMPipeline
+LogRecord = tuple[str, Any, tuple, dict, float]  # name, value, args, kwargs, microbatch weight
 
 
 class MetricRef:
@@ -32,55 +35,82 @@ class MetricRef:
         self.path = path
 
 
-class LightningStageIO:
-    """The engine's view of one Lightning step: microbatch inputs, the step on the last stage, logs."""
+@dataclass(frozen=True)
+class StagePosition:
+    """Where this rank sits in its pipeline: the group of its stages and the index of the last one."""
 
-    def __init__(self, strategy: "SHMPipeline", step: str, batch: Any, batch_idx: int, microbatches: int,
-                 training: bool, extra: Sequence[Any] = ()) -> None:
-        self.strategy, self.step, self.batch_idx, self.training, self.extra = strategy, step, batch_idx, training, extra
-        module = strategy.lightning_module
-        self.module, self.stage = module, strategy.stage
+    pp_group: Group
+    index: int
+
+    @property
+    def last(self) -> int:
+        return self.pp_group.size - 1
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.last
+
+
+@contextlib.contextmanager
+def recording_logs(module: pl.LightningModule, sink: Optional[list[LogRecord]], weight: float) -> Iterator[None]:
+    """Inside, ``module.log`` (and ``log_dict``, which calls it) appends to ``sink`` (None: drops) instead
+    of logging: a microbatch's values are combined with the others' before Lightning sees them."""
+
+    def record(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        if sink is not None:
+            sink.append((name, value, args, kwargs, weight))
+
+    module.log = record  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del module.log
+
+
+class LightningStageIO:
+    """The engine's view of one Lightning step: microbatch inputs, the step on the last stage, logs.
+
+    Args:
+        module, stage: the LightningModule and the :class:`PipelineStage` standing in for its Sequential.
+        step: "training_step", "validation_step", "test_step" or "predict_step".
+        loss_scale: multiplies each microbatch's loss for backward (``1 / accumulate_grad_batches``:
+            Lightning divides the loss by it before backward, and the schedule runs backward itself).
+        forward_context: opened around every forward of a chunk (the precision plugin's autocast).
+    """
+
+    def __init__(self, module: pl.LightningModule, stage: PipelineStage, step: str, batch: Any, batch_idx: int,
+                 microbatches: int, training: bool, extra: Sequence[Any] = (), loss_scale: float = 1.0,
+                 forward_context: Any = contextlib.nullcontext) -> None:
+        self.module, self.stage, self.step, self.batch_idx, self.training = module, stage, step, batch_idx, training
+        self.extra, self.loss_scale, self._forward_context = extra, loss_scale, forward_context
         size = batch_size_of(batch) or 1
         self.parts = max(1, min(microbatches, size))
         self.micro = split_batch(batch, self.parts)
         sizes = [batch_size_of(m) or 0 for m in self.micro]
         self.weights = [s / max(size, 1) for s in sizes]
-        self.records: list[tuple[str, Any, tuple, dict, float]] = []
+        self.records: list[LogRecord] = []
         self.outputs: dict[int, Any] = {}
         self.losses: dict[int, Tensor] = {}
 
-    def _call_step(self, mb: int, sink: Optional[list], weight: float) -> Any:
-        module = self.module
+    def forward_context(self) -> ContextManager[Any]:
+        return self._forward_context()
 
-        def record(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
-            if sink is not None:
-                sink.append((name, value, args, kwargs, weight))
-
-        module.log = record  # type: ignore[method-assign]  # log_dict goes through log as well
-        try:
-            return getattr(module, self.step)(self.micro[mb], self.batch_idx, *self.extra)
-        finally:
-            del module.log
+    def _call_step(self, mb: int, sink: Optional[list[LogRecord]], weight: float) -> Any:
+        with recording_logs(self.module, sink, weight):
+            return getattr(self.module, self.step)(self.micro[mb], self.batch_idx, *self.extra)
 
     def first_input(self, mb: int) -> Tensor:
-        assert self.stage is not None
-        self.stage.mode = ("capture", None)
         try:
-            self._call_step(mb, None, 0.0)
+            with self.stage.capturing_input():
+                self._call_step(mb, None, 0.0)
         except CapturedInput as captured:
             return captured.x
-        finally:
-            self.stage.mode = None
         raise RuntimeError(f"{type(self.module).__name__}.{self.step} returned without calling the pipelined "
                            "nn.Sequential; the pipeline cannot find its input")
 
     def last_forward(self, mb: int, x: Tensor, chunk: nn.Module, recompute: bool = False) -> Optional[Tensor]:
-        assert self.stage is not None
-        self.stage.mode = ("last", (x, chunk))
-        try:
+        with self.stage.running_chunk(chunk, x):
             out = self._call_step(mb, None if recompute else self.records, self.weights[mb])
-        finally:
-            self.stage.mode = None
         if not self.training:
             self.outputs[mb] = out
             return None
@@ -90,7 +120,7 @@ class LightningStageIO:
                              f"got {type(out).__name__}")
         if not recompute:
             self.losses[mb] = loss.detach() * self.weights[mb]
-        return loss * self.weights[mb]
+        return loss * (self.weights[mb] * self.loss_scale)
 
     # ------------------------------------------------------------------ results
     def total_loss(self) -> Tensor:
@@ -106,18 +136,15 @@ class LightningStageIO:
             return torch.stack([o * w for o, w in zip(outs, self.weights)]).sum()
         return outs
 
-    def replay_logs(self, module: pl.LightningModule) -> None:
+    def replay_logs(self, position: StagePosition) -> None:
         """Combine the last stage's per-microbatch logs and log them on every rank of the pp group."""
-        strategy = self.strategy
-        last = strategy.pp_group.size - 1
-        payload = None
-        if strategy._groups.coords.pp == last:  # type: ignore[union-attr]
-            payload = _aggregate(self.records, module)
-        payload = strategy.pp_group.broadcast_object(payload, src=last)
+        module = self.module
+        payload = _aggregate(self.records, module) if position.is_last else None
+        payload = position.pp_group.broadcast_object(payload, src=position.last)
         for name, value, args, kwargs, metric_state in payload:
             if isinstance(value, MetricRef):
                 metric = module.get_submodule(value.path)
-                _load_metric_state(metric, metric_state)
+                import_state(metric, metric_state)
                 value = metric
             module.log(name, value, *args, **kwargs)
 
@@ -138,7 +165,7 @@ def _aggregate(records: list[tuple[str, Any, tuple, dict, float]], module: nn.Mo
         items = grouped[name]
         value, args, kwargs, _ = items[-1]
         if isinstance(value, Metric):
-            out.append((name, MetricRef(paths[id(value)]), args, kwargs, _metric_state(value)))
+            out.append((name, MetricRef(paths[id(value)]), args, kwargs, export_state(value)))
             continue
         vals = torch.stack([torch.as_tensor(v).detach().double() for v, *_ in items])
         ws = torch.tensor([w for *_, w in items], dtype=torch.float64)
@@ -155,16 +182,3 @@ def _aggregate(records: list[tuple[str, Any, tuple, dict, float]], module: nn.Mo
         dtype = value.dtype if isinstance(value, Tensor) and value.is_floating_point() else torch.float32
         out.append((name, combined.to(dtype), args, kwargs, None))
     return out
-
-
-def _metric_state(metric: Any) -> dict[str, Any]:
-    return {"states": {k: getattr(metric, k) for k in metric._defaults},
-            "update_count": metric._update_count, "forward_cache": metric._forward_cache}
-
-
-def _load_metric_state(metric: Any, state: dict[str, Any]) -> None:
-    for k, v in state["states"].items():
-        setattr(metric, k, v)
-    metric._update_count = state["update_count"]
-    metric._forward_cache = state["forward_cache"]
-    metric._computed = None

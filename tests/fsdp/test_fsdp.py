@@ -14,15 +14,18 @@ import lightning_shm  # noqa: F401
 from lightning_shm import SHMFSDPStrategy
 from lightning_shm.models import MNISTClassifier
 from lightning_shm.parallel.fsdp import ShardedModule, UnitPolicy, find_units
+from lightning_shm.parallel.state import ModelState
 from lightning_shm.runtime import launch
 from tests.helpers import (
     GLOBAL_BATCH,
+    SEED,
     SchedClassifier,
     check_plain_checkpoint,
     fit_adam64,
     flat_params,
     loader,
     mnist_like,
+    reference_loader,
     train_mnist,
     trainer,
 )
@@ -71,43 +74,55 @@ def _shard_and_step(world, reshard):
     model = MNISTClassifier(optimizer="adam")
     sharded = ShardedModule(model, world.group(), reshard_after_forward=reshard)
     opt = model.configure_optimizers()
+    sharded.watch([opt])
     x = torch.randn(16, 1, 28, 28)
     sharded.stats.reset_peak()
     loss = nn.functional.cross_entropy(model(x), torch.zeros(16, dtype=torch.long))
     live_before_backward = sharded.stats.live
     loss.backward()
-    opt.step()
-    world.group().barrier()
+    opt.step()  # ends with the barrier (watch): every shard written before anyone gathers
     with torch.no_grad():
         sharded.stats.reset_peak()
         model(x)
         forward_only_peak = sharded.stats.peak
-    return ([u.shard.numel() for u in sharded.units], sharded.persistent_bytes(opt), sharded.stats.live,
-            forward_only_peak, [u.padded_numel * 4 for u in sharded.units], [len(opt.param_groups[0]["params"])],
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    return (shapes, sharded.persistent_bytes(opt), sharded.stats.live, forward_only_peak,
+            [u.numel * 4 for u in sharded.units], [n for n, p in model.named_parameters()
+                                                  if any(p is q for q in opt.param_groups[0]["params"])],
             live_before_backward)
 
 
+FULL = {"net.1.weight": (256, 784), "net.1.bias": (256,), "net.2.weight": (256,), "net.2.bias": (256,),
+        "net.4.weight": (64, 256), "net.4.bias": (64,), "net.5.weight": (64,), "net.5.bias": (64,),
+        "net.7.weight": (10, 64), "net.7.bias": (10,)}
+
+
 @pytest.mark.parametrize("world_size", [2, 3, 4])
-def test_each_rank_persistently_holds_ceil_numel_over_w_per_unit(world_size):
-    numels = [200_960, 512, 16_448, 128, 650]
-    for shards, persistent, live, fwd_peak, padded, n_opt, _ in launch(_shard_and_step, world_size, True,
-                                                                     start_method="fork"):
-        assert shards == [math.ceil(n / world_size) for n in numels]
-        expect = sum(shards) * 4
-        # Adam: exp_avg and exp_avg_sq per shard, plus one float32 `step` per shard
-        assert persistent == {"params": expect, "grads": expect, "optimizer": 2 * expect + 5 * 4}
+def test_each_rank_holds_its_rows_of_every_parameter_under_its_own_name(world_size):
+    for rank, (shapes, persistent, live, fwd_peak, unit_bytes, opt_names, _) in enumerate(
+            launch(_shard_and_step, world_size, True, start_method="fork")):
+        assert list(shapes) == list(FULL)  # the module's own names, in its order
+        for name, full in FULL.items():  # rows split like even_split: the first rows % W ranks get one more
+            rows = full[0] // world_size + (1 if rank < full[0] % world_size else 0)
+            assert shapes[name] == (rows, *full[1:]), name
+        mine = sum(math.prod(s) for s in shapes.values()) * 4
+        one_row_each = sum(math.prod(full[1:]) for full in FULL.values()) * 4
+        assert abs(mine - 218_698 * 4 / world_size) <= one_row_each  # 1/W of the model, within a row per parameter
+        # Adam: exp_avg and exp_avg_sq like each parameter's rows, plus one float32 `step` per parameter
+        assert persistent == {"params": mine, "grads": mine, "optimizer": 2 * mine + 10 * 4}
         assert live == 0  # nothing unsharded survives a step
-        assert fwd_peak == max(padded)  # forward holds one unit's full parameters at a time
-        assert n_opt == [5]  # the optimizer sees one shard per unit, not the 10 original parameters
+        assert fwd_peak == max(unit_bytes)  # forward holds one unit's full parameters at a time
+        assert opt_names == list(FULL)  # configure_optimizers saw the module's own parameters
 
 
 @pytest.mark.parametrize("reshard", [True, False])
 def test_units_are_freed_after_forward_or_kept_until_backward(reshard):
     """ZeRO-3 frees every unit after its forward and gathers it again for backward; without resharding the
     units stay gathered from forward to backward. Either way nothing full survives the step."""
-    (_, _, live, fwd_peak, padded, _, before_backward), _ = launch(_shard_and_step, 2, reshard, start_method="fork")
-    assert before_backward == (0 if reshard else sum(padded))
-    assert live == 0 and fwd_peak == max(padded)  # a no-grad forward frees each unit at once either way
+    (_, _, live, fwd_peak, unit_bytes, _, before_backward), _ = launch(_shard_and_step, 2, reshard,
+                                                                       start_method="fork")
+    assert before_backward == (0 if reshard else sum(unit_bytes))
+    assert live == 0 and fwd_peak == max(unit_bytes)  # a no-grad forward frees each unit at once either way
 
 
 def _steps_with_prefetch(world, prefetch):
@@ -115,6 +130,9 @@ def _steps_with_prefetch(world, prefetch):
     model = MNISTClassifier(optimizer="adam")
     sharded = ShardedModule(model, world.group(), prefetch=prefetch)
     opt = model.configure_optimizers()
+    sharded.watch([opt])
+    state = ModelState(model, list(MNISTClassifier().state_dict()), list(FULL), sharded.placements(),
+                       after_load=sharded.after_shards_written)
     torch.manual_seed(1 + world.rank)
     outs, peaks = [], []
     for _ in range(3):
@@ -125,7 +143,6 @@ def _steps_with_prefetch(world, prefetch):
         peaks.append(sharded.stats.peak)
         opt.step()
         opt.zero_grad()
-        world.group().barrier()
         with torch.no_grad():
             outs.append(model(x))
     # a forward cut short leaves a prefetched gather behind; new weights must not be served from it
@@ -133,13 +150,13 @@ def _steps_with_prefetch(world, prefetch):
         model.net[1](model.net[0](x))
     torch.manual_seed(7)  # the same new weights on every rank
     other = MNISTClassifier(optimizer="adam")
-    sharded.load_full_state_dict(other.state_dict())
+    state.load_full_state_dict(other.state_dict())
     with torch.no_grad():
         outs.append(model(x) - other(x))
     live = sharded.stats.live
     started = sharded.prefetcher.started if sharded.prefetcher else 0
     sharded.close()
-    return torch.cat([u.shard.detach() for u in sharded.units]), outs, peaks, live, started
+    return torch.cat([p.detach().reshape(-1) for p in sharded.shards()]), outs, peaks, live, started
 
 
 def test_prefetch_changes_nothing_but_the_peak():
@@ -196,9 +213,31 @@ class Tiny(pl.LightningModule):
         self.net = nn.Sequential(nn.Linear(2, 1))  # 3 parameters
 
 
-def test_more_ranks_than_unit_parameters_fails_before_launch():
-    with pytest.raises(ValueError, match=r"unit 'net.0' has 3 parameters, fewer than devices=4"):
-        trainer(strategy="shm_fsdp_fork", devices=4, max_epochs=1).fit(Tiny(), DataLoader(torch.randn(8, 2)))
+class TinyRegression(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 1))  # weights of 3 and 1 rows
+
+    def training_step(self, batch, batch_idx):
+        return nn.functional.mse_loss(self.net(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_more_ranks_than_rows_leaves_some_ranks_empty_blocks_and_stays_exact():
+    """4 ranks, a Linear(3, 1): one rank holds its single row, three hold empty blocks -- still one process."""
+    ds = torch.utils.data.TensorDataset(torch.randn(16, 2, generator=torch.Generator().manual_seed(0)),
+                                        torch.randn(16, 1, generator=torch.Generator().manual_seed(1)))
+
+    def run(strategy, devices, batch, ref=False):
+        pl.seed_everything(SEED)
+        model = TinyRegression()
+        dl = reference_loader(ds, batch, SEED) if ref else loader(ds, batch)
+        trainer(strategy=strategy, devices=devices, max_epochs=2).fit(model, dl)
+        return flat_params(model)
+
+    torch.testing.assert_close(run("shm_fsdp_fork", 4, 2), run("auto", 1, 8, ref=True), rtol=0, atol=1e-6)
 
 
 def test_policy_selecting_nothing_fails_before_launch():

@@ -55,7 +55,7 @@ def test_dp2_x_pp2_equals_one_process_with_the_global_batch(references, schedule
 
 class _SeesFallback(pl.Callback):
     def on_train_epoch_end(self, trainer, pl_module):
-        pl_module.log("gpipe_fallback", float(trainer.strategy._warned_short))
+        pl_module.log("gpipe_fallback", float(trainer.strategy.pipeline.ran_short_batch_as_gpipe))
 
 
 def test_short_last_batch_runs_with_fewer_microbatches_and_stays_exact():
@@ -82,6 +82,64 @@ def test_checkpointing_accumulation_clipping_and_scheduler():
     ref = train_mnist("auto", 1, "sgd", batch=GLOBAL_BATCH, ref=True, **kw)
     got = train_mnist(pp(2, "interleaved_1f1b", activation_checkpointing=True), 4, "sgd", batch=GLOBAL_BATCH // 2, **kw)
     torch.testing.assert_close(got, ref, rtol=0, atol=2e-5)
+
+
+def test_accumulation_averages_over_micro_steps_as_one_process_does():
+    """Clipping by value, unlike by norm, does not hide gradients that are twice too large."""
+    kw = dict(accumulate=2, gradient_clip_val=0.01, gradient_clip_algorithm="value")
+    ref = train_mnist("auto", 1, "sgd", batch=GLOBAL_BATCH, ref=True, **kw)
+    got = train_mnist(pp(2), 2, "sgd", batch=GLOBAL_BATCH, **kw)
+    torch.testing.assert_close(got, ref, rtol=0, atol=2e-5)
+    dp = train_mnist(pp(2, "zero_bubble"), 4, "sgd", batch=GLOBAL_BATCH // 2, **kw)
+    torch.testing.assert_close(dp, ref, rtol=0, atol=2e-5)
+
+
+class AutocastSeen(MNISTClassifier):
+    """Records, on every rank, whether each layer it ran saw CPU autocast, and the logits' dtype."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.seen: list[bool] = []
+        for layer in self.net:
+            layer.register_forward_pre_hook(lambda m, args: self.seen.append(torch.is_autocast_enabled("cpu")))
+
+    def on_train_start(self):
+        self.seen.clear()  # the stage split timed the layers in float32 during setup
+
+    def training_step(self, batch, batch_idx):
+        logits = self(batch[0])
+        self.log("logits_bf16", float(logits.dtype == torch.bfloat16), reduce_fx="min")
+        return torch.nn.functional.cross_entropy(logits, batch[1])
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_logits_bf16", float(self(batch[0]).dtype == torch.bfloat16), reduce_fx="min")
+
+    def on_train_epoch_end(self):
+        mine = torch.tensor(float(bool(self.seen) and all(self.seen)))
+        self.log("every_stage_autocast", self.all_gather(mine).min())
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])  # Lightning runs 16-mixed as bf16 on CPU
+def test_mixed_precision_runs_every_stage_under_autocast(precision):
+    pl.seed_everything(SEED)
+    ds = mnist_like(GLOBAL_BATCH * 2, seed=1)
+    model = AutocastSeen(optimizer="sgd", lr=0.1)
+    t = trainer(strategy=pp(2), devices=2, max_epochs=1, precision=precision)
+    t.fit(model, loader(ds, GLOBAL_BATCH), DataLoader(ds, batch_size=GLOBAL_BATCH))
+    m = t.callback_metrics
+    assert float(m["every_stage_autocast"]) == 1.0
+    assert float(m["logits_bf16"]) == 1.0 and float(m["val_logits_bf16"]) == 1.0
+    # and the training is one process's bf16 training, not a float32 one
+    pl.seed_everything(SEED)
+    one = MNISTClassifier(optimizer="sgd", lr=0.1)
+    trainer(devices=1, max_epochs=1, precision=precision).fit(one, reference_loader(ds, GLOBAL_BATCH, SEED))
+    pl.seed_everything(SEED)
+    fp32 = MNISTClassifier(optimizer="sgd", lr=0.1)
+    trainer(devices=1, max_epochs=1).fit(fp32, reference_loader(ds, GLOBAL_BATCH, SEED))
+    ours = flat_params(model)
+    off_fp32 = float((ours - flat_params(fp32)).abs().mean())  # ~7e-5 here; a float32 run would be ~1e-8 off
+    off_bf16 = float((ours - flat_params(one)).abs().mean())  # ~3e-5: bf16 rounds microbatches differently
+    assert off_fp32 > 1e-5 and off_bf16 < off_fp32
 
 
 class Logged(MNISTClassifier):

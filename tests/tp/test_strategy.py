@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader
 import lightning_shm  # noqa: F401
 from lightning_shm import SHMTensorParallel
 from lightning_shm.models import MNISTClassifier, build_mlp
-from lightning_shm.parallel.tp import TensorParallelModule, derive_plan
+from lightning_shm.parallel.tp import TensorParallelModule, check_plan, derive_plan, plan_for
 from lightning_shm.runtime import launch
 from tests.helpers import (
     GLOBAL_BATCH,
@@ -28,9 +28,13 @@ def tp(size, **kw):
     return SHMTensorParallel(start_method="fork", tensor_parallel_size=size, **kw)
 
 
+def _styles(plan):
+    return {k: v.style for k, v in plan.items()}
+
+
 def test_derived_plan_pairs_linears_column_row_and_replicates_the_rest():
-    assert derive_plan(build_mlp(), "net") == {"net.1": "column", "net.4": "row", "net.7": "replicate"}
-    assert derive_plan(build_mlp([64, 32, 16])) == {"1": "column", "4": "row", "7": "column", "10": "row"}
+    assert _styles(derive_plan(build_mlp(), "net")) == {"net.1": "column", "net.4": "row"}  # net.7 replicated
+    assert _styles(derive_plan(build_mlp([64, 32, 16]))) == {"1": "column", "4": "row", "7": "column", "10": "row"}
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +62,7 @@ def test_user_plan_as_data_and_global_norm_clipping():
 def _param_bytes(world):
     pl.seed_everything(0)
     m = MNISTClassifier()
-    tpm = TensorParallelModule(m, world.group())
+    tpm = TensorParallelModule(m, world.group(), check_plan(m, plan_for(m, None), world.size))
     return tpm.parameter_bytes(), {n: tuple(p.shape) for n, p in m.named_parameters()}
 
 
@@ -108,11 +112,12 @@ class Seq(pl.LightningModule):
         ((nn.Linear(4, 8), nn.ReLU()), {"net.0": "column"}, "column layer 'net.0' is not followed by a row"),
         ((nn.Linear(4, 8), nn.Linear(8, 2)), {"net.0": "column"}, "Linear 'net.1' sits between column layer 'net.0'"),
         ((nn.Linear(4, 8), nn.Linear(8, 2)), {"net.1": "row"}, "row layer 'net.1' has no column layer before it"),
-        ((nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2)), {"net.0": "column", "net.2": "row"},
-         r"'net.1' \(BatchNorm1d\) cannot run on features sharded"),
-        ((nn.ReLU(), nn.Linear(8, 2)), {"net.0": "column"}, "'net.0' is a ReLU; only nn.Linear can be 'column'"),
+        ((nn.Linear(4, 8), nn.Softmax(-1), nn.Linear(8, 2)), {"net.0": "column", "net.2": "row"},
+         r"'net.1' \(Softmax\) cannot run on features split by column layer 'net.0'"),
+        ((nn.ReLU(), nn.Linear(8, 2)), {"net.0": "column"},
+         "'net.0' is a ReLU; only nn.Linear and nn.Conv2d can be 'column'"),
         ((nn.Linear(4, 3), nn.Linear(3, 2)), None, "column layer 'net.0' has 3 output features, fewer than tp=4"),
-        ((nn.Linear(4, 8), nn.Linear(8, 2)), {"net.9": "row"}, "plan names module 'net.9'"),
+        ((nn.Linear(4, 8), nn.Linear(8, 2)), {"net.9": "row"}, r"plan pattern 'net.9' matches no module of Seq"),
         ((nn.Linear(4, 8), nn.Linear(8, 2)), {"net.0": "diagonal"}, "must be one of"),
     ],
 )

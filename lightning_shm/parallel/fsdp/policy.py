@@ -59,27 +59,30 @@ class UnitPolicy:
         raise ValueError(f"unit policy must be None, an int (min_unit_params) or a callable, got {policy!r}")
 
 
-def find_units(module: nn.Module, policy: UnitPolicy) -> list[UnitSpec]:
-    """Units in execution order for a Sequential (registration order otherwise)."""
+def find_units(module: nn.Module, policy: UnitPolicy,
+               layers: Optional[list[tuple[str, nn.Module]]] = None) -> list[UnitSpec]:
+    """Units in execution order of ``layers`` (qualified name, module) -- by default the children of the
+    model's Sequential -- and registration order for everything else."""
     roots: list[list[tuple[str, nn.Module]]] = []
     if policy.fn is not None:
         roots = [[(n, m)] for n, m in module.named_modules() if n and policy.fn(n, m)]
         if not any(p.numel() for mods in roots for _, m in mods for p in m.parameters()):
             return []  # a policy that selects nothing is a mistake, not "shard everything per module"
     else:
-        try:
-            seq: Optional[tuple[str, nn.Sequential]] = find_sequential(module)
-        except ValueError:
-            seq = None
-        if seq is not None:
-            prefix = seq[0] + "." if seq[0] else ""
+        if layers is None:
+            try:
+                prefix, seq = find_sequential(module)
+                layers = [(f"{prefix}.{n}" if prefix else n, c) for n, c in seq.named_children()]
+            except ValueError:
+                layers = []
+        if layers:
             group: list[tuple[str, nn.Module]] = []
             size = 0
-            for cname, child in seq[1].named_children():
+            for qname, child in layers:
                 n = sum(p.numel() for p in child.parameters())
                 if n == 0 and not group:
                     continue  # Flatten, ReLU before any parameters: run outside units
-                group.append((prefix + cname, child))
+                group.append((qname, child))
                 size += n
                 if size >= max(policy.min_unit_params, 1):
                     roots.append(group)

@@ -1,18 +1,15 @@
-"""Shard a whole module into FSDP units; consolidate and load full (plain) state dicts.
+"""Shard a whole module into FSDP units over a group; the rules that keep every rank's reads valid.
 
-Checkpoints never contain shards: model state uses the plain module's keys and shapes, optimizer
-state looks like a single-process optimizer's over the plain parameters. So a checkpoint written
-by shm_fsdp on W ranks loads in a single process, in shm_ddp, or in shm_fsdp on another W.
-
-Optimizer state mapping: a state tensor with the shard's shape (momentum, exp_avg, ...) is sharded
-like the parameter -- gathered over the group and cut at the original parameter boundaries; any
-other state (Adam's scalar ``step``) is identical on every rank and copied.
+Rule: every rank reads every rank's shards when it gathers, without a collective. So shards may
+only change where all ranks then meet at a barrier before anyone gathers again. The changes are
+the optimizer's step and loading a checkpoint (or an averaged model): :meth:`ShardedModule.watch`
+puts that barrier at the end of every ``optimizer.step()`` (fused optimizers included), and
+:meth:`ShardedModule.after_shards_written` is the barrier for everything else that writes them.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Iterator, Optional, Union
 
 import torch
 from torch import nn
@@ -20,6 +17,7 @@ from torch import nn
 from lightning_shm.parallel.fsdp.policy import PolicyFn, UnitPolicy, find_units
 from lightning_shm.parallel.fsdp.prefetch import Prefetcher
 from lightning_shm.parallel.fsdp.unit import FSDPUnit, MemoryStats
+from lightning_shm.parallel.placement import Placement, Split
 from lightning_shm.runtime import Group
 
 
@@ -31,150 +29,118 @@ class ShardedModule:
     """
 
     def __init__(self, module: nn.Module, group: Group, policy: Union[None, int, PolicyFn, UnitPolicy] = None,
-                 reshard_after_forward: bool = True, prefetch: bool = False) -> None:
+                 reshard_after_forward: bool = True, prefetch: bool = False,
+                 layers: Optional[list[tuple[str, nn.Module]]] = None) -> None:
         self.module = module
         self.group = group
-        self.plain_keys = list(module.state_dict().keys())
-        self.plain_param_names = [n for n, _ in module.named_parameters()]
         direct = [n for n, _ in module.named_parameters(recurse=False)]
         if direct:
             raise ValueError(f"parameters {direct} belong directly to {type(module).__name__}; FSDP gathers parameters "
                              "in module forward hooks, so they must live in a submodule")
-        specs = find_units(module, UnitPolicy.parse(policy))
+        specs = find_units(module, UnitPolicy.parse(policy), layers)
         if not specs:
-            raise ValueError(f"the FSDP unit policy selected no module with parameters in {type(module).__name__} "
-                             f"({len(self.plain_param_names)} parameters): nothing to shard")
+            raise ValueError(f"the FSDP unit policy selected no module with parameters in {type(module).__name__}: "
+                             "nothing to shard")
+        owners: dict[int, list[tuple[nn.Module, str]]] = {}
+        for m in module.modules():
+            for attr, p in m._parameters.items():
+                if p is not None:
+                    owners.setdefault(id(p), []).append((m, attr))
         self.stats = MemoryStats()
         self.prefetcher = Prefetcher() if prefetch else None
-        self.units = [FSDPUnit(spec, group, i, reshard_after_forward, self.stats, self.prefetcher)
+        self.units = [FSDPUnit(spec, group, i, reshard_after_forward, self.stats, owners, self.prefetcher)
                       for i, spec in enumerate(specs)]
         # units are found in module order, which is the Sequential's execution order; for another
         # order a prefetched gather is merely wasted (used later or dropped), never wrong
         for a, b in zip(self.units, self.units[1:]):
             a.next_unit, b.prev_unit = b, a
-        self._unit_of = {id(u.shard): u for u in self.units}
-        group.barrier()  # every shard is written before any rank gathers
+        self._shards = {id(b.shard) for u in self.units for b in u.blocks}
+        self._watched: list[Any] = []
+        self._synced_version = -1
+        self.after_shards_written()
 
-    def begin_step(self) -> None:
-        """Call before each training forward: releases leftovers of a forward without backward."""
+    # ------------------------------------------------------------------ the rule
+    def after_shards_written(self) -> None:
+        """Every rank has written its shards: nobody gathers before all have (a barrier)."""
+        self.group.barrier()
+        self._synced_version = self._version()
+
+    def sync_if_written(self) -> None:
+        """The barrier, if shards were written in place since the last one (e.g. StochasticWeightAveraging
+        copying its average in). Every rank writes its shards at the same points, so all agree."""
+        if self._version() != self._synced_version:
+            self.after_shards_written()
+
+    def _version(self) -> int:
+        return sum(p._version for p in self.shards())
+
+    def watch(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        """End every step of these optimizers (those updating shards) with the barrier."""
+        for opt in optimizers:
+            if any(id(p) in self._shards for g in opt.param_groups for p in g["params"]):
+                self._watched.append(opt.register_step_post_hook(lambda *_: self.after_shards_written()))
+
+    # ------------------------------------------------------------------ state
+    def placements(self, base: Optional[dict[str, Placement]] = None) -> dict[str, Placement]:
+        """Each sharded entry's placement: ``base`` (e.g. a tensor-parallel slice) cut once more by rows."""
+        base = base or {}
+        names: dict[int, list[str]] = {}
+        for n, p in self.module.named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), []).append(n)
+        out = {}
         for u in self.units:
-            u.drop_pending()
-
-    def close(self) -> None:
-        """Stop the prefetch thread (if any) after its copies finished."""
-        if self.prefetcher is not None:
-            for u in self.units:
-                u.drop_pending()
-            self.prefetcher.close()
-
-    # ------------------------------------------------------------------ model state
-    def full_state_dict(self, rank0_only: bool = True) -> dict[str, Any]:
-        """Plain keys, full tensors. Reads shards from shared memory: no collective, call between steps."""
-        if rank0_only and self.group.index != 0:
-            return {}
-        current = self.module.state_dict()
-        full: dict[str, Any] = {}
-        for u in self.units:
-            full.update(u.full_params())
-        out = OrderedDict()
-        for k in self.plain_keys:
-            out[k] = full[k] if k in full else current[k]
-        for k, v in current.items():  # entries that appeared after sharding (not shard parameters)
-            if k not in out and "_fsdp_shard_" not in k:
-                out[k] = v
+            for b in u.blocks:
+                split = Split(self.group, 0, tuple(b.rows))
+                for n in names.get(id(b.shard), []):
+                    out[n] = base.get(n, Placement()).then(split)
         return out
 
-    def load_full_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> None:
-        missing = [k for u in self.units for k, *_ in u.layout if k not in state_dict]
-        if strict and missing:
-            raise KeyError(f"checkpoint lacks parameters {missing[:10]}")
+    def shards(self) -> Iterator[nn.Parameter]:
         for u in self.units:
-            u.load_full_params({k: state_dict[k] for k, *_ in u.layout if k in state_dict})
-        unit_keys = {k for u in self.units for k, *_ in u.layout}
-        rest = {k: v for k, v in state_dict.items() if k not in unit_keys}
-        result = self.module.load_state_dict(rest, strict=False)
-        unexpected = [k for k in result.unexpected_keys]
-        if strict and unexpected:
-            raise KeyError(f"unexpected keys in checkpoint: {unexpected[:10]}")
-        self.group.barrier()  # shards rewritten before anyone gathers
+            yield from u.shards
 
-    # ------------------------------------------------------------------ optimizer state
-    def _shard_unit(self, p: torch.Tensor) -> FSDPUnit:
-        u = self._unit_of.get(id(p))
-        if u is None:
-            raise ValueError("the optimizer holds a parameter that is not an FSDP shard; configure_optimizers must "
-                             "use self.parameters() of the sharded module")
-        return u
+    # ------------------------------------------------------------------ steps
+    def begin_step(self) -> None:
+        """Call before each forward pass of the model: releases leftovers of a forward without backward
+        (or a held step whose gradients were never taken), and meets the others if shards were written."""
+        for u in self.units:
+            u.drop_pending()
+        self.sync_if_written()
 
-    def full_optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """Consolidated state in the plain single-process format (collective; full on rank 0)."""
-        index = {n: i for i, n in enumerate(self.plain_param_names)}
-        state: dict[int, dict[str, Any]] = {}
-        groups = []
-        for group in optimizer.param_groups:
-            ids: list[int] = []
-            for p in group["params"]:
-                u = self._shard_unit(p)
-                st = optimizer.state.get(p, {})
-                full, sharded = {}, set()
-                for k in sorted(st):
-                    v = st[k]
-                    if torch.is_tensor(v) and v.shape == p.shape:
-                        full[k] = self.group.all_gather(v.detach().contiguous()).reshape(-1)[: u.numel]
-                        sharded.add(k)
-                    else:
-                        full[k] = v
-                for name, _, _, shape, o, n in u.layout:
-                    ids.append(index[name])
-                    if st:  # every plain parameter gets its own tensors: a shared Adam `step` would be
-                        # incremented once per parameter per step after loading
-                        state[index[name]] = {k: (v[o:o + n].view(shape).clone() if k in sharded
-                                                  else v.clone() if torch.is_tensor(v) else v)
-                                              for k, v in full.items()}
-            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": sorted(ids)})
-        return {"state": state, "param_groups": groups}
+    def hold(self) -> None:
+        """Pipelines: from now on each unit, once gathered, stays gathered for every microbatch of the step."""
+        for u in self.units:
+            u.hold()
 
-    def load_full_optimizer_state(self, optimizer: torch.optim.Optimizer, full: Mapping[str, Any]) -> None:
-        """Shard a plain optimizer state dict (ids = positions in the plain parameter order)."""
-        saved_groups = full["param_groups"]
-        group_of = {i: g for g in saved_groups for i in g["params"]}
-        index = {n: i for i, n in enumerate(self.plain_param_names)}
-        r = self.group.index
-        new_state: dict[int, dict[str, Any]] = {}
-        new_groups = []
-        pid = 0
-        for group in optimizer.param_groups:
-            hyper: Optional[dict[str, Any]] = None
-            ids = []
-            for p in group["params"]:
-                u = self._shard_unit(p)
-                plain = [index[name] for name, *_ in u.layout]
-                if hyper is None:
-                    hyper = group_of.get(plain[0])
-                per_param = [full["state"].get(i, full["state"].get(str(i))) for i in plain]
-                if all(s for s in per_param):
-                    st: dict[str, Any] = {}
-                    for k, v0 in per_param[0].items():
-                        if torch.is_tensor(v0) and v0.dim() > 0:
-                            flat = torch.zeros(u.padded_numel, dtype=v0.dtype)
-                            for (_, _, _, shape, o, n), s in zip(u.layout, per_param):
-                                flat[o:o + n].copy_(s[k].reshape(-1))
-                            st[k] = flat[r * u.shard_numel:(r + 1) * u.shard_numel].clone()
-                        else:
-                            st[k] = v0.clone() if torch.is_tensor(v0) else v0
-                    new_state[pid] = st
-                ids.append(pid)
-                pid += 1
-            base = {k: v for k, v in (hyper or {}).items() if k != "params"}
-            new_groups.append({**{k: v for k, v in group.items() if k != "params"}, **base, "params": ids})
-        optimizer.load_state_dict({"state": new_state, "param_groups": new_groups})
+    def release(self) -> None:
+        """End of a pipeline step: one reduce-scatter per parameter of the summed gradient; free."""
+        for u in self.units:
+            u.release()
+
+    def grad_sink(self, tensor: torch.Tensor, grad: torch.Tensor) -> bool:
+        """Add ``grad`` to the held unit's gradient if ``tensor`` is one of its full parameters (a
+        zero-bubble pipeline computes weight gradients outside autograd); False if it is none of ours."""
+        for u in self.units:
+            if u.add_to_held_grad(tensor, grad):
+                return True
+        return False
+
+    def close(self) -> None:
+        """Stop the prefetch thread (if any) after its copies finished; stop watching optimizers."""
+        for h in self._watched:
+            h.remove()
+        self._watched.clear()
+        for u in self.units:
+            u.drop_pending()
+        if self.prefetcher is not None:
+            self.prefetcher.close()
 
     # ------------------------------------------------------------------ accounting
     def persistent_bytes(self, optimizer: Optional[torch.optim.Optimizer] = None) -> dict[str, int]:
         """Bytes this rank keeps between steps: shards, their gradients, optimizer state."""
-        params = sum(u.shard.numel() * u.shard.element_size() for u in self.units)
-        grads = sum(u.shard.grad.numel() * u.shard.grad.element_size() for u in self.units
-                    if u.shard.grad is not None)
+        shards = list(self.shards())
+        params = sum(p.numel() * p.element_size() for p in shards)
+        grads = sum(p.grad.numel() * p.grad.element_size() for p in shards if p.grad is not None)
         opt = 0
         if optimizer is not None:
             for st in optimizer.state.values():

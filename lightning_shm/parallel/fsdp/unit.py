@@ -1,33 +1,38 @@
-"""One FSDP unit: its parameters flattened, padded and sharded across the group.
+"""One FSDP unit: each of its parameters cut into row blocks (dim 0) across the group, as FSDP2 does.
 
-Layout (unit of N elements, W ranks, S = ceil(N / W))::
+Why per parameter: the optimizer, and the user's ``configure_optimizers``, see the module's own
+parameters -- same names, same order, one tensor per parameter -- each holding this rank's rows.
+Parameter groups by name ("no weight decay on biases") or by position (two optimizers over slices
+of ``parameters()``) mean what they mean in one process, and an elementwise optimizer (SGD, Adam,
+AdamW, ...) updates exactly the values one process would, with its state 1/W per rank.
 
-    flat [N_pad = S*W]:  | p0.weight | p0.bias | ... | padding |
-    rank r persistently owns flat[r*S:(r+1)*S]  -- its shard, the only parameter the optimizer sees.
-    Shards live in a SharedBuffer: rank r's shard is region r; every rank can read every shard.
+Layout (a unit of parameters p0, p1, ...; W ranks; rows of p split like ``even_split``)::
+
+    shared region of rank j:  | p0 rows of j (padded to p0's largest block) | p1 rows of j | ... |
+    module.<p0 name>:         the rank's own block, as an nn.Parameter viewing its region
+    full flat tensor:         | p0 (all rows) | p1 | ...    -- private, exists only around compute
 
 Per training step::
 
-    forward pre-hook    gather: copy the W shards (read straight from shared memory, no
-                        collective: shards only change in optimizer.step, which is followed by a
-                        barrier) into a private full tensor; module.weight etc. become views of it
-    forward post-hook   free (reshard_after_forward): the full tensor's storage is resized to 0;
+    forward pre-hook    gather: copy every rank's blocks (read straight from /dev/shm, no
+                        collective: the shards change only in optimizer steps and loads, each
+                        followed by a barrier) into a full flat tensor; during the forward each
+                        owner module's attribute (``linear.weight``) is a view of it, shadowing
+                        the registered block
+    forward post-hook   free (reshard_after_forward): the flat tensor's storage is resized to 0;
                         autograd keeps the (now empty) views it saved for backward
     output-grad hook    re-gather into the same storage just before the unit's backward runs
-    backward of gather  reduce-scatter (mean) of the full gradient; the shard gets its 1/W slice;
-                        free the full parameters again
+    backward of gather  per parameter, reduce-scatter (mean) of its full gradient by rows: each
+                        block's gradient arrives on the block, through autograd; free again
 
-With a :class:`~lightning_shm.parallel.fsdp.prefetch.Prefetcher`, unit k's pre-forward also starts
-unit k+1's gather on a helper thread, and unit k's pre-backward starts unit k-1's re-gather.
-
-``_GatherShards`` is the autograd edge between shard and full tensor: its forward is the gather,
-its backward the reduce-scatter, so the optimizer's gradient arrives on the shard without any
-hook on the gradient path.
+``_GatherUnit`` is the autograd edge between blocks and full tensor. In a pipeline
+(:meth:`FSDPUnit.hold`), a unit is gathered once per step instead: it stays gathered over all
+microbatches, their gradients add up in one full gradient, reduce-scattered once at the end.
 """
 
 from __future__ import annotations
 
-import math
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
@@ -35,91 +40,124 @@ from torch import nn
 
 from lightning_shm.parallel.fsdp.policy import UnitSpec
 from lightning_shm.parallel.fsdp.prefetch import Prefetcher
-from lightning_shm.runtime import Group, SharedBuffer
+from lightning_shm.runtime import Group, SharedBuffer, even_split
 
 
-class _GatherShards(torch.autograd.Function):
-    """forward: shard -> full flat parameters (gather); backward: full grad -> shard grad (reduce-scatter)."""
+@dataclass
+class Block:
+    """One parameter of a unit: where its rows live, and the block this rank holds."""
+
+    name: str
+    owners: list[tuple[nn.Module, str]]  # every (module, attribute) holding it (tied weights: several)
+    shape: torch.Size
+    rows: list[int]  # rows held by each rank
+    row_numel: int
+    region_offset: int  # start of its block in every rank's shared region (elements)
+    full_offset: int  # start in the full flat tensor
+    shard: nn.Parameter = field(repr=False, default=None)  # type: ignore[assignment]
+
+    @property
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    def row_start(self, j: int) -> int:
+        return sum(self.rows[:j])
+
+
+class _GatherUnit(torch.autograd.Function):
+    """forward: blocks -> full flat parameters (gather); backward: full gradient -> block gradients
+    (reduce-scatter by rows), or -- while the unit is held for a pipeline step -- into its
+    accumulated full gradient, reduce-scattered once when the step ends."""
 
     @staticmethod
-    def forward(ctx: Any, shard: torch.Tensor, unit: "FSDPUnit", key: int) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, unit: "FSDPUnit", key: int, *shards: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         ctx.unit, ctx.key = unit, key
-        return unit.gather_new()
+        return unit.gather_new() if unit.held is None else unit.held.view_as(unit.held)
 
     @staticmethod
-    def backward(ctx: Any, grad_full: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad_full: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         unit: FSDPUnit = ctx.unit
-        grad_shard = unit.group.reduce_scatter(grad_full.contiguous(), "mean")
+        if unit.held is not None:
+            unit.accumulate(grad_full)
+            return (None, None, *[None] * len(unit.blocks))
+        grads = unit.reduce_scatter(grad_full.contiguous())
         full = unit.pending.pop(ctx.key, None)
         if full is not None:
             unit.free(full)
-        return grad_shard, None, None
+        return (None, None, *grads)
 
 
 class FSDPUnit:
-    """Shards ``spec``'s parameters over ``group`` and installs the gather/free hooks."""
+    """Shards ``spec``'s parameters over ``group`` and installs the gather/free hooks.
+
+    ``owners``: for every parameter id, all (module, attribute) pairs that hold it in the model.
+    """
 
     def __init__(self, spec: UnitSpec, group: Group, index: int, reshard_after_forward: bool,
-                 stats: "MemoryStats", prefetcher: Optional[Prefetcher] = None) -> None:
+                 stats: "MemoryStats", owners: dict[int, list[tuple[nn.Module, str]]],
+                 prefetcher: Optional[Prefetcher] = None) -> None:
         self.name = spec.name
-        self.prefetcher = prefetcher
-        # neighbours in execution order (set by ShardedModule): whose gather to start early
-        self.next_unit: Optional[FSDPUnit] = None
-        self.prev_unit: Optional[FSDPUnit] = None
         self.group = group
         self.reshard_after_forward = reshard_after_forward
         self.stats = stats
-        dtypes = {p.dtype for *_, p in spec.params}
-        if len(dtypes) != 1:
-            raise ValueError(f"FSDP unit '{spec.name}' mixes dtypes {sorted(map(str, dtypes))}; one flat "
-                             "parameter needs one dtype")
-        grads = {p.requires_grad for *_, p in spec.params}
-        if len(grads) != 1:
-            raise ValueError(f"FSDP unit '{spec.name}' mixes trainable and frozen parameters; put them in "
-                             "separate units (unit policy)")
-        self.dtype = dtypes.pop()
-        self.numel = spec.numel
-        W = group.size
-        if self.numel < W:
-            raise ValueError(f"FSDP unit '{spec.name}' has {self.numel} parameters, fewer than the {W} ranks it "
-                             "would be sharded over; merge it with its neighbours (min_unit_params) or use fewer "
-                             "devices")
-        self.shard_numel = math.ceil(self.numel / W)
-        self.padded_numel = self.shard_numel * W
-        # where each original parameter lives in the flat vector
-        self.layout: list[tuple[str, nn.Module, str, torch.Size, int, int]] = []
-        off = 0
-        for full_name, owner, attr, p in spec.params:
-            self.layout.append((full_name, owner, attr, p.shape, off, p.numel()))
-            off += p.numel()
-        flat = torch.zeros(self.padded_numel, dtype=self.dtype)
-        with torch.no_grad():
-            for (*_, shape, o, n), (*__, p) in zip(self.layout, spec.params):
-                flat[o:o + n].copy_(p.detach().reshape(-1))
-        self.buffer: SharedBuffer = group.alloc_shared(self.shard_numel, self.dtype, tag=f"fsdp-unit{index}")
-        r = group.index
-        self.buffer.local.copy_(flat[r * self.shard_numel:(r + 1) * self.shard_numel])
-        self.shard = nn.Parameter(self.buffer.local, requires_grad=spec.params[0][3].requires_grad)
-        # the module tree now holds the shard instead of the original parameters
-        for _, owner, attr, *_ in self.layout:
-            del owner._parameters[attr]
-            object.__setattr__(owner, attr, _EMPTY(self.dtype))
-        spec.modules[0][1].register_parameter(f"_fsdp_shard_{index}", self.shard)
+        self.prefetcher = prefetcher
+        self.next_unit: Optional[FSDPUnit] = None  # neighbours in execution order: whose gather to start early
+        self.prev_unit: Optional[FSDPUnit] = None
+        _check_unit(spec)
+        self.dtype = spec.params[0][3].dtype
+        W, r = group.size, group.index
+        self.blocks: list[Block] = []
+        region = full = 0
+        for name, _, _, p in spec.params:
+            rows = _sizes(p.shape[0], W)
+            b = Block(name, owners[id(p)], p.shape, rows, p.numel() // max(p.shape[0], 1), region, full)
+            self.blocks.append(b)
+            region += rows[0] * b.row_numel  # the largest block: every rank's region has the same layout
+            full += p.numel()
+        self.numel = full
+        self.region_numel = region
+        self.buffer: SharedBuffer = group.alloc_shared(region, self.dtype, tag=f"fsdp-unit{index}")
+        requires_grad = spec.params[0][3].requires_grad
+        for b, (*_, p) in zip(self.blocks, spec.params):
+            mine = self._region_block(r, b)
+            lo = b.row_start(r) * b.row_numel
+            mine.copy_(p.detach().reshape(-1)[lo:lo + mine.numel()])
+            b.shard = nn.Parameter(mine.view(b.rows[r], *b.shape[1:]), requires_grad=requires_grad)
+            for owner, attr in b.owners:  # the model now holds the block under the parameter's own name
+                owner._parameters[attr] = b.shard
         self._live: Optional[torch.Tensor] = None  # full parameters of the current forward
         # full tensors awaiting their backward, by application. Held strongly here: autograd keeps
         # only views of them (the Python object, and any weakref to it, would die after forward).
         self.pending: dict[int, torch.Tensor] = {}
         self._next_key = 0
-        # a full tensor being gathered ahead by the prefetcher, and the shard version it reads
-        self._prefetched: Optional[tuple[torch.Tensor, int]] = None
-        self._handles = [spec.modules[0][1].register_forward_pre_hook(self._pre_forward)]
-        self._handles.append(spec.modules[-1][1].register_forward_hook(self._post_forward))
+        self._prefetched: Optional[tuple[torch.Tensor, int]] = None  # (full tensor being gathered, shard version)
+        self.held: Optional[torch.Tensor] = None  # gathered for a whole pipeline step (see hold())
+        self._held_grad: Optional[torch.Tensor] = None
+        self._handles = [spec.modules[0][1].register_forward_pre_hook(self._pre_forward),
+                         spec.modules[-1][1].register_forward_hook(self._post_forward)]
+
+    @property
+    def shards(self) -> list[nn.Parameter]:
+        return [b.shard for b in self.blocks]
+
+    def __deepcopy__(self, memo: dict) -> "FSDPUnit":
+        return self  # a process resource (its hooks sit on modules that may be deep-copied)
+
+    def _region_block(self, member: int, b: Block) -> torch.Tensor:
+        return self.buffer.region(member)[b.region_offset:b.region_offset + b.rows[member] * b.row_numel]
+
+    def _version(self) -> int:
+        return sum(b.shard._version for b in self.blocks)
 
     # ------------------------------------------------------------------ gather / free
-    def _copy_shards_into(self, flat: torch.Tensor) -> None:
-        S = self.shard_numel
-        for j in range(self.group.size):
-            flat[j * S:(j + 1) * S].copy_(self.buffer.region(j))
+    def copy_shards_into(self, flat: torch.Tensor) -> None:
+        """Every rank's blocks -> the full flat parameters (reads /dev/shm; no collective)."""
+        for b in self.blocks:
+            for j in range(self.group.size):
+                n = b.rows[j] * b.row_numel
+                if n:
+                    lo = b.full_offset + b.row_start(j) * b.row_numel
+                    flat[lo:lo + n].copy_(self._region_block(j, b))
 
     def gather_new(self) -> torch.Tensor:
         if self._prefetched is not None:
@@ -127,11 +165,11 @@ class FSDPUnit:
             self._prefetched = None
             assert self.prefetcher is not None
             self.prefetcher.wait(full)
-            if version == self.shard._version:
+            if version == self._version():
                 return full
             self.free(full)  # the shards changed (optimizer step, load) since it was started
-        full = torch.empty(self.padded_numel, dtype=self.dtype)
-        self._copy_shards_into(full)
+        full = torch.empty(self.numel, dtype=self.dtype)
+        self.copy_shards_into(full)
         self.stats.alloc(full)
         return full
 
@@ -142,41 +180,16 @@ class FSDPUnit:
             self.prefetcher.wait(full)
         view = self._refill_view(full)
         if view is not None:
-            self._copy_shards_into(view)
+            self.copy_shards_into(view)
 
     def _refill_view(self, full: torch.Tensor) -> Optional[torch.Tensor]:
         """Re-allocate a freed full tensor's storage; a storage alias to copy into (None if not freed)."""
         storage = full.untyped_storage()
         if storage.nbytes():
             return None
-        storage.resize_(self.padded_numel * full.element_size())
+        storage.resize_(self.numel * full.element_size())
         self.stats.alloc(full)
-        return torch.empty(0, dtype=self.dtype).set_(storage, 0, (self.padded_numel,))
-
-    # ------------------------------------------------------------------ prefetch
-    def prefetch_gather(self) -> None:
-        """Start this unit's forward gather on the helper thread (called from the previous unit)."""
-        if self.prefetcher is None or self._prefetched is not None:
-            return
-        full = torch.empty(self.padded_numel, dtype=self.dtype)
-        self.stats.alloc(full)
-        self._prefetched = (full, self.shard._version)
-        self.prefetcher.submit(full, lambda: self._copy_shards_into(full))
-
-    def prefetch_regather(self) -> None:
-        """Start refilling the full tensor of this unit's latest forward (its backward runs next)."""
-        if self.prefetcher is None or not self.pending:
-            return
-        full = self.pending[max(self.pending)]
-        view = self._refill_view(full)
-        if view is not None:
-            self.prefetcher.submit(full, lambda: self._copy_shards_into(view))
-
-    def drop_prefetched(self) -> None:
-        if self._prefetched is not None:
-            full, _ = self._prefetched
-            self._prefetched = None
-            self.free(full)
+        return torch.empty(0, dtype=self.dtype).set_(storage, 0, (self.numel,))
 
     def free(self, full: torch.Tensor) -> None:
         if self.prefetcher is not None:
@@ -190,15 +203,96 @@ class FSDPUnit:
             self._set_views(None)
 
     def _set_views(self, full: Optional[torch.Tensor]) -> None:
-        for _, owner, attr, shape, o, n in self.layout:
-            object.__setattr__(owner, attr, _EMPTY(self.dtype) if full is None else full[o:o + n].view(shape))
+        """During the unit's forward, each owner's attribute is the full parameter: an instance attribute
+        shadows the registered block (``named_parameters()`` keeps returning the blocks)."""
+        for b in self.blocks:
+            view = None if full is None else full[b.full_offset:b.full_offset + b.numel].view(b.shape)
+            for owner, attr in b.owners:
+                if view is None:
+                    owner.__dict__.pop(attr, None)
+                else:
+                    owner.__dict__[attr] = view
+
+    # ------------------------------------------------------------------ reduce-scatter
+    def reduce_scatter(self, grad_full: torch.Tensor) -> list[torch.Tensor]:
+        """Each parameter's full gradient -> the mean over ranks of this rank's rows."""
+        out = []
+        r = self.group.index
+        for b in self.blocks:
+            g = grad_full[b.full_offset:b.full_offset + b.numel]
+            part = self.group.reduce_scatter(g, "mean", sizes=[k * b.row_numel for k in b.rows])
+            out.append(part.view(b.rows[r], *b.shape[1:]))
+        return out
+
+    # ------------------------------------------------------------------ a whole pipeline step
+    def hold(self) -> None:
+        """Gather now and keep the unit gathered until :meth:`release` (all microbatches of a step)."""
+        if self.held is None:
+            self.held = self.gather_new()
+
+    def accumulate(self, grad_full: torch.Tensor) -> None:
+        if self._held_grad is None:
+            self._held_grad = grad_full.detach().clone()
+        else:
+            self._held_grad.add_(grad_full)
+
+    def add_to_held_grad(self, tensor: torch.Tensor, grad: torch.Tensor) -> bool:
+        """``tensor`` is a view of the held full parameters: add ``grad`` at its place in the step's gradient."""
+        held = self.held
+        if held is None or tensor.untyped_storage().data_ptr() != held.untyped_storage().data_ptr():
+            return False
+        if self._held_grad is None:
+            self._held_grad = torch.zeros_like(held)
+        offset = tensor.storage_offset() - held.storage_offset()
+        self._held_grad[offset:offset + tensor.numel()].view_as(tensor).add_(grad)
+        return True
+
+    def release(self) -> None:
+        """End of the step: reduce-scatter the accumulated gradient into the blocks' ``.grad`` (added to
+        what is there, as autograd would), free the full tensors."""
+        if self._held_grad is not None:
+            for b, g in zip(self.blocks, self.reduce_scatter(self._held_grad)):
+                if b.shard.requires_grad:
+                    b.shard.grad = g if b.shard.grad is None else b.shard.grad.add_(g)
+            self._held_grad = None
+        if self.held is not None:
+            self.free(self.held)
+            self.held = None
+        self._live = None
+        self._set_views(None)
+
+    # ------------------------------------------------------------------ prefetch
+    def prefetch_gather(self) -> None:
+        """Start this unit's forward gather on the helper thread (called from the previous unit)."""
+        if self.prefetcher is None or self._prefetched is not None or self.held is not None:
+            return
+        full = torch.empty(self.numel, dtype=self.dtype)
+        self.stats.alloc(full)
+        self._prefetched = (full, self._version())
+        self.prefetcher.submit(full, lambda: self.copy_shards_into(full))
+
+    def prefetch_regather(self) -> None:
+        """Start refilling the full tensor of this unit's latest forward (its backward runs next)."""
+        if self.prefetcher is None or not self.pending:
+            return
+        full = self.pending[max(self.pending)]
+        view = self._refill_view(full)
+        if view is not None:
+            self.prefetcher.submit(full, lambda: self.copy_shards_into(view))
+
+    def drop_prefetched(self) -> None:
+        if self._prefetched is not None:
+            full, _ = self._prefetched
+            self._prefetched = None
+            self.free(full)
 
     # ------------------------------------------------------------------ hooks
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
-        if torch.is_grad_enabled() and self.shard.requires_grad:
+        if self.held is not None or (torch.is_grad_enabled() and self.blocks[0].shard.requires_grad):
             key, self._next_key = self._next_key, self._next_key + 1
-            full = _GatherShards.apply(self.shard, self, key)
-            self.pending[key] = full
+            full = _GatherUnit.apply(self, key, *self.shards)
+            if self.held is None:
+                self.pending[key] = full
         else:
             full = self.gather_new()
         self._live = full
@@ -208,7 +302,7 @@ class FSDPUnit:
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         full = self._live
-        if full is None:
+        if full is None or self.held is not None:  # held: stays gathered for the next microbatch
             return output
         if full.requires_grad:
             fired = [False]
@@ -230,29 +324,7 @@ class FSDPUnit:
             self.free(full)
         return output
 
-    # ------------------------------------------------------------------ state
-    def full_flat(self) -> torch.Tensor:
-        """The unit's unsharded flat parameters (reads every shard; call between steps)."""
-        flat = torch.empty(self.padded_numel, dtype=self.dtype)
-        self._copy_shards_into(flat)
-        return flat[: self.numel]
-
-    def full_params(self) -> dict[str, torch.Tensor]:
-        flat = self.full_flat()
-        return {name: flat[o:o + n].view(shape).clone() for name, _, _, shape, o, n in self.layout}
-
-    def load_full_params(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Write this rank's shard from unsharded tensors keyed by plain parameter names."""
-        flat = torch.zeros(self.padded_numel, dtype=self.dtype)
-        for name, _, _, shape, o, n in self.layout:
-            t = tensors[name]
-            if tuple(t.shape) != tuple(shape):
-                raise ValueError(f"{name}: checkpoint shape {tuple(t.shape)} != model shape {tuple(shape)}")
-            flat[o:o + n].copy_(t.reshape(-1))
-        r, S = self.group.index, self.shard_numel
-        with torch.no_grad():
-            self.shard.copy_(flat[r * S:(r + 1) * S])
-
+    # ------------------------------------------------------------------ clean-up
     def drop_pending(self) -> None:
         """Free full parameters of forwards whose backward never ran (e.g. a skipped step) and any
         prefetched gather not taken."""
@@ -260,6 +332,17 @@ class FSDPUnit:
             self.free(full)
         self.pending.clear()
         self.drop_prefetched()
+        self._held_grad = None
+        if self.held is not None:
+            self.free(self.held)
+            self.held = None
+            self._live = None
+            self._set_views(None)
+
+    def remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
 
 
 class MemoryStats:
@@ -280,9 +363,22 @@ class MemoryStats:
         self.peak = self.live
 
 
-def _EMPTY(dtype: torch.dtype) -> torch.Tensor:
-    """What a sharded parameter attribute holds outside its unit's forward."""
-    return torch.empty(0, dtype=dtype)
+def _sizes(n: int, parts: int) -> list[int]:
+    b = even_split(n, parts)
+    return [b[i + 1] - b[i] for i in range(parts)]
+
+
+def _check_unit(spec: UnitSpec) -> None:
+    dtypes = {p.dtype for *_, p in spec.params}
+    if len(dtypes) != 1:
+        raise ValueError(f"FSDP unit '{spec.name}' mixes dtypes {sorted(map(str, dtypes))}; one flat "
+                         "parameter needs one dtype")
+    if len({p.requires_grad for *_, p in spec.params}) != 1:
+        raise ValueError(f"FSDP unit '{spec.name}' mixes trainable and frozen parameters; put them in "
+                         "separate units (unit policy)")
+    scalars = [name for name, _, _, p in spec.params if p.dim() == 0]
+    if scalars:
+        raise ValueError(f"FSDP shards parameters by rows (dim 0); {scalars} are 0-d: store them with shape (1,)")
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:

@@ -8,10 +8,10 @@ from lightning_shm.parallel.pipeline.schedules import (
     simulate,
 )
 from lightning_shm.parallel.pipeline.split import balanced_split, layer_costs_by_time, plan_chunks
-from lightning_shm.parallel.pipeline.stage import CapturedInput, PipelineStage, PipelineState, split_batch
+from lightning_shm.parallel.pipeline.stage import CapturedInput, PipelineStage, split_batch
 
 __all__ = [
-    "Action", "CapturedInput", "PipelineEngine", "PipelineSchedule", "PipelineStage", "PipelineState", "Record",
+    "Action", "CapturedInput", "PipelineEngine", "PipelineSchedule", "PipelineStage", "Record",
     "Schedule", "StageIO", "Timed", "balanced_split", "bubble_fraction", "layer_costs_by_time", "plan_chunks",
     "simulate", "split_batch",
 ]

@@ -7,6 +7,7 @@ returning the timeline of the last step and the measured step times.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -38,6 +39,9 @@ class _PlainIO:
         self.xs, self.ys = torch.tensor_split(x, parts), torch.tensor_split(y, parts)
         self.n = x.shape[0]
 
+    def forward_context(self) -> contextlib.nullcontext:
+        return contextlib.nullcontext()
+
     def first_input(self, mb: int) -> torch.Tensor:
         return self.xs[mb]
 
@@ -48,15 +52,19 @@ class _PlainIO:
 
 def train_pipeline(world: World, hidden: list[int], schedule: str, microbatches: int, virtual: int = 1,
                    steps: int = 5, batch: int = 256, lr: float = 0.05, checkpointing: bool = False,
-                   seed: int = 0, return_params: bool = False) -> DriverResult:
-    """Train ``steps`` SGD steps of the MLP pipelined over all ranks of ``world`` (pp = world size)."""
+                   seed: int = 0, return_params: bool = False,
+                   split_points: Optional[list[int]] = None) -> DriverResult:
+    """Train ``steps`` SGD steps of the MLP pipelined over all ranks of ``world`` (pp = world size).
+
+    ``split_points``: fixed chunk starts; default: balanced by measured layer time, which varies
+    from run to run (use fixed points where a test compares per-stage measurements)."""
     P = world.size
     sched = PipelineSchedule(Schedule.parse(schedule), P, microbatches, virtual)
     torch.manual_seed(seed)
     seq = build_mlp(hidden)
     g = world.group()
     sample = torch.randn(64, 784)
-    starts, _ = plan_chunks(seq, sched.chunks, None, sample if world.rank == 0 else None, stages=P)
+    starts, _ = plan_chunks(seq, sched.chunks, split_points, sample if world.rank == 0 else None, stages=P)
     starts = g.broadcast_object(starts if world.rank == 0 else None, src=0)
     stage = PipelineStage(seq, starts, sched.chunks_of(world.rank))
     engine = PipelineEngine(stage.chunks, sched, world.rank, list(range(P)), world, tag=f"drv-{schedule}",

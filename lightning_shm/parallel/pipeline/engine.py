@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import time
 from dataclasses import dataclass
-from typing import Any, Optional, Protocol
+from typing import Any, Callable, ContextManager, Optional, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +31,9 @@ from lightning_shm.runtime import Channel, ChannelConfig, World
 
 class StageIO(Protocol):
     """What the engine needs from the model around it (Lightning step functions or plain code)."""
+
+    def forward_context(self) -> ContextManager[Any]:
+        """Opened around every chunk forward, recomputations included (e.g. autocast); backward runs outside."""
 
     def first_input(self, mb: int) -> torch.Tensor:
         """Input of chunk 0 for microbatch ``mb``."""
@@ -105,6 +108,9 @@ class PipelineEngine:
                     if isinstance(m, nn.Linear):
                         m.forward = functools.partial(_deferred_linear_forward, m, self)  # type: ignore[method-assign]
         self._param_ptrs = {p.untyped_storage().data_ptr() for ch in chunks.values() for p in ch.parameters()}
+        # where a deferred weight gradient goes when its weight is not a leaf (FSDP's gathered parameters):
+        # ``grad_sink(weight, grad)`` takes it, or returns False
+        self.grad_sink: Optional[Callable[[torch.Tensor, torch.Tensor], bool]] = None
         self.timeline: list[Record] = []
         self.peak_activation_bytes = 0
         self._store: dict[tuple[int, int], tuple[torch.Tensor, Any]] = {}
@@ -161,7 +167,7 @@ class PipelineEngine:
         t0 = time.perf_counter()
         keep_graph = training and not self.checkpointing  # checkpointing: recompute in backward instead
         grad_ctx = torch.enable_grad() if keep_graph else torch.no_grad()
-        with grad_ctx, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with grad_ctx, io.forward_context(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = io.last_forward(m, x, chunk) if last else chunk(x)
         self._record("F", m, c, t0)
         if training:
@@ -181,7 +187,7 @@ class PipelineEngine:
         t0 = time.perf_counter()
         if self.checkpointing:  # recompute the chunk's forward, this time keeping the graph
             x = x.detach().requires_grad_(x.requires_grad)
-            with torch.enable_grad():
+            with torch.enable_grad(), io.forward_context():
                 out = io.last_forward(m, x, self.chunks[c], recompute=True) if last else self.chunks[c](x)
         self._current = (m, c)
         if out is not None and out.requires_grad:
@@ -199,6 +205,8 @@ class PipelineEngine:
         t0 = time.perf_counter()
         for param, x, g in self._stash.pop((a.mb, a.chunk), []):
             gw = g.reshape(-1, g.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1]))
+            if self.grad_sink is not None and self.grad_sink(param, gw):
+                continue
             if param.grad is None:
                 param.grad = gw
             else:

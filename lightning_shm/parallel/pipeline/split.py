@@ -48,11 +48,14 @@ def layer_costs_by_time(seq: nn.Sequential, sample: torch.Tensor, repeats: int =
     return [sorted(c)[len(c) // 2] for c in costs]
 
 
-def balanced_split(costs: Sequence[float], parts: int, required: Optional[Sequence[bool]] = None) -> list[int]:
+def balanced_split(costs: Sequence[float], parts: int, required: Optional[Sequence[bool]] = None,
+                   forbidden: frozenset[int] = frozenset()) -> list[int]:
     """Start index of each of ``parts`` contiguous, non-empty chunks minimising the largest chunk cost.
 
     With ``required``, every chunk must contain at least one layer marked True (e.g. one that owns
-    parameters: an optimizer cannot be built over none).
+    parameters: an optimizer cannot be built over none). No chunk starts at an index in
+    ``forbidden`` (e.g. inside a tensor-parallel column -> row pair, whose split activation must not
+    cross a stage boundary).
     """
     n = len(costs)
     if parts < 1:
@@ -72,13 +75,14 @@ def balanced_split(costs: Sequence[float], parts: int, required: Optional[Sequen
     for k in range(1, parts + 1):
         for i in range(k, n + 1):
             for j in range(k - 1, i):
-                if marks[i] == marks[j] or best[k - 1][j] == inf:
+                if marks[i] == marks[j] or best[k - 1][j] == inf or (j in forbidden and j > 0):
                     continue  # chunk [j, i) holds no required layer, or the prefix is infeasible
                 v = max(best[k - 1][j], prefix[i] - prefix[j])
                 if v < best[k][i]:
                     best[k][i], cut[k][i] = v, j
     if best[parts][n] == inf:
-        raise ValueError(f"{n} layers cannot be cut into {parts} chunks that each hold a parameter")
+        raise ValueError(f"{n} layers cannot be cut into {parts} chunks that each hold a parameter"
+                         + (f" without cutting at {sorted(forbidden)}" if forbidden else ""))
     starts, i = [], n
     for k in range(parts, 0, -1):
         starts.append(cut[k][i])
@@ -86,7 +90,8 @@ def balanced_split(costs: Sequence[float], parts: int, required: Optional[Sequen
     return starts[::-1]
 
 
-def validate_split_points(points: Sequence[int], n_layers: int, parts: int) -> list[int]:
+def validate_split_points(points: Sequence[int], n_layers: int, parts: int,
+                          forbidden: frozenset[int] = frozenset()) -> list[int]:
     """Explicit split points (start indices of chunks 1..parts-1) -> chunk starts."""
     pts = list(points)
     if len(pts) != parts - 1:
@@ -95,31 +100,37 @@ def validate_split_points(points: Sequence[int], n_layers: int, parts: int) -> l
     if any(b <= a for a, b in zip(starts, starts[1:])) or starts[-1] >= n_layers:
         raise ValueError(f"split points {pts} must be strictly increasing within 1..{n_layers - 1} "
                          f"({n_layers} layers)")
+    bad = sorted(set(pts) & forbidden)
+    if bad:
+        raise ValueError(f"split points {bad} fall between a tensor-parallel column layer and its row layer "
+                         f"(no stage may start at {sorted(forbidden)})")
     return starts
 
 
 def plan_chunks(seq: nn.Sequential, parts: int, split_points: Optional[Sequence[int]] = None,
-                sample: Optional[torch.Tensor] = None, stages: Optional[int] = None) -> tuple[list[int], str]:
+                sample: Optional[torch.Tensor] = None, stages: Optional[int] = None,
+                forbidden: frozenset[int] = frozenset()) -> tuple[list[int], str]:
     """Chunk start indices and how they were chosen ("explicit" / "measured time" / "parameter count").
 
     Chunks hold at least one parameterised layer when there are enough of them; with ``stages``,
-    every pipeline rank (chunks r, r + stages, ...) must end up with parameters.
+    every pipeline rank (chunks r, r + stages, ...) must end up with parameters. No chunk starts at
+    an index in ``forbidden``.
     """
     has_params = [any(True for _ in m.parameters()) for m in seq]
     required = has_params if sum(has_params) >= parts else None
     if split_points is not None:
-        starts, how = validate_split_points(split_points, len(seq), parts), "explicit"
+        starts, how = validate_split_points(split_points, len(seq), parts, forbidden), "explicit"
     elif parts > len(seq):
         balanced_split([1.0] * len(seq), parts)  # raises the standard error
         raise AssertionError("unreachable")
     elif sample is not None:
-        starts, how = balanced_split(layer_costs_by_time(seq, sample), parts, required), "measured time"
+        starts, how = balanced_split(layer_costs_by_time(seq, sample), parts, required, forbidden), "measured time"
     else:
-        starts, how = balanced_split(layer_costs_by_params(seq), parts, required), "parameter count"
+        starts, how = balanced_split(layer_costs_by_params(seq), parts, required, forbidden), "parameter count"
     if stages and _empty_rank(starts, has_params, parts, stages) is not None:
         if how != "explicit":  # the DP balances chunks; search for a cut that gives every rank parameters
             costs = layer_costs_by_time(seq, sample) if sample is not None else layer_costs_by_params(seq)
-            best = _search_rank_feasible(costs, has_params, parts, stages)
+            best = _search_rank_feasible(costs, has_params, parts, stages, forbidden)
             if best is not None:
                 return best, how
         r = _empty_rank(starts, has_params, parts, stages)
@@ -137,7 +148,8 @@ def _empty_rank(starts: Sequence[int], has_params: Sequence[bool], parts: int, s
 
 
 def _search_rank_feasible(costs: Sequence[float], has_params: Sequence[bool], parts: int,
-                          stages: int, limit: int = 200_000) -> Optional[list[int]]:
+                          stages: int, forbidden: frozenset[int] = frozenset(),
+                          limit: int = 200_000) -> Optional[list[int]]:
     """Exhaustive search (small Sequentials only) for the most balanced cut giving every rank parameters."""
     import itertools
     import math
@@ -150,6 +162,8 @@ def _search_rank_feasible(costs: Sequence[float], has_params: Sequence[bool], pa
         prefix.append(prefix[-1] + c)
     best, best_cost = None, float("inf")
     for cuts in itertools.combinations(range(1, n), parts - 1):
+        if forbidden.intersection(cuts):
+            continue
         starts = [0, *cuts]
         if _empty_rank(starts, has_params, parts, stages) is not None:
             continue

@@ -9,12 +9,20 @@ Which rank holds which slice (tp=2, Linear(784, 256) -> LayerNorm(256) -> ReLU -
     RowParallelLinear      W [64, 256]: rank 0 columns 0..127, rank 1 columns 128..255; bias [64] replicated
                            in: y_r [B, 128]      partial [B, 64] --all-reduce--> out [B, 64] on both
 
-Uneven splits are allowed: with N features and tp ranks the first N % tp ranks get one more.
+Convolutions split channels the same way: a column ``Conv2d`` its output channels (weight dim 0),
+a row ``Conv2d`` its input channels (weight dim 1; partial outputs summed, the bias added once);
+a BatchNorm between them normalises each of the rank's channels exactly as one process does
+(statistics are per channel), so it is only sliced.
+
+``sizes`` say how many features (channels) each rank holds; attention splits by whole heads, so
+its sizes are multiples of the head dimension. Each layer lists ``split_dims`` (parameter or buffer
+-> dimension it is split along), from which checkpoints are consolidated.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import copy
+from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -25,11 +33,15 @@ from lightning_shm.parallel.tp.mappings import copy_to_tp, reduce_from_tp
 from lightning_shm.runtime import Group, even_split
 
 
-def _slice(t: Optional[torch.Tensor], dim: int, sizes: list[int], index: int) -> Optional[nn.Parameter]:
+def _slice(t: Optional[torch.Tensor], dim: int, sizes: Sequence[int], index: int) -> Optional[nn.Parameter]:
     if t is None:
         return None
     lo = sum(sizes[:index])
     return nn.Parameter(t.detach().narrow(dim, lo, sizes[index]).clone(), requires_grad=t.requires_grad)
+
+
+def _replicate(t: Optional[torch.Tensor]) -> Optional[nn.Parameter]:
+    return None if t is None else nn.Parameter(t.detach().clone(), requires_grad=t.requires_grad)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -37,11 +49,11 @@ class ColumnParallelLinear(nn.Module):
 
     split_dims = {"weight": 0, "bias": 0}
 
-    def __init__(self, full: nn.Linear, group: Group) -> None:
+    def __init__(self, full: nn.Linear, group: Group, sizes: Optional[Sequence[int]] = None) -> None:
         super().__init__()
         self.group = group
         self.in_features, self.full_out_features = full.in_features, full.out_features
-        self.sizes = even_split_sizes(full.out_features, group.size)
+        self.sizes = list(sizes or even_split_sizes(full.out_features, group.size))
         self.out_features = self.sizes[group.index]
         self.weight = _slice(full.weight, 0, self.sizes, group.index)
         self.bias = _slice(full.bias, 0, self.sizes, group.index)
@@ -56,16 +68,16 @@ class ColumnParallelLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     """Input features split across the group; partial outputs summed by an all-reduce; bias replicated."""
 
-    split_dims = {"weight": 1, "bias": None}
+    split_dims = {"weight": 1}
 
-    def __init__(self, full: nn.Linear, group: Group) -> None:
+    def __init__(self, full: nn.Linear, group: Group, sizes: Optional[Sequence[int]] = None) -> None:
         super().__init__()
         self.group = group
         self.full_in_features, self.out_features = full.in_features, full.out_features
-        self.sizes = even_split_sizes(full.in_features, group.size)
+        self.sizes = list(sizes or even_split_sizes(full.in_features, group.size))
         self.in_features = self.sizes[group.index]
         self.weight = _slice(full.weight, 1, self.sizes, group.index)
-        self.bias = None if full.bias is None else nn.Parameter(full.bias.detach().clone())
+        self.bias = _replicate(full.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = reduce_from_tp(F.linear(x, self.weight), self.group)
@@ -75,12 +87,65 @@ class RowParallelLinear(nn.Module):
         return f"in={self.in_features} of {self.full_in_features}, out={self.out_features}, tp={self.group.size}"
 
 
+class _ConvBase(nn.Module):
+    def __init__(self, full: nn.Conv2d, group: Group) -> None:
+        super().__init__()
+        if full.groups != 1:
+            raise ValueError(f"a grouped Conv2d (groups={full.groups}) cannot be split by channels here")
+        if full.padding_mode != "zeros":
+            raise ValueError(f"Conv2d padding_mode={full.padding_mode!r}: only 'zeros' is supported")
+        self.group = group
+        self.stride, self.padding, self.dilation = full.stride, full.padding, full.dilation
+
+    def _conv(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        return F.conv2d(x, self.weight, bias, self.stride, self.padding, self.dilation)
+
+
+class ColumnParallelConv2d(_ConvBase):
+    """Output channels split across the group; input replicated; output channels stay sharded."""
+
+    split_dims = {"weight": 0, "bias": 0}
+
+    def __init__(self, full: nn.Conv2d, group: Group, sizes: Optional[Sequence[int]] = None) -> None:
+        super().__init__(full, group)
+        self.sizes = list(sizes or even_split_sizes(full.out_channels, group.size))
+        self.in_channels, self.out_channels = full.in_channels, self.sizes[group.index]
+        self.weight = _slice(full.weight, 0, self.sizes, group.index)
+        self.bias = _slice(full.bias, 0, self.sizes, group.index)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._conv(copy_to_tp(x, self.group), self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_channels}, out={self.out_channels} of {sum(self.sizes)} channels, tp={self.group.size}"
+
+
+class RowParallelConv2d(_ConvBase):
+    """Input channels split; partial outputs summed by an all-reduce; the (replicated) bias added once."""
+
+    split_dims = {"weight": 1}
+
+    def __init__(self, full: nn.Conv2d, group: Group, sizes: Optional[Sequence[int]] = None) -> None:
+        super().__init__(full, group)
+        self.sizes = list(sizes or even_split_sizes(full.in_channels, group.size))
+        self.in_channels, self.out_channels = self.sizes[group.index], full.out_channels
+        self.weight = _slice(full.weight, 1, self.sizes, group.index)
+        self.bias = _replicate(full.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = reduce_from_tp(self._conv(x, None), self.group)
+        return y if self.bias is None else y + self.bias.view(1, -1, 1, 1)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_channels} of {sum(self.sizes)}, out={self.out_channels} channels, tp={self.group.size}"
+
+
 class ShardedLayerNorm(nn.Module):
     """LayerNorm whose normalised features are split like the preceding column layer's outputs."""
 
     split_dims = {"weight": 0, "bias": 0}
 
-    def __init__(self, full: nn.LayerNorm, group: Group, sizes: list[int]) -> None:
+    def __init__(self, full: nn.LayerNorm, group: Group, sizes: Sequence[int]) -> None:
         super().__init__()
         if len(full.normalized_shape) != 1 or not full.elementwise_affine or full.bias is None:
             raise ValueError(f"only LayerNorm over one dimension with weight and bias can be sharded, got {full}")
@@ -96,6 +161,26 @@ class ShardedLayerNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.sizes[self.group.index]} of {sum(self.sizes)} features, eps={self.eps}, tp={self.group.size}"
+
+
+def sliced_batchnorm(full: nn.modules.batchnorm._BatchNorm, group: Group, sizes: Sequence[int]) -> nn.Module:
+    """The same BatchNorm over this rank's channels only: exact without communication, since its
+    statistics, affine parameters and running buffers are all per channel."""
+    if full.num_features != sum(sizes):
+        raise ValueError(f"{type(full).__name__}({full.num_features}) follows a column layer with {sum(sizes)} "
+                         "output channels")
+    i, lo, n = group.index, sum(sizes[:group.index]), sizes[group.index]
+    bn = copy.deepcopy(full)
+    bn.num_features = n
+    for name in ("weight", "bias"):
+        if getattr(full, name) is not None:
+            setattr(bn, name, _slice(getattr(full, name), 0, sizes, i))
+    for name in ("running_mean", "running_var"):
+        if getattr(full, name) is not None:
+            setattr(bn, name, getattr(full, name).detach().narrow(0, lo, n).clone())
+    bn.split_dims = {"weight": 0, "bias": 0, "running_mean": 0, "running_var": 0}
+    bn.sizes = list(sizes)
+    return bn
 
 
 def even_split_sizes(n: int, parts: int) -> list[int]:

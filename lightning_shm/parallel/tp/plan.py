@@ -1,119 +1,258 @@
-"""Tensor-parallel plans: data saying how each layer of an ``nn.Sequential`` is split.
+"""Tensor-parallel plans: which layers are split how, as data keyed by qualified module name.
 
-A plan maps module names to ``"column" | "row" | "replicate"``. Derived automatically: Linear
-layers are paired column -> row, everything between a pair runs on the sharded features
-(LayerNorm becomes a :class:`ShardedLayerNorm`, elementwise modules run unchanged), a Linear left
-without a partner stays replicated. For the reference MLP::
+A plan maps module paths relative to the LightningModule -- ``*`` matching exactly one path
+component, as Hugging Face models declare their ``tp_plan`` -- to a style::
 
-    net.1 Linear(784,256)  column     net.2 LayerNorm(256)  sharded     net.3 ReLU  on shards
-    net.4 Linear(256,64)   row        net.5 LayerNorm(64)   replicated  net.6 ReLU
-    net.7 Linear(64,10)    replicate
+    {"net.*.attn.q": "column", "net.*.attn.k": "column", "net.*.attn.v": "column",
+     "net.*.attn.o": "row", "net.*.mlp.fc1": "column", "net.*.mlp.fc2": "row"}
 
-A user plan is validated the same way: a column layer must be followed by its row layer with only
-LayerNorm / elementwise modules in between; every rank needs at least one feature.
+* ``"column"``: ``Linear`` / ``Conv2d`` output features (channels) split; input replicated.
+* ``"row"``: input features (channels) split; partial outputs all-reduced; bias added once.
+* ``"replicate"``: every rank holds the whole layer (the default for anything not planned).
+* ``{"style": "column", "head_dim": 16}``: split on whole attention heads (multiples of 16). Without
+  it, a layer whose parent module has an int ``head_dim`` attribute is split on that.
+
+Where the plan comes from, first found wins: the strategy's ``plan=``; else the module's ``tp_plan``
+attribute; else it is derived for the model's ``nn.Sequential`` (Linear layers paired column ->
+row, Conv2d layers likewise, a leftover replicated).
+
+Inside an ``nn.Sequential``, the children between a column layer and the row layer after it run on
+the split features: a LayerNorm becomes a distributed LayerNorm, a BatchNorm is sliced per channel,
+elementwise modules, pooling and dropout run unchanged; anything else there is refused. Attention
+code (q/k/v column, o row inside a module with its own ``forward``) runs unchanged on the local heads
+as long as it derives the number of heads from the projection's width (``q.view(B, T, -1,
+self.head_dim)``), not from a stored ``n_heads``.
+
+Every bad plan raises ``ValueError`` naming the pattern or module and the sizes, before any worker
+starts.
 """
 
 from __future__ import annotations
 
-from typing import Mapping, Optional
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
 
 from torch import nn
 
-from lightning_shm.parallel.tp.layers import ColumnParallelLinear, RowParallelLinear, ShardedLayerNorm
+from lightning_shm.parallel.tp.layers import (
+    ColumnParallelConv2d,
+    ColumnParallelLinear,
+    RowParallelConv2d,
+    RowParallelLinear,
+    ShardedLayerNorm,
+    even_split_sizes,
+    sliced_batchnorm,
+)
 from lightning_shm.runtime import Group
 
 STYLES = ("column", "row", "replicate")
 ELEMENTWISE = (nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.LeakyReLU, nn.ELU, nn.Identity, nn.Softplus,
-               nn.Mish, nn.Hardswish, nn.Hardtanh, nn.ReLU6)
+               nn.Mish, nn.Hardswish, nn.Hardtanh, nn.ReLU6, nn.Dropout, nn.Dropout2d)
+POOLING = (nn.MaxPool2d, nn.AvgPool2d, nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d)
+_BETWEEN = {nn.Linear: (nn.LayerNorm, nn.BatchNorm1d, *ELEMENTWISE),  # what may run on split features
+            nn.Conv2d: (nn.BatchNorm2d, *ELEMENTWISE, *POOLING)}
+_SPLITTABLE = (nn.Linear, nn.Conv2d)
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    style: str
+    head_dim: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.style not in STYLES:
+            raise ValueError(f"a plan style must be one of {STYLES}, got {self.style!r}")
+        if self.head_dim is not None and (not isinstance(self.head_dim, int) or self.head_dim < 1):
+            raise ValueError(f"head_dim must be a positive int, got {self.head_dim!r}")
+
+
+def parse_plan(plan: Mapping[str, Any]) -> dict[str, LayerPlan]:
+    """``{pattern: "column" | {"style": ..., "head_dim": ...}}`` -> ``{pattern: LayerPlan}``."""
+    out = {}
+    for pattern, value in plan.items():
+        try:
+            if isinstance(value, LayerPlan):
+                out[pattern] = value
+            elif isinstance(value, str):
+                out[pattern] = LayerPlan(value)
+            elif isinstance(value, Mapping) and set(value) <= {"style", "head_dim"} and "style" in value:
+                out[pattern] = LayerPlan(value["style"], value.get("head_dim"))
+            else:
+                raise ValueError(f"expected a style or {{'style': ..., 'head_dim': ...}}, got {value!r}")
+        except ValueError as e:
+            raise ValueError(f"plan entry '{pattern}': {e}") from None
+    return out
+
+
+def _matches(pattern: list[str], name: str) -> bool:
+    parts = name.split(".")
+    return len(parts) == len(pattern) and all(p in ("*", q) for p, q in zip(pattern, parts))
+
+
+def resolve_plan(module: nn.Module, plan: Mapping[str, Any]) -> dict[str, LayerPlan]:
+    """Expand the patterns of ``plan`` over ``module``'s submodules: ``{qualified name: LayerPlan}``."""
+    names = [n for n, _ in module.named_modules() if n]
+    out: dict[str, tuple[str, LayerPlan]] = {}
+    for pattern, lp in parse_plan(plan).items():
+        hits = [n for n in names if _matches(pattern.split("."), n)]
+        if not hits:
+            near = [n for n in names if n.count(".") == pattern.count(".")][:8]
+            raise ValueError(f"plan pattern '{pattern}' matches no module of {type(module).__name__} "
+                             f"(modules at that depth: {near})")
+        for n in hits:
+            if n in out and out[n][1] != lp:
+                raise ValueError(f"module '{n}' is matched by plan patterns '{out[n][0]}' ({out[n][1].style}) and "
+                                 f"'{pattern}' ({lp.style})")
+            out[n] = (pattern, lp)
+    return {n: lp for n, (_, lp) in out.items()}
+
+
+def derive_plan(seq: nn.Sequential, prefix: str = "") -> dict[str, LayerPlan]:
+    """Pair the Sequential's Linear (Conv2d) children column -> row; a leftover stays replicated."""
+    plan: dict[str, LayerPlan] = {}
+    pending: Optional[tuple[str, type]] = None
+    for name, m in seq.named_children():
+        q = _qual(prefix, name)
+        kind = _kind(m)
+        if kind is not None and pending is not None and pending[1] is kind:
+            plan[pending[0]], plan[q] = LayerPlan("column"), LayerPlan("row")
+            pending = None
+        elif kind is not None:
+            pending = (q, kind)
+        elif pending is not None and not isinstance(m, _BETWEEN[pending[1]]):
+            pending = None  # cannot carry split features across this module
+    return plan
+
+
+def plan_for(module: nn.Module, plan: Optional[Mapping[str, Any]], sequential: Optional[str] = None
+             ) -> dict[str, LayerPlan]:
+    """The resolved plan: the given one, else the module's ``tp_plan``, else derived for its Sequential."""
+    from lightning_shm.parallel.sequential import find_sequential
+
+    if plan is not None:
+        return resolve_plan(module, plan)
+    own = getattr(module, "tp_plan", None)
+    if isinstance(own, Mapping):
+        return resolve_plan(module, own)
+    prefix, seq = find_sequential(module, sequential)
+    return derive_plan(seq, prefix)
+
+
+def split_sizes(name: str, layer: nn.Module, lp: LayerPlan, tp: int, parent: Optional[nn.Module]) -> list[int]:
+    """Features (channels) per rank of a column or row layer; whole heads when a head_dim applies."""
+    if not isinstance(layer, _SPLITTABLE):
+        raise ValueError(f"'{name}' is a {type(layer).__name__}; only nn.Linear and nn.Conv2d can be '{lp.style}'")
+    if lp.style == "column":
+        n = layer.out_features if isinstance(layer, nn.Linear) else layer.out_channels
+        what = "output features" if isinstance(layer, nn.Linear) else "output channels"
+    else:
+        n = layer.in_features if isinstance(layer, nn.Linear) else layer.in_channels
+        what = "input features" if isinstance(layer, nn.Linear) else "input channels"
+    head_dim = lp.head_dim
+    if head_dim is None and isinstance(getattr(parent, "head_dim", None), int):
+        head_dim = parent.head_dim  # type: ignore[union-attr]
+    if head_dim:
+        if n % head_dim:
+            raise ValueError(f"{lp.style} layer '{name}' has {n} {what}, not a multiple of head_dim={head_dim}")
+        heads = n // head_dim
+        if heads < tp:
+            raise ValueError(f"{lp.style} layer '{name}' has {heads} heads of {head_dim} ({n} {what}), fewer than "
+                             f"tp={tp}: every rank needs a whole head")
+        return [h * head_dim for h in even_split_sizes(heads, tp)]
+    if n < tp:
+        raise ValueError(f"{lp.style} layer '{name}' has {n} {what}, fewer than tp={tp}")
+    return even_split_sizes(n, tp)
+
+
+@dataclass(frozen=True)
+class LayerSplit:
+    """How one module is split: ``role`` "column" / "row" (a planned layer) or "norm" (a LayerNorm or
+    BatchNorm running on split features between a column and a row layer); features per rank."""
+
+    role: str
+    sizes: tuple[int, ...]
+
+
+def check_plan(module: nn.Module, plan: Mapping[str, LayerPlan], tp: int) -> dict[str, LayerSplit]:
+    """Validate ``plan`` for ``tp`` ranks on the whole model; returns how each module is split.
+
+    Raises ValueError naming the module and the sizes. Computed on the plain model (a pipeline then
+    applies the part its stage holds)."""
+    mods = dict(module.named_modules())
+    out: dict[str, LayerSplit] = {}
+    for name, lp in plan.items():
+        if lp.style == "replicate":
+            continue
+        parent = mods.get(name.rpartition(".")[0]) if "." in name else module
+        out[name] = LayerSplit(lp.style, tuple(split_sizes(name, mods[name], lp, tp, parent)))
+    for prefix, seq in [(n, m) for n, m in module.named_modules() if isinstance(m, nn.Sequential)]:
+        out.update(_check_sequential(seq, prefix, out))
+    return out
+
+
+def _check_sequential(seq: nn.Sequential, prefix: str, splits: Mapping[str, LayerSplit]) -> dict[str, LayerSplit]:
+    """Pairs inside a Sequential: what runs between them, and the norms there to split."""
+    region: Optional[tuple[str, type]] = None  # (column layer, its kind) while inside a pair
+    norms: dict[str, LayerSplit] = {}
+    for name, m in seq.named_children():
+        q = _qual(prefix, name)
+        role = splits[q].role if q in splits else "replicate"
+        if role == "column":
+            if region is not None:
+                raise ValueError(f"column layer '{q}' starts before column layer '{region[0]}' met its row layer")
+            region = (q, _kind(m))  # type: ignore[assignment]
+        elif role == "row":
+            if region is None:
+                raise ValueError(f"row layer '{q}' has no column layer before it in its nn.Sequential (a row layer "
+                                 "takes the split features a column layer produces)")
+            if _kind(m) is not region[1]:
+                raise ValueError(f"row layer '{q}' ({type(m).__name__}) cannot follow column layer '{region[0]}' "
+                                 f"({region[1].__name__})")
+            if splits[q].sizes != splits[region[0]].sizes:
+                raise ValueError(f"row layer '{q}' splits its inputs as {list(splits[q].sizes)} but column layer "
+                                 f"'{region[0]}' produces {list(splits[region[0]].sizes)}")
+            region = None
+        elif region is not None:
+            if _kind(m) is not None:
+                raise ValueError(f"{type(m).__name__} '{q}' sits between column layer '{region[0]}' and its row "
+                                 "layer: mark it 'row' or end the pair before it")
+            if not isinstance(m, _BETWEEN[region[1]]):
+                raise ValueError(f"'{q}' ({type(m).__name__}) cannot run on features split by column layer "
+                                 f"'{region[0]}'; only {', '.join(t.__name__ for t in _BETWEEN[region[1]][:3])}, "
+                                 "elementwise and pooling modules can")
+            if isinstance(m, (nn.LayerNorm, nn.modules.batchnorm._BatchNorm)):
+                norms[q] = LayerSplit("norm", splits[region[0]].sizes)
+    if region is not None:
+        raise ValueError(f"column layer '{region[0]}' is not followed by a row layer in its nn.Sequential")
+    return norms
+
+
+def apply_plan(module: nn.Module, splits: Mapping[str, LayerSplit], group: Group) -> dict[str, nn.Module]:
+    """Replace the split modules that ``module`` holds (a pipeline stage holds some) in place; returns
+    the new modules by qualified name. Every new module lists ``split_dims`` and ``sizes``."""
+    local = dict(module.named_modules())
+    replaced: dict[str, nn.Module] = {}
+    for name, sp in splits.items():
+        layer = local.get(name)
+        if layer is None:
+            continue
+        if sp.role == "norm":
+            new = (ShardedLayerNorm(layer, group, sp.sizes) if isinstance(layer, nn.LayerNorm)
+                   else sliced_batchnorm(layer, group, sp.sizes))
+        else:
+            cls = {("column", nn.Linear): ColumnParallelLinear, ("row", nn.Linear): RowParallelLinear,
+                   ("column", nn.Conv2d): ColumnParallelConv2d, ("row", nn.Conv2d): RowParallelConv2d}
+            new = cls[(sp.role, _kind(layer))](layer, group, sp.sizes)
+        replaced[name] = new
+    for name, new in replaced.items():
+        parent, _, attr = name.rpartition(".")
+        setattr(module.get_submodule(parent) if parent else module, attr, new)
+    return replaced
+
+
+def _kind(m: nn.Module) -> Optional[type]:
+    return nn.Linear if isinstance(m, nn.Linear) else nn.Conv2d if isinstance(m, nn.Conv2d) else None
 
 
 def _qual(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
-
-
-def derive_plan(seq: nn.Sequential, prefix: str = "") -> dict[str, str]:
-    plan: dict[str, str] = {}
-    pending: Optional[str] = None
-    for name, m in seq.named_children():
-        q = _qual(prefix, name)
-        if isinstance(m, nn.Linear):
-            if pending is None:
-                pending = q
-            else:
-                plan[pending], plan[q] = "column", "row"
-                pending = None
-        elif pending is not None and not isinstance(m, (nn.LayerNorm, *ELEMENTWISE)):
-            plan[pending] = "replicate"  # cannot carry sharded features across this module
-            pending = None
-    if pending is not None:
-        plan[pending] = "replicate"
-    return plan
-
-
-def normalise_plan(plan: Mapping[str, str], seq: nn.Sequential, prefix: str) -> dict[str, str]:
-    names = {_qual(prefix, n) for n, _ in seq.named_children()}
-    out = {}
-    for key, style in plan.items():
-        q = key if key in names else _qual(prefix, key)
-        if q not in names:
-            raise ValueError(f"plan names module '{key}', which is not a child of the Sequential '{prefix}' "
-                             f"(children: {sorted(names)})")
-        if style not in STYLES:
-            raise ValueError(f"plan style for '{key}' must be one of {STYLES}, got {style!r}")
-        out[q] = style
-    return out
-
-
-def check_plan(seq: nn.Sequential, plan: Mapping[str, str], prefix: str, tp: int) -> None:
-    """Raise ValueError naming the module and sizes if ``plan`` cannot run with ``tp`` ranks."""
-    region: Optional[tuple[str, int]] = None  # (column layer, sharded features) while inside a pair
-    for name, m in seq.named_children():
-        q = _qual(prefix, name)
-        style = plan.get(q, "replicate")
-        if style in ("column", "row") and not isinstance(m, nn.Linear):
-            raise ValueError(f"'{q}' is a {type(m).__name__}; only nn.Linear can be '{style}'")
-        if style == "column":
-            if region is not None:
-                raise ValueError(f"column layer '{q}' starts before column layer '{region[0]}' met its row layer")
-            if m.out_features < tp:
-                raise ValueError(f"column layer '{q}' has {m.out_features} output features, fewer than tp={tp}")
-            region = (q, m.out_features)
-        elif style == "row":
-            if region is None:
-                raise ValueError(f"row layer '{q}' has no column layer before it")
-            if m.in_features != region[1]:
-                raise ValueError(f"row layer '{q}' takes {m.in_features} features but column layer '{region[0]}' "
-                                 f"produces {region[1]}")
-            region = None
-        elif region is not None:
-            if isinstance(m, nn.Linear):
-                raise ValueError(f"Linear '{q}' sits between column layer '{region[0]}' and its row layer: "
-                                 "mark it 'row' or end the pair before it")
-            if not isinstance(m, (nn.LayerNorm, *ELEMENTWISE)):
-                raise ValueError(f"'{q}' ({type(m).__name__}) cannot run on features sharded by column layer "
-                                 f"'{region[0]}'; only LayerNorm and elementwise modules can")
-    if region is not None:
-        raise ValueError(f"column layer '{region[0]}' is not followed by a row layer")
-
-
-def apply_plan(seq: nn.Sequential, plan: Mapping[str, str], prefix: str, group: Group) -> dict[str, nn.Module]:
-    """Replace the Sequential's children in place; returns the new parallel modules by qualified name."""
-    check_plan(seq, plan, prefix, group.size)
-    replaced: dict[str, nn.Module] = {}
-    sizes: Optional[list[int]] = None
-    for name, m in list(seq.named_children()):
-        q = _qual(prefix, name)
-        style = plan.get(q, "replicate")
-        new: Optional[nn.Module] = None
-        if style == "column":
-            new = ColumnParallelLinear(m, group)
-            sizes = new.sizes
-        elif style == "row":
-            new = RowParallelLinear(m, group)
-            sizes = None
-        elif sizes is not None and isinstance(m, nn.LayerNorm):
-            new = ShardedLayerNorm(m, group, sizes)
-        if new is not None:
-            setattr(seq, name, new)
-            replaced[q] = new
-    return replaced

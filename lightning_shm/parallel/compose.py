@@ -1,0 +1,269 @@
+"""Data (replicated or sharded) x tensor x pipeline parallelism, composed outside the model.
+
+The order, as torchtitan's ``parallelize`` applies it::
+
+    plain module (rank 0's weights on every rank)
+      -> SyncBatchNorm over the dp group                 (if asked)
+      -> pipeline split: the rank keeps its stage's layers (a PipelineStage stands in for the Sequential)
+      -> tensor-parallel plan on what the rank holds      (slices over the tp group)
+      -> data parallelism over the dp group: "replicate" = the shm_ddp gradient reducer,
+                                             "shard"     = FSDP units (ZeRO-3 on top of the tp/pp split)
+      -> ModelState: one consolidation path for checkpoints, over all of it
+
+Rank layout: ``rank = (pp * dp_size + dp) * tp_size + tp`` (:class:`~lightning_shm.runtime.Topology`):
+tp groups are neighbours, stages are the slowest index. Under a pipeline, gathering an FSDP unit once
+per microbatch would repeat the same copy M times: a stage's units are gathered once per step, stay
+gathered over its microbatches, and their summed gradient is reduce-scattered once (ZeRO-3 between
+steps, the stage's full parameters within one).
+
+Nothing here knows the Trainer; :func:`validate` holds every check of the configuration against a
+model, called by the main process before any worker starts and by :func:`parallelize` in each.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Optional, Union
+
+import torch
+from torch import nn
+
+from lightning_shm.parallel.ddp import GradReducer
+from lightning_shm.parallel.ddp.sync_batchnorm import convert_sync_batchnorm
+from lightning_shm.parallel.fsdp import ShardedModule, UnitPolicy, find_units
+from lightning_shm.parallel.fsdp.policy import PolicyFn
+from lightning_shm.parallel.pipeline import PipelineEngine, PipelineSchedule, PipelineStage, Schedule, plan_chunks
+from lightning_shm.parallel.pipeline.split import validate_split_points
+from lightning_shm.parallel.placement import Placement
+from lightning_shm.parallel.sequential import find_sequential, replace_submodule
+from lightning_shm.parallel.state import ModelState
+from lightning_shm.parallel.tp import LayerPlan, TensorParallelModule, check_plan, plan_for
+from lightning_shm.runtime import ParallelGroups, Topology, World
+
+DATA_PARALLEL = ("replicate", "shard")
+
+
+@dataclass
+class ParallelConfig:
+    """Everything that decides how a model is split; validated here, before any process starts."""
+
+    data_parallel_size: Union[int, str] = "auto"
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel: str = "replicate"
+    plan: Optional[Mapping[str, Any]] = None
+    sequential: Optional[str] = None
+    microbatches: int = 4
+    schedule: str = "1f1b"
+    virtual_stages: Optional[int] = None
+    split_points: Optional[list[int]] = None
+    balance: str = "time"
+    activation_checkpointing: bool = False
+    unit_policy: Union[None, int, PolicyFn, UnitPolicy] = None
+    reshard_after_forward: bool = True
+    prefetch: bool = False
+    bucket_cap_mb: float = 25.0
+    find_unused_parameters: bool = False
+    sync_batchnorm: bool = False
+    pipeline: PipelineSchedule = field(init=False)
+    policy: UnitPolicy = field(init=False)
+
+    def __post_init__(self) -> None:
+        sizes = {"data_parallel_size": self.data_parallel_size, "tensor_parallel_size": self.tensor_parallel_size,
+                 "pipeline_parallel_size": self.pipeline_parallel_size}
+        for name, v in sizes.items():
+            if not (v == "auto" and name == "data_parallel_size") and (
+                    not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ValueError(f"{name} must be a positive int (or 'auto' for data_parallel_size), got {v!r} "
+                                 f"(sizes: {sizes})")
+        if self.data_parallel not in DATA_PARALLEL:
+            raise ValueError(f"data_parallel must be one of {DATA_PARALLEL}, got {self.data_parallel!r}")
+        if not isinstance(self.microbatches, int) or self.microbatches < 1:
+            raise ValueError(f"microbatches must be a positive int, got {self.microbatches!r}")
+        if self.balance not in ("time", "params"):
+            raise ValueError(f"balance must be 'time' or 'params', got {self.balance!r}")
+        if self.bucket_cap_mb <= 0:
+            raise ValueError(f"bucket_cap_mb must be > 0, got {self.bucket_cap_mb}")
+        kind = Schedule.parse(self.schedule)
+        v = self.virtual_stages if self.virtual_stages is not None else (2 if kind == Schedule.INTERLEAVED_1F1B else 1)
+        self.pipeline = PipelineSchedule(kind, self.pipeline_parallel_size, self.microbatches, v)  # validates
+        self.policy = UnitPolicy.parse(self.unit_policy)
+
+    @property
+    def shard(self) -> bool:
+        return self.data_parallel == "shard"
+
+    def topology(self, world_size: int) -> Topology:
+        """The dp x tp x pp grid for ``world_size`` processes; a ValueError naming every size if it does not fit."""
+        tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
+        if self.data_parallel_size == "auto":
+            return Topology.infer(world_size, tp=tp, pp=pp)
+        dp = self.data_parallel_size
+        if dp * tp * pp != world_size:
+            raise ValueError(f"devices={world_size} must equal data_parallel_size x tensor_parallel_size x "
+                             f"pipeline_parallel_size = {dp} x {tp} x {pp} = {dp * tp * pp}")
+        return Topology(world_size, dp=dp, tp=tp, pp=pp)
+
+
+# ---------------------------------------------------------------------- validation (main process and workers)
+def validate(module: nn.Module, config: ParallelConfig, world_size: int, batch_size: Optional[int] = None,
+             automatic_optimization: bool = True) -> None:
+    """Every check of ``config`` against ``module`` that needs no process group: raises ValueError
+    naming the values. A module whose layers are built later (``configure_model``) is checked then."""
+    topo = config.topology(world_size)
+    if topo.pp > 1 and not automatic_optimization:
+        raise ValueError("a pipeline runs forward and backward inside its schedule; manual optimization "
+                         "(automatic_optimization = False) is not supported with pipeline_parallel_size > 1")
+    if next(module.parameters(), None) is None:
+        return
+    plan = _tp_plan(module, config) if topo.tp > 1 else {}
+    if plan:
+        check_plan(module, plan, topo.tp)
+    if topo.pp > 1:
+        _, seq = find_sequential(module, config.sequential)
+        V = config.pipeline.chunks
+        if V > len(seq):
+            raise ValueError(f"{len(seq)} layers in the nn.Sequential cannot form {V} pipeline chunks "
+                             f"(stages={config.pipeline.stages} x virtual_stages={config.pipeline.virtual}); use "
+                             "fewer stages")
+        if config.split_points is not None:
+            validate_split_points(config.split_points, len(seq), V, _pair_interiors(module, config, plan))
+        if batch_size is not None and batch_size % config.microbatches:
+            raise ValueError(f"batch size {batch_size} is not divisible by microbatches={config.microbatches}")
+    if config.shard and topo.dp > 1 and config.policy.fn is not None:
+        layers = _layers(module, config)
+        if not find_units(module, config.policy, layers):
+            raise ValueError(f"the FSDP unit policy selected no module with parameters in {type(module).__name__}: "
+                             "nothing to shard")
+    scalars = [n for n, p in module.named_parameters() if p.dim() == 0]
+    if config.shard and topo.dp > 1 and scalars:
+        raise ValueError(f"FSDP shards parameters by rows (dim 0); {scalars} are 0-d: store them with shape (1,)")
+
+
+def _tp_plan(module: nn.Module, config: ParallelConfig) -> dict[str, LayerPlan]:
+    return plan_for(module, config.plan, config.sequential)
+
+
+def _pair_interiors(module: nn.Module, config: ParallelConfig, plan: Mapping[str, LayerPlan]) -> frozenset[int]:
+    """Indices of the pipelined Sequential at which no stage may start: inside a column -> row pair."""
+    if not plan:
+        return frozenset()
+    prefix, seq = find_sequential(module, config.sequential)
+    inside, out = False, set()
+    for i, (name, _) in enumerate(seq.named_children()):
+        style = plan.get(f"{prefix}.{name}" if prefix else name)
+        if inside:
+            out.add(i)
+        if style is not None and style.style == "column":
+            inside = True
+        elif style is not None and style.style == "row":
+            inside = False
+    return frozenset(out)
+
+
+def _layers(module: nn.Module, config: ParallelConfig) -> Optional[list[tuple[str, nn.Module]]]:
+    """The sequence FSDP groups into units: the pipelined Sequential's children (or the stage's)."""
+    try:
+        prefix, seq = find_sequential(module, config.sequential)
+    except ValueError:
+        return None
+    return [(f"{prefix}.{n}" if prefix else n, c) for n, c in seq.named_children()]
+
+
+# ---------------------------------------------------------------------- composition (each worker)
+@dataclass
+class ParallelModel:
+    """What one rank holds after :func:`parallelize`, and the per-step calls its parallelisms need."""
+
+    module: nn.Module
+    groups: ParallelGroups
+    state: ModelState
+    stage: Optional[PipelineStage] = None
+    engine: Optional[PipelineEngine] = None
+    chunk_starts: Optional[list[int]] = None
+    tp: Optional[TensorParallelModule] = None
+    fsdp: Optional[ShardedModule] = None
+    reducer: Optional[GradReducer] = None
+
+    def begin_step(self) -> None:
+        """Before a training step: drop what a forward without backward left gathered."""
+        if self.fsdp is not None:
+            self.fsdp.begin_step()
+
+    def watch(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        """FSDP: every step of these optimizers ends with the barrier before shards are read again."""
+        if self.fsdp is not None:
+            self.fsdp.watch(optimizers)
+
+    def close(self) -> None:
+        if self.reducer is not None:
+            self.reducer.close()
+        if self.fsdp is not None:
+            self.fsdp.close()
+        if self.engine is not None:
+            self.engine.close()
+
+
+def parallelize(module: nn.Module, config: ParallelConfig, world: World, groups: ParallelGroups, *,
+                training: bool, sample_input: Optional[torch.Tensor] = None,
+                log: Callable[[str], None] = lambda msg: None) -> ParallelModel:
+    """Apply the configured parallelisms to ``module`` (in place) on this rank. Every rank calls it with
+    the same arguments; ``module`` holds rank 0's weights everywhere already."""
+    topo = groups.topology
+    plain_keys = list(module.state_dict())
+    plain_params = [n for n, _ in module.named_parameters()]
+    if config.sync_batchnorm and topo.dp > 1:
+        convert_sync_batchnorm(module, groups.dp)
+    plan = _tp_plan(module, config) if topo.tp > 1 else {}
+    splits = check_plan(module, plan, topo.tp) if plan else {}  # on the whole model, before any stage cut
+    stage = engine = starts = None
+    layers = _layers(module, config)
+    if topo.pp > 1:
+        stage, engine, starts = _split_pipeline(module, config, world, groups, plan, sample_input, log)
+        layers = [(f"{_stage_path(module, stage)}.{n}", c) for n, c in stage.named_children()]
+    tp = TensorParallelModule(module, groups.tp, splits) if splits else None
+    placements: dict[str, Placement] = tp.placements() if tp is not None else {}
+    fsdp = reducer = None
+    if topo.dp > 1 and config.shard:
+        fsdp = ShardedModule(module, groups.dp, config.policy, config.reshard_after_forward, config.prefetch,
+                             layers=layers)
+        placements = {**placements, **fsdp.placements(placements)}
+    elif topo.dp > 1:
+        placements = {n: placements.get(n, Placement()).replicated(topo.dp) for n, _ in module.named_parameters()}
+        if training:
+            reducer = GradReducer(list(module.named_parameters()), groups.dp, config.bucket_cap_mb,
+                                  config.find_unused_parameters, tag=f"ddp-tp{groups.coords.tp}-pp{groups.coords.pp}",
+                                  hooks=topo.pp == 1)
+    if engine is not None and fsdp is not None:
+        engine.grad_sink = fsdp.grad_sink
+    state = ModelState(module, plain_keys, plain_params, placements, stages=groups.pp if topo.pp > 1 else None,
+                       after_load=fsdp.after_shards_written if fsdp is not None else None)
+    return ParallelModel(module, groups, state, stage, engine, starts, tp, fsdp, reducer)
+
+
+def _stage_path(module: nn.Module, stage: nn.Module) -> str:
+    return next(n for n, m in module.named_modules() if m is stage)
+
+
+def _split_pipeline(module: nn.Module, config: ParallelConfig, world: World, groups: ParallelGroups,
+                    plan: Mapping[str, LayerPlan], sample: Optional[torch.Tensor],
+                    log: Callable[[str], None]) -> tuple[PipelineStage, PipelineEngine, list[int]]:
+    path, seq = find_sequential(module, config.sequential)
+    sched = config.pipeline
+    forbidden = _pair_interiors(module, config, plan)
+    if world.rank == 0:  # measure once, everyone uses the same cut
+        sample = sample if config.balance == "time" else None
+        chosen: Any = plan_chunks(seq, sched.chunks, config.split_points, sample, stages=sched.stages,
+                                  forbidden=forbidden)
+    else:
+        chosen = None
+    starts, how = world.world_group.broadcast_object(chosen, src=0)
+    log(f"pipeline: {sched.chunks} chunks of {len(seq)} layers start at {starts} (split by {how}), schedule "
+        f"{sched.kind.value}, {sched.microbatches} microbatches")
+    pp_index = groups.coords.pp
+    stage = PipelineStage(seq, starts, sched.chunks_of(pp_index))
+    replace_submodule(module, path, stage)
+    engine = PipelineEngine(stage.chunks, sched, pp_index, list(groups.pp.ranks), world,
+                            tag=f"pp-dp{groups.coords.dp}-tp{groups.coords.tp}",
+                            activation_checkpointing=config.activation_checkpointing)
+    return stage, engine, starts

@@ -1,0 +1,165 @@
+"""The plain state of a parallelized module: one save and one load for every layout.
+
+Checkpoints never hold pieces. Model state uses the plain module's keys and shapes; optimizer state
+looks like a single-process optimizer's over the plain parameters (ids = positions in the plain
+``named_parameters()`` order). So a checkpoint written under any layout -- FSDP shards, TP slices,
+pipeline stages, all three combined -- loads in one process, and under any other layout.
+
+Every parallelism only says where the pieces of each entry live (:mod:`.placement`); this module
+does the rest:
+
+    save   piece --placement.gather--> full entries of this rank's stage --(pp group)--> all entries
+    load   all entries --(keep this stage's)--> placement.cut --> piece
+
+Optimizer state tensors shaped like their parameter's piece (momentum, Adam's moments) follow the
+parameter's placement; other state (Adam's scalar ``step``) is the same on every rank and copied.
+Parameters are numbered as one process's optimizer numbers them: group by group, and within a
+group in the module's order (pipeline stages each hold part of every group: the numbering is
+agreed over the pipeline group). All methods are collective over every rank of the run, called in
+the same order everywhere.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import torch
+from torch import nn
+
+from lightning_shm.parallel.optim_state import load_plain_optimizer_state
+from lightning_shm.parallel.placement import WHOLE, Placement
+from lightning_shm.runtime import Group
+
+
+class ModelState:
+    """Consolidates and cuts the state of ``module`` (already parallelized).
+
+    Args:
+        module: the parallelized module (its state-dict keys are the plain keys it still holds).
+        plain_keys, plain_params: ``state_dict()`` keys and ``named_parameters()`` names of the plain
+            module, in order, taken before parallelizing.
+        placements: per state key, how this rank's piece is cut from the full entry (absent: whole).
+        stages: the pipeline group when the module is one stage of a pipeline, else None.
+        after_load: called (on every rank) once new values were written into the pieces, e.g. FSDP's
+            barrier before any rank gathers them.
+    """
+
+    def __init__(self, module: nn.Module, plain_keys: Sequence[str], plain_params: Sequence[str],
+                 placements: Mapping[str, Placement], stages: Optional[Group] = None,
+                 after_load: Optional[Callable[[], None]] = None) -> None:
+        self.module = module
+        self.plain_keys, self.plain_params = list(plain_keys), list(plain_params)
+        self.placements = dict(placements)
+        self.stages = stages if stages is not None and stages.size > 1 else None
+        self._after_load = after_load or (lambda: None)
+        self._copies = {id(p): self.placement(n).copies for n, p in module.named_parameters()}
+
+    def placement(self, key: str) -> Placement:
+        return self.placements.get(key, WHOLE)
+
+    def copies(self, param: torch.Tensor) -> int:
+        """Ranks holding the same piece as ``param`` (for a global gradient norm)."""
+        return self._copies.get(id(param), 1)
+
+    def _names(self) -> dict[int, str]:
+        return {id(p): n for n, p in self.module.named_parameters()}
+
+    def _plain_ids(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+        """The id each of the optimizer's parameters has in one process's optimizer (collective over the
+        pipeline group): groups in order, each group's parameters in the plain module's order."""
+        names = self._names()
+        local = [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
+        unknown = [id(p) for g in optimizer.param_groups for p in g["params"] if id(p) not in names]
+        if unknown:
+            raise ValueError(f"the optimizer holds {len(unknown)} tensor(s) that are not parameters of the module")
+        groups = local
+        if self.stages is not None:
+            groups = [sum(g, []) for g in zip(*self.stages.all_gather_object(local))]
+        order = {n: i for i, n in enumerate(self.plain_params)}
+        ids, offset = {}, 0
+        for g in groups:
+            for pos, n in enumerate(sorted(g, key=order.__getitem__)):
+                ids[n] = offset + pos
+            offset += len(g)
+        return ids
+
+    # ------------------------------------------------------------------ any state dict of this layout
+    def consolidate(self, local: Mapping[str, Any]) -> dict[str, Any]:
+        """Full entries from this rank's pieces ``local`` (keys as in ``module.state_dict()``), all stages
+        merged, in plain key order."""
+        full = {k: (self.placement(k).gather(v) if torch.is_tensor(v) else v) for k, v in local.items()}
+        if self.stages is not None:
+            merged: dict[str, Any] = {}
+            for piece in self.stages.all_gather_object(full):
+                merged.update(piece)
+            full = merged
+        out = OrderedDict((k, full[k]) for k in self.plain_keys if k in full)
+        out.update((k, v) for k, v in full.items() if k not in out)
+        return out
+
+    def localize(self, full: Mapping[str, Any], keys: Sequence[str]) -> dict[str, Any]:
+        """This rank's pieces of the ``keys`` it holds, cut from full entries."""
+        return {k: (self.placement(k).cut(full[k]) if torch.is_tensor(full[k]) else full[k])
+                for k in keys if k in full}
+
+    # ------------------------------------------------------------------ the module
+    def full_state_dict(self) -> dict[str, Any]:
+        return self.consolidate(self.module.state_dict())
+
+    def load_full_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> None:
+        local_keys = list(self.module.state_dict())
+        missing = [k for k in local_keys if k not in state_dict]
+        if strict and missing:
+            raise KeyError(f"the checkpoint lacks {missing[:10]}{' ...' if len(missing) > 10 else ''}")
+        unexpected = [k for k in state_dict if k not in self.plain_keys and k not in local_keys]
+        if strict and unexpected:
+            raise KeyError(f"unexpected keys in the checkpoint: {unexpected[:10]}")
+        with torch.no_grad():
+            self.module.load_state_dict(self.localize(state_dict, local_keys), strict=False)
+        self._after_load()
+
+    # ------------------------------------------------------------------ optimizer state
+    def full_optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        names = self._names()
+        index = self._plain_ids(optimizer)
+        state: dict[int, dict[str, Any]] = {}
+        groups: list[dict[str, Any]] = []
+        for group in optimizer.param_groups:
+            ids = []
+            for p in group["params"]:
+                name = names[id(p)]
+                ids.append(index[name])
+                st = optimizer.state.get(p, {})
+                if st:
+                    place = self.placement(name)
+                    state[index[name]] = {k: (place.gather(v) if _follows(v, p) else
+                                              v.clone() if torch.is_tensor(v) else v) for k, v in sorted(st.items())}
+            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
+        if self.stages is not None:  # each stage's optimizer has its own parameters: merge them
+            merged_state: dict[int, Any] = {}
+            merged_groups: list[dict[str, Any]] = []
+            for st, grps in self.stages.all_gather_object((state, groups)):
+                merged_state.update(st)
+                for gi, g in enumerate(grps):
+                    if gi == len(merged_groups):
+                        merged_groups.append({**g, "params": []})
+                    merged_groups[gi]["params"] = sorted(merged_groups[gi]["params"] + g["params"])
+            state, groups = merged_state, merged_groups
+        return {"state": state, "param_groups": groups}
+
+    def load_full_optimizer_state(self, optimizer: torch.optim.Optimizer, full: Mapping[str, Any]) -> None:
+        """``full``: a plain optimizer state, as one process's optimizer of the same groups saves it."""
+        shapes = {n: self.placement(n).full_shape(p.shape) for n, p in self.module.named_parameters()}
+
+        def convert(name: str, key: str, v: Any) -> Any:
+            if torch.is_tensor(v) and v.dim() > 0 and v.shape == shapes[name]:
+                return self.placement(name).cut(v)
+            return v.clone() if torch.is_tensor(v) else v
+
+        load_plain_optimizer_state(optimizer, full, self.module, self._plain_ids(optimizer), convert)
+
+
+def _follows(value: Any, param: torch.Tensor) -> bool:
+    """Optimizer state shaped like its parameter's piece is cut like it."""
+    return torch.is_tensor(value) and value.dim() > 0 and value.shape == param.shape

@@ -1,0 +1,326 @@
+"""``shm_model_parallel``: data (replicated or sharded) x tensor x pipeline parallelism, one strategy.
+
+The four named strategies are presets of this one (``shm_ddp`` = dp replicate, ``shm_fsdp`` = dp
+shard, ``shm_tp`` = tp x dp, ``shm_pipeline`` = pp x dp), so one code path serves them all. The
+mechanics live in :mod:`lightning_shm.parallel.compose`; this class adapts them to Lightning:
+
+``setup`` (each worker)
+    1. rank 0's weights on every rank (accelerator, precision, device, broadcast)
+    2. the full model's summary taken for ModelSummary, before it is cut
+    3. :func:`~lightning_shm.parallel.compose.parallelize`: SyncBatchNorm -> pipeline stage -> tp
+       plan -> dp reducer or FSDP units -> one ``ModelState`` for checkpoints
+    4. optimizers (FSDP: each step ends with the barrier before shards are read), precision,
+       global-norm clipping, metrics synced over the dp group, SWA averaging in the same layout
+steps
+    training: drop FSDP leftovers, rank 0's buffers (BatchNorm statistics) over the dp group, then
+    Lightning's step -- or the pipeline schedule (:mod:`.pipeline_steps`); validation / test /
+    predict likewise. ``sync_dist`` and torchmetrics combine over the data-parallel group only: tp and
+    pp ranks hold the same data.
+checkpoints
+    plain keys and a plain single-process optimizer state, from any layout, to any layout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any, Iterator, Mapping, Optional, Sequence, Union
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_info
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from lightning_shm.parallel.clip import clip_grad_norm_
+from lightning_shm.parallel.compose import ParallelConfig, ParallelModel, parallelize, validate
+from lightning_shm.parallel.ddp import broadcast_module_state, broadcast_tensors
+from lightning_shm.parallel.fsdp import UnitPolicy
+from lightning_shm.parallel.fsdp.policy import PolicyFn
+from lightning_shm.parallel.pipeline import PipelineEngine
+from lightning_shm.runtime import Group, ParallelGroups, Topology, World
+from lightning_shm.strategies.base import SHMStrategyBase
+from lightning_shm.strategies.pipeline_steps import PipelineSteps
+from lightning_shm.strategies.summary import full_model_summary
+from lightning_shm.strategies.swa import adapt_swa
+
+_ELEMENTWISE_FRONT = (nn.Flatten, nn.Identity, nn.Dropout, nn.ReLU)
+
+
+class SHMModelParallel(SHMStrategyBase):
+    """dp x tp x pp on W CPU processes through shared memory (``devices`` = dp x tp x pp).
+
+    Args:
+        data_parallel_size: replicas seeing different data; "auto" = devices / (tp x pp).
+        tensor_parallel_size: ranks splitting each planned layer (see ``plan``).
+        pipeline_parallel_size: stages the model's ``nn.Sequential`` is cut into.
+        data_parallel: "replicate" (gradients averaged, shm_ddp) or "shard" (FSDP units, ZeRO-3).
+        plan: tensor-parallel plan ``{module path pattern: "column" | "row" | "replicate" | {"style",
+            "head_dim"}}``; default: the module's ``tp_plan`` attribute, else derived for its Sequential.
+        sequential: attribute path of the ``nn.Sequential`` to pipeline / derive a plan from.
+        microbatches, schedule, virtual_stages, split_points, balance, activation_checkpointing,
+            sample_input: the pipeline (see :class:`~lightning_shm.strategies.pipeline.SHMPipeline`).
+        unit_policy, reshard_after_forward, prefetch: FSDP units (see
+            :class:`~lightning_shm.strategies.fsdp.SHMFSDPStrategy`).
+        bucket_cap_mb, find_unused_parameters: the gradient reducer (see
+            :class:`~lightning_shm.strategies.ddp.SHMDDPStrategy`).
+        broadcast_buffers: rank 0's buffers (BatchNorm running statistics) to every data-parallel
+            replica before every training step and at the start of evaluation, as torch DDP does.
+        **kwargs: see :class:`~lightning_shm.strategies.base.SHMStrategyBase` (start_method, timeout, ...).
+    """
+
+    def __init__(self, *args: Any, data_parallel_size: Union[int, str] = "auto", tensor_parallel_size: int = 1,
+                 pipeline_parallel_size: int = 1, data_parallel: str = "replicate",
+                 plan: Optional[Mapping[str, Any]] = None, sequential: Optional[str] = None, microbatches: int = 4,
+                 schedule: str = "1f1b", virtual_stages: Optional[int] = None,
+                 split_points: Optional[Sequence[int]] = None, balance: str = "time",
+                 activation_checkpointing: bool = False, sample_input: Optional[Tensor] = None,
+                 unit_policy: Union[None, int, PolicyFn, UnitPolicy] = None, reshard_after_forward: bool = True,
+                 prefetch: bool = False, bucket_cap_mb: float = 25.0, find_unused_parameters: bool = False,
+                 broadcast_buffers: bool = True, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.parallel_config = ParallelConfig(
+            data_parallel_size, tensor_parallel_size, pipeline_parallel_size, data_parallel,
+            dict(plan) if plan is not None else None, sequential, microbatches, schedule, virtual_stages,
+            list(split_points) if split_points is not None else None, balance, activation_checkpointing,
+            unit_policy, reshard_after_forward, prefetch, bucket_cap_mb, find_unused_parameters)
+        self.sample_input = sample_input
+        self.broadcast_buffers = broadcast_buffers
+        self.parallel: Optional[ParallelModel] = None
+        self.pipeline: Optional[PipelineSteps] = None
+        self._groups: Optional[ParallelGroups] = None
+        self._exit: Optional[contextlib.ExitStack] = None  # what setup patched for the run (ModelSummary)
+
+    # ------------------------------------------------------------------ grid
+    def topology(self) -> Topology:
+        return self.parallel_config.topology(max(self.num_processes, 1))
+
+    @property
+    def microbatches(self) -> int:
+        return self.parallel_config.microbatches
+
+    def attach_world(self, world: World) -> None:
+        super().attach_world(world)
+        self._groups = self.topology().groups(world)
+
+    def data_parallel_group(self) -> Optional[Group]:
+        return self._groups.dp if self._groups is not None else None
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # checkpoints are plain: cut into this rank's pieces once the pieces exist
+
+    def validate_model(self, module: "pl.LightningModule", trainer: Optional["pl.Trainer"] = None,
+                       launch_args: Any = ()) -> None:
+        batch = _train_batch_size(trainer, launch_args) if self.topology().pp > 1 else None
+        validate(module, self.parallel_config, max(self.num_processes, 1), batch, module.automatic_optimization)
+
+    def shm_components(self, module: "pl.LightningModule") -> dict[str, int]:
+        topo, cfg = self.topology(), self.parallel_config
+        params = sum(p.numel() * p.element_size() for p in module.parameters())
+        parts = {}
+        if topo.dp > 1:
+            parts["parameter shards" if cfg.shard else "gradient buckets"] = params if cfg.shard else topo.dp * params
+        if topo.pp > 1:
+            channel = PipelineEngine.channel_config(cfg.pipeline).segment_bytes()
+            parts["activation channels"] = topo.dp * topo.tp * 2 * (cfg.pipeline.chunks - 1) * channel
+        return parts
+
+    # ------------------------------------------------------------------ setup
+    def setup(self, trainer: "pl.Trainer") -> None:
+        assert self._world is not None and self._groups is not None and self.model is not None
+        self.accelerator.setup(trainer)  # type: ignore[union-attr]
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        broadcast_module_state(self.model, self.group)  # rank 0's weights everywhere; every piece is cut from them
+        module = self.lightning_module
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        self._exit = contextlib.ExitStack()
+        report_share = self._exit.enter_context(full_model_summary(trainer, module, self.global_rank))
+        config = dataclasses.replace(self.parallel_config, sync_batchnorm=self._layer_sync is not None)
+        self.parallel = parallelize(module, config, self._world, self._groups, training=fitting,
+                                    sample_input=self._sample(module, config), log=rank_zero_info)
+        if self.parallel.engine is not None:
+            module._example_input_array = None  # a stage cannot run the model's example input
+            self.pipeline = PipelineSteps(module, self.parallel, self.precision_plugin)
+        report_share(self._layout())
+        if fitting:
+            self.setup_optimizers(trainer)
+            self.parallel.watch([o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers])
+            if self.parallel.state.placements or self.parallel.state.stages is not None:
+                adapt_swa(trainer, module, self.parallel.state)
+        self.setup_precision_plugin()
+        self._install_clipping()
+        self.attach_metrics()
+
+    def _layout(self) -> str:
+        t = self.topology()
+        parts = [f"dp={t.dp} ({self.parallel_config.data_parallel})", f"tp={t.tp}", f"pp={t.pp}"]
+        return " x ".join(parts)
+
+    def _sample(self, module: nn.Module, config: ParallelConfig) -> Optional[Tensor]:
+        """An input of the pipelined Sequential, for timing its layers."""
+        if config.pipeline_parallel_size == 1 or config.balance != "time":
+            return None
+        if self.sample_input is not None:
+            return self.sample_input
+        rows = 64
+        example = getattr(module, "example_input_array", None)
+        if isinstance(example, Tensor):
+            return example.repeat(rows, *[1] * (example.dim() - 1)) if example.shape[0] == 1 else example
+        from lightning_shm.parallel.sequential import find_sequential
+
+        _, seq = find_sequential(module, config.sequential)
+        for m in seq:  # Flatten/activations then a Linear: any [rows, in_features] tensor fits
+            if isinstance(m, nn.Linear):
+                return torch.randn(rows, m.in_features, dtype=m.weight.dtype)
+            if not isinstance(m, _ELEMENTWISE_FRONT):
+                break
+        return None
+
+    def _install_clipping(self) -> None:
+        """``gradient_clip_val`` (norm) clips by the norm over every rank's gradient pieces, each element
+        once: Lightning's own clipping would use each rank's local norm, different where gradients are
+        split. Where every rank holds every gradient (pure data parallelism) Lightning's is that norm."""
+        assert self.parallel is not None and self.lightning_module is not None
+        state, W = self.parallel.state, self.world_size
+        if all(state.copies(p) == W for p in self.lightning_module.parameters()):
+            return
+        world = self.group
+
+        def clip_grad_by_norm(optimizer: Any, clip_val: Union[int, float]) -> None:
+            params = [p for g in optimizer.param_groups for p in g["params"]]
+            clip_grad_norm_(params, float(clip_val), world, state.copies)
+
+        self.precision_plugin.clip_grad_by_norm = clip_grad_by_norm  # instance attribute: this strategy's plugin
+
+    # ------------------------------------------------------------------ steps
+    def _before_forward(self) -> None:
+        assert self.parallel is not None
+        self.parallel.begin_step()
+        self._sync_buffers()
+
+    def _sync_buffers(self) -> None:
+        """Rank 0's buffers (e.g. BatchNorm running statistics) on every data-parallel replica, like
+        torch DDP's ``broadcast_buffers``: all replicas evaluate with the same statistics."""
+        dp = self.data_parallel_group()
+        if self.broadcast_buffers and dp is not None and dp.size > 1:
+            broadcast_tensors([b for b in self.lightning_module.buffers() if b.numel()], dp)
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._before_forward()
+        if self.pipeline is not None:
+            trainer = self.lightning_module.trainer
+            return self.pipeline.training_step(args[0], args[1], trainer.accumulate_grad_batches,
+                                               trainer.fit_loop._skip_backward)
+        return super().training_step(*args, **kwargs)
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        self.stop_point()
+        if self.pipeline is not None:
+            return self.pipeline.eval_step("validation_step", *args)
+        return super().validation_step(*args, **kwargs)
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        self.stop_point()
+        if self.pipeline is not None:
+            return self.pipeline.eval_step("test_step", *args)
+        return super().test_step(*args, **kwargs)
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.pipeline is not None:
+            return self.pipeline.eval_step("predict_step", *args)
+        return super().predict_step(*args, **kwargs)
+
+    def on_validation_start(self) -> None:
+        self._before_forward()
+
+    def on_test_start(self) -> None:
+        self._before_forward()
+
+    def on_predict_start(self) -> None:
+        self._before_forward()
+
+    def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
+        if self.pipeline is None:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        # the schedule ran backward inside training_step: hand its gradients over now, between
+        # Lightning's zero_grad and optimizer step, keeping Lightning's hooks around it
+        module = self.lightning_module
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        self.pipeline.hand_over_grads()
+        return self.precision_plugin.post_backward(closure_loss, module)
+
+    def post_backward(self, closure_loss: Tensor) -> None:
+        if self.parallel is not None and self.parallel.reducer is not None and self.pipeline is None:
+            self.parallel.reducer.post_backward()
+
+    @contextlib.contextmanager
+    def block_backward_sync(self) -> Iterator[None]:
+        """Gradient accumulation: no data-parallel reduction until the last micro-step."""
+        if self.pipeline is not None:
+            self.pipeline.sync_grads = False
+            try:
+                yield None
+            finally:
+                self.pipeline.sync_grads = True
+        elif self.parallel is not None and self.parallel.reducer is not None:
+            with self.parallel.reducer.no_sync():
+                yield None
+        else:
+            yield None
+
+    # ------------------------------------------------------------------ checkpoints: plain, any layout
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        if self.parallel is None:  # the main process (after fit it holds the full weights)
+            return super().lightning_module_state_dict()
+        return self.parallel.state.full_state_dict()  # collective
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        assert self.parallel is not None
+        self.parallel.state.load_full_state_dict(checkpoint["state_dict"], strict=strict)
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        opt = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        if self.parallel is None:  # the main process: a plain optimizer over the plain module
+            return opt.state_dict()
+        state = self.parallel.state.full_optimizer_state(opt)  # collective: every rank takes part
+        return state if self.global_rank == 0 else {}  # only rank 0 writes checkpoints
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        assert self.parallel is not None
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+            opt = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+            self.parallel.state.load_full_optimizer_state(opt, state)
+
+    # ------------------------------------------------------------------ lifecycle
+    def teardown(self) -> None:
+        if self.parallel is not None:
+            self.parallel.close()
+        if self._exit is not None:
+            self._exit.close()
+            self._exit = None
+        super().teardown()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        from lightning_shm.strategies import register_all
+
+        register_all(strategy_registry)
+
+
+def _train_batch_size(trainer: Optional["pl.Trainer"], launch_args: Any) -> Optional[int]:
+    """The training batch size when the main process can know it without building data: the first
+    DataLoader or LightningDataModule (with a ``batch_size``) among ``Trainer.fit``'s arguments."""
+    from torch.utils.data import DataLoader
+
+    if trainer is None or trainer.state.fn != TrainerFn.FITTING:
+        return None
+    args, kwargs = launch_args if launch_args else ((), {})
+    for obj in list(args) + list(kwargs.values()):
+        if isinstance(obj, (DataLoader, pl.LightningDataModule)) and isinstance(getattr(obj, "batch_size", None), int):
+            return obj.batch_size
+    return None
+

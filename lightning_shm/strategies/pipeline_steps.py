@@ -1,0 +1,117 @@
+"""Lightning's steps through a pipeline schedule, on one rank.
+
+Each training step the batch is cut into microbatches and the schedule runs: the first stage feeds
+the Sequential's input (captured from the module's own ``training_step``), the last stage calls
+``training_step`` per microbatch on the received activation to get the loss, backward passes flow
+back through channels. All of it happens inside Lightning's ``training_step`` call, which returns
+the batch loss; the gradients are handed over in ``backward`` (Lightning zeroes gradients between
+the two). Values the module logs on the last stage are combined over microbatches and logged on
+*every* rank. Under FSDP a stage's units are gathered once for the whole step and their summed
+gradient is reduce-scattered when the gradients are handed over.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator, Optional
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.utilities import rank_zero_warn
+from torch import Tensor, nn
+
+from lightning_shm.parallel.compose import ParallelModel
+from lightning_shm.parallel.pipeline import PipelineSchedule, Schedule
+from lightning_shm.strategies.pipeline_io import LightningStageIO, StagePosition
+
+
+class PipelineSteps:
+    """The training and evaluation steps of ``module`` on the stage ``parallel`` holds."""
+
+    def __init__(self, module: pl.LightningModule, parallel: ParallelModel, precision: Precision) -> None:
+        assert parallel.engine is not None and parallel.stage is not None
+        self.module, self.parallel, self.precision = module, parallel, precision
+        self.engine, self.stage, self.schedule = parallel.engine, parallel.stage, parallel.engine.schedule
+        self.position = StagePosition(parallel.groups.pp, parallel.groups.coords.pp)
+        self._fresh_grads: list[tuple[nn.Parameter, Optional[Tensor]]] = []
+        self._warned_short = False
+        self.sync_grads = True  # False inside Lightning's gradient-accumulation micro-steps
+
+    # ------------------------------------------------------------------ training
+    def training_step(self, batch: Any, batch_idx: int, accumulate: int, skip_backward: bool) -> Tensor:
+        """Run the schedule; return the batch loss (the same on every rank of the pipeline)."""
+        if skip_backward:  # e.g. SWA's BatchNorm pass: forward in training mode, nothing else
+            io = self._io("training_step", batch, batch_idx, training=False, context=self.precision.train_step_context)
+            self.engine.eval_step(io, io.parts)
+            return self.position.pp_group.broadcast_object(
+                io.combined_output() if self.position.is_last else None, src=self.position.last)
+        io = self._io("training_step", batch, batch_idx, training=True, loss_scale=1.0 / accumulate,
+                      context=self.precision.train_step_context)
+        # Lightning zero-grads *after* training_step and before backward; the schedule computes the
+        # gradients inside training_step. Run it on fresh grads, hand them over in backward().
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        previous = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        with self._held_units():
+            self.engine.train_step(io, self._schedule_for(io.parts))
+        self._fresh_grads = [(p, p.grad) for p in params]
+        for p, g in zip(params, previous):
+            p.grad = g
+        pos = self.position
+        loss = pos.pp_group.broadcast_object(io.total_loss() if pos.is_last else None, src=pos.last)
+        io.replay_logs(pos)
+        return loss
+
+    @contextlib.contextmanager
+    def _held_units(self) -> Iterator[None]:
+        """FSDP: gather the stage's units once for all microbatches of the step."""
+        if self.parallel.fsdp is not None:
+            self.parallel.fsdp.hold()
+        yield
+
+    def hand_over_grads(self) -> None:
+        """After Lightning's zero_grad: add the step's gradients, reduce them over the data-parallel group."""
+        with torch.no_grad():
+            for p, g in self._fresh_grads:
+                if g is not None:
+                    p.grad = g if p.grad is None else p.grad.add_(g)
+        self._fresh_grads = []
+        if self.parallel.fsdp is not None:
+            self.parallel.fsdp.release()  # one reduce-scatter per parameter of the summed gradient
+        if self.parallel.reducer is not None and self.sync_grads:
+            self.parallel.reducer.synchronize()
+
+    def _schedule_for(self, parts: int) -> PipelineSchedule:
+        sched = self.schedule
+        if parts == sched.microbatches:
+            return sched
+        try:
+            return PipelineSchedule(sched.kind, sched.stages, parts, sched.virtual)
+        except ValueError:
+            if not self._warned_short:
+                rank_zero_warn(f"a batch split into {parts} microbatches does not fit schedule {sched.kind.value}; "
+                               "it runs as GPipe (seen for a short last batch)")
+                self._warned_short = True
+            return PipelineSchedule(Schedule.GPIPE, sched.stages, parts, sched.virtual)
+
+    @property
+    def ran_short_batch_as_gpipe(self) -> bool:
+        return self._warned_short
+
+    # ------------------------------------------------------------------ evaluation
+    def eval_step(self, step: str, batch: Any, batch_idx: int, *extra: Any) -> Any:
+        contexts = {"validation_step": self.precision.val_step_context, "test_step": self.precision.test_step_context,
+                    "predict_step": self.precision.predict_step_context}
+        io = self._io(step, batch, batch_idx, training=False, extra=extra, context=contexts[step])
+        self.engine.eval_step(io, io.parts)
+        pos = self.position
+        out = pos.pp_group.broadcast_object(io.combined_output() if pos.is_last else None, src=pos.last)
+        io.replay_logs(pos)
+        return out
+
+    def _io(self, step: str, batch: Any, batch_idx: int, training: bool, context: Callable[[], Any],
+            extra: tuple = (), loss_scale: float = 1.0) -> LightningStageIO:
+        return LightningStageIO(self.module, self.stage, step, batch, batch_idx, self.schedule.microbatches,
+                                training=training, extra=extra, loss_scale=loss_scale, forward_context=context)

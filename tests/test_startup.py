@@ -1,0 +1,47 @@
+"""A spawned worker that dies before it reaches our code must surface in seconds, with its own error.
+
+Lightning's ``ddp_spawn`` exits with the worker's message in 6-11 s here; a main process blocked on
+a pipe to a dead child never would (this once hung for good).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+_NO_GUARD = textwrap.dedent(
+    """
+    import time
+    import lightning.pytorch as pl
+    import lightning_shm
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    print("fit at", time.time(), flush=True)
+    pl.Trainer(strategy="shm_ddp", accelerator="cpu", devices=2, max_epochs=1, logger=False).fit(BoringModel())
+    """
+)
+
+
+def test_script_without_main_guard_fails_fast_with_the_workers_message(tmp_path):
+    script = tmp_path / "no_guard.py"
+    script.write_text(_NO_GUARD)
+    out = subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    ended = time.time()
+    started = float(out.stdout.split("fit at", 1)[1].split()[0])
+    assert out.returncode != 0
+    assert ended - started < 15, f"took {ended - started:.1f} s from fit() to exit"
+    assert "WorkerDiedError" in out.stderr, out.stderr[-3000:]
+    assert "guards the main" in out.stderr, out.stderr[-3000:]  # Lightning's own message, from the worker
+
+
+def test_script_from_stdin_is_refused_before_any_worker_starts():
+    code = _NO_GUARD.replace('pl.Trainer(', 'if __name__ == "__main__":\n    pl.Trainer(')
+    out = subprocess.run([sys.executable, "-"], input=code, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0
+    assert "has no file ('<stdin>'" in out.stderr and "start_method='fork'" in out.stderr, out.stderr[-3000:]
+    assert "WorkerDiedError" not in out.stderr
