@@ -217,11 +217,14 @@ def parallelize(module: nn.Module, config: ParallelConfig, world: World, groups:
     plan = _tp_plan(module, config) if topo.tp > 1 else {}
     splits = check_plan(module, plan, topo.tp) if plan else {}  # on the whole model, before any stage cut
     stage = engine = starts = None
-    layers = _layers(module, config)
     if topo.pp > 1:
-        stage, engine, starts = _split_pipeline(module, config, world, groups, plan, sample_input, log)
-        layers = [(f"{_stage_path(module, stage)}.{n}", c) for n, c in stage.named_children()]
+        stage, starts = _split_pipeline(module, config, world, groups, plan, sample_input, log)
     tp = TensorParallelModule(module, groups.tp, splits) if splits else None
+    if stage is not None:
+        stage.refresh_chunks()  # the chunks run the tensor-parallel layers that replaced the plain ones
+    # the sequence FSDP groups into units, as it is now (tp layers in place): the stage's layers or the Sequential's
+    layers = ([(f"{_stage_path(module, stage)}.{n}", c) for n, c in stage.named_children()] if stage is not None
+              else _layers(module, config))
     placements: dict[str, Placement] = tp.placements() if tp is not None else {}
     fsdp = reducer = None
     if topo.dp > 1 and config.shard:
@@ -234,8 +237,11 @@ def parallelize(module: nn.Module, config: ParallelConfig, world: World, groups:
             reducer = GradReducer(list(module.named_parameters()), groups.dp, config.bucket_cap_mb,
                                   config.find_unused_parameters, tag=f"ddp-tp{groups.coords.tp}-pp{groups.coords.pp}",
                                   hooks=topo.pp == 1)
-    if engine is not None and fsdp is not None:
-        engine.grad_sink = fsdp.grad_sink
+    if stage is not None:  # last: it patches the Linear layers it runs (zero-bubble) and knows their storages
+        engine = PipelineEngine(stage.chunks, config.pipeline, groups.coords.pp, list(groups.pp.ranks), world,
+                                tag=f"pp-dp{groups.coords.dp}-tp{groups.coords.tp}",
+                                activation_checkpointing=config.activation_checkpointing)
+        engine.grad_sink = fsdp.grad_sink if fsdp is not None else None
     state = ModelState(module, plain_keys, plain_params, placements, stages=groups.pp if topo.pp > 1 else None,
                        after_load=fsdp.after_shards_written if fsdp is not None else None)
     return ParallelModel(module, groups, state, stage, engine, starts, tp, fsdp, reducer)
@@ -247,7 +253,7 @@ def _stage_path(module: nn.Module, stage: nn.Module) -> str:
 
 def _split_pipeline(module: nn.Module, config: ParallelConfig, world: World, groups: ParallelGroups,
                     plan: Mapping[str, LayerPlan], sample: Optional[torch.Tensor],
-                    log: Callable[[str], None]) -> tuple[PipelineStage, PipelineEngine, list[int]]:
+                    log: Callable[[str], None]) -> tuple[PipelineStage, list[int]]:
     path, seq = find_sequential(module, config.sequential)
     sched = config.pipeline
     forbidden = _pair_interiors(module, config, plan)
@@ -263,7 +269,4 @@ def _split_pipeline(module: nn.Module, config: ParallelConfig, world: World, gro
     pp_index = groups.coords.pp
     stage = PipelineStage(seq, starts, sched.chunks_of(pp_index))
     replace_submodule(module, path, stage)
-    engine = PipelineEngine(stage.chunks, sched, pp_index, list(groups.pp.ranks), world,
-                            tag=f"pp-dp{groups.coords.dp}-tp{groups.coords.tp}",
-                            activation_checkpointing=config.activation_checkpointing)
-    return stage, engine, starts
+    return stage, starts

@@ -37,6 +37,7 @@ def restore_trainer(trainer: "pl.Trainer", checkpoint: dict[str, Any], launch_ar
         if isinstance(arg, pl.LightningDataModule):
             trainer._data_connector.attach_datamodule(module, datamodule=arg)
     module.trainer = trainer
+    trainer.precision_plugin.convert_module(module)  # e.g. "64-true": float64, as the workers' (and one process's)
     if set(checkpoint["state_dict"]) - set(module.state_dict()):  # layers built in configure_model, as the workers did
         call._call_configure_model(trainer)
     module.load_state_dict(checkpoint["state_dict"])

@@ -249,3 +249,67 @@ def test_policy_selecting_nothing_fails_before_launch():
 def test_bad_policy_type():
     with pytest.raises(ValueError, match="unit policy must be None, an int"):
         SHMFSDPStrategy(unit_policy="layers")
+
+
+# ---------------------------------------------------------------------- the module's own parameters in optimizers
+class DecayGroups(MNISTClassifier):
+    """The usual split: weight decay on matrices only, none on biases and norm weights -- chosen by name."""
+
+    def configure_optimizers(self):
+        named = list(self.named_parameters())
+        decay = [p for n, p in named if n.endswith(".weight") and p.dim() > 1]
+        rest = [p for n, p in named if not (n.endswith(".weight") and p.dim() > 1)]
+        assert [n for n, _ in named] == [f"net.{i}.{w}" for i in (1, 2, 4, 5, 7) for w in ("weight", "bias")]
+        return torch.optim.AdamW([{"params": decay, "weight_decay": 0.5}, {"params": rest, "weight_decay": 0.0}],
+                                 lr=1e-2)
+
+
+class TwoOptimizers(MNISTClassifier):
+    """Two optimizers over slices of ``parameters()`` by position, stepped by hand (manual optimization)."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        first, second = self.optimizers()
+        loss = nn.functional.cross_entropy(self(batch[0]), batch[1])
+        first.zero_grad()
+        second.zero_grad()
+        self.manual_backward(loss)
+        first.step()
+        second.step()
+        return loss
+
+    def configure_optimizers(self):
+        params = list(self.parameters())
+        return torch.optim.SGD(params[:4], lr=0.1, momentum=0.9), torch.optim.Adam(params[4:], lr=1e-2)
+
+
+@pytest.mark.parametrize("model_cls", [DecayGroups, TwoOptimizers], ids=["by-name", "by-position"])
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_parameter_groups_mean_what_they_mean_in_one_process(tmp_path, model_cls, world_size):
+    """Groups chosen by name or position see the module's own parameters: the updates are one process's,
+    and the main process's checkpoint holds the optimizer state one process would save."""
+
+    def run(strategy, devices, batch, ref=False):
+        pl.seed_everything(SEED)
+        model = model_cls()
+        ds = mnist_like(GLOBAL_BATCH * 3, seed=1)
+        dl = reference_loader(ds, batch, SEED) if ref else loader(ds, batch)
+        t = trainer(strategy=strategy, devices=devices, max_epochs=1, precision="64-true")
+        t.fit(model, dl)
+        path = tmp_path / f"{devices}.ckpt"
+        t.save_checkpoint(path)
+        return flat_params(model), torch.load(path, weights_only=False)["optimizer_states"]
+
+    ref, ref_opt = run("auto", 1, GLOBAL_BATCH, ref=True)
+    got, got_opt = run("shm_fsdp_fork", world_size, GLOBAL_BATCH // world_size)
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-6)
+    assert len(got_opt) == len(ref_opt)
+    for mine, theirs in zip(got_opt, ref_opt):
+        assert [g["params"] for g in mine["param_groups"]] == [g["params"] for g in theirs["param_groups"]]
+        assert sorted(mine["state"]) == sorted(theirs["state"])
+        for i, st in theirs["state"].items():
+            for k, v in st.items():
+                torch.testing.assert_close(mine["state"][i][k], v, rtol=0, atol=1e-6)

@@ -41,15 +41,23 @@ class PipelineStage(nn.Module):
         super().__init__()
         children = list(seq.named_children())
         bounds = list(starts) + [len(children)]
-        chunks: dict[int, nn.Sequential] = {}
+        names: dict[int, list[str]] = {}
         for c in chunk_ids:
             named = children[bounds[c]:bounds[c + 1]]
             for name, module in named:
                 self.add_module(name, module)
-            chunks[c] = nn.Sequential(OrderedDict(named))
-        object.__setattr__(self, "chunks", chunks)  # not registered: no duplicate parameter names
+            names[c] = [name for name, _ in named]
+        object.__setattr__(self, "chunk_names", names)
         object.__setattr__(self, "layer_ranges", {c: (bounds[c], bounds[c + 1]) for c in chunk_ids})
+        self.refresh_chunks()
         self._run: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+
+    def refresh_chunks(self) -> None:
+        """(Re)build each chunk from the stage's current layers, after a layer was swapped (tensor parallelism).
+        Chunks are not registered submodules: the layers keep their single, original names."""
+        chunks = {c: nn.Sequential(OrderedDict((n, getattr(self, n)) for n in names))
+                  for c, names in self.chunk_names.items()}
+        object.__setattr__(self, "chunks", chunks)
 
     @contextlib.contextmanager
     def capturing_input(self) -> Iterator[None]:

@@ -1,0 +1,74 @@
+"""Lightning features that see the whole model, under every layout: SWA and ModelSummary.
+
+Under FSDP, tensor and pipeline parallelism a rank holds only pieces of the model; callbacks that
+copy or count the model must still behave as in one process.
+"""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint, ModelSummary, StochasticWeightAveraging
+
+from lightning_shm import SHMModelParallel, SHMPipeline, SHMTensorParallel
+from lightning_shm.models import MNISTClassifier
+from tests.helpers import GLOBAL_BATCH, SEED, flat_params, loader, mnist_like, reference_loader, trainer
+
+LAYOUTS = [  # (strategy factory, devices, batch per data-parallel replica)
+    (lambda: "shm_ddp_fork", 2, GLOBAL_BATCH // 2),
+    (lambda: "shm_fsdp_fork", 2, GLOBAL_BATCH // 2),
+    (lambda: SHMTensorParallel(start_method="fork", tensor_parallel_size=2), 2, GLOBAL_BATCH),
+    (lambda: SHMPipeline(start_method="fork", pipeline_parallel_size=2, microbatches=4), 2, GLOBAL_BATCH),
+    (lambda: SHMModelParallel(start_method="fork", data_parallel_size=2, tensor_parallel_size=2,
+                              data_parallel="shard"), 4, GLOBAL_BATCH // 2),
+]
+IDS = ["ddp", "fsdp", "tp", "pipeline", "fsdp2xtp2"]
+
+
+def _swa_run(strategy, devices, batch, ckpt_dir, ref=False):
+    pl.seed_everything(SEED)
+    model = MNISTClassifier(optimizer="sgd", lr=0.1)
+    ds = mnist_like(GLOBAL_BATCH * 2, seed=1)
+    dl = reference_loader(ds, batch, SEED) if ref else loader(ds, batch)
+    swa = StochasticWeightAveraging(swa_lrs=0.05, swa_epoch_start=1, annealing_epochs=1)
+    ckpt = ModelCheckpoint(dirpath=ckpt_dir, save_last=True)
+    t = trainer(strategy=strategy, devices=devices, max_epochs=4, callbacks=[swa, ckpt], enable_checkpointing=True)
+    t.fit(model, dl)
+    return flat_params(model), torch.load(ckpt.last_model_path, weights_only=False)
+
+
+@pytest.mark.parametrize("strategy, devices, batch", LAYOUTS, ids=IDS)
+def test_stochastic_weight_averaging_equals_one_process(tmp_path, strategy, devices, batch):
+    ref, ref_ckpt = _swa_run("auto", 1, GLOBAL_BATCH, tmp_path / "one", ref=True)
+    got, ckpt = _swa_run(strategy(), devices, batch, tmp_path / "ours")
+    torch.testing.assert_close(got, ref, rtol=0, atol=2e-5)
+    # the checkpoint holds the plain average (what one process saves), which loads into a plain model
+    (mine,) = [v for k, v in ckpt["callbacks"].items() if "StochasticWeightAveraging" in k]
+    (theirs,) = [v for k, v in ref_ckpt["callbacks"].items() if "StochasticWeightAveraging" in k]
+    assert mine["n_averaged"] == theirs["n_averaged"] > 1
+    assert list(mine["average_model_state"]) == list(theirs["average_model_state"])
+    for k, v in theirs["average_model_state"].items():
+        torch.testing.assert_close(mine["average_model_state"][k], v, rtol=0, atol=2e-5)
+    MNISTClassifier().load_state_dict(mine["average_model_state"])
+
+
+class _SummaryProbe(pl.Callback):
+    """In the workers: what ModelSummary reports on rank 0 must be the whole model, not rank 0's piece."""
+
+    def on_train_start(self, trainer, pl_module):
+        if trainer.is_global_zero:
+            (cb,) = [c for c in trainer.callbacks if isinstance(c, ModelSummary)]
+            summary = cb._summary(trainer, pl_module)
+            assert summary.total_parameters == 218_698, summary.total_parameters
+            assert summary.trainable_parameters == 218_698
+            assert [row for name, row in summary._get_summary_data() if name == "Params"][0][0] == "218 K"
+
+
+@pytest.mark.parametrize("strategy, devices, batch", LAYOUTS[1:], ids=IDS[1:])
+def test_model_summary_counts_the_whole_model(strategy, devices, batch):
+    pl.seed_everything(SEED)
+    t = trainer(strategy=strategy(), devices=devices, max_epochs=1, enable_model_summary=True,
+                callbacks=[ModelSummary(max_depth=2), _SummaryProbe()], limit_train_batches=1)
+    t.fit(MNISTClassifier(), loader(mnist_like(GLOBAL_BATCH * 2), batch))
+    assert t.state.finished

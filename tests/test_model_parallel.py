@@ -1,0 +1,145 @@
+"""shm_model_parallel: data (replicated or sharded) x tensor x pipeline parallelism composed.
+
+Every combination must train exactly like one process on the global batch, checkpoint in the plain
+format and resume under any other layout, combine logs over the data-parallel ranks only, and hold
+1/(dp x tp x pp) of the model per rank when sharded.
+"""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from lightning_shm import SHMModelParallel
+from lightning_shm.models import MNISTClassifier
+from lightning_shm.runtime import Topology, launch
+from tests.helpers import (
+    GLOBAL_BATCH,
+    SchedClassifier,
+    check_plain_checkpoint,
+    fit_adam64,
+    loader,
+    mnist_like,
+    train_mnist,
+    trainer,
+)
+
+# (dp, tp, pp, data_parallel)
+GRIDS = [(2, 2, 1, "replicate"), (2, 2, 1, "shard"), (2, 1, 2, "shard"), (1, 2, 2, "replicate"),
+         (2, 2, 2, "replicate")]
+
+
+def mp(dp, tp, pp, data_parallel="replicate", **kw):
+    return SHMModelParallel(start_method="fork", data_parallel_size=dp, tensor_parallel_size=tp,
+                            pipeline_parallel_size=pp, data_parallel=data_parallel, microbatches=2, **kw)
+
+
+@pytest.fixture(scope="module")
+def references():
+    return {opt: train_mnist("auto", 1, opt, batch=GLOBAL_BATCH, ref=True) for opt in ("sgd", "adam")}
+
+
+@pytest.mark.parametrize("dp, tp, pp, data_parallel", GRIDS, ids=[f"dp{d}xtp{t}xpp{p}-{m}" for d, t, p, m in GRIDS])
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_every_combination_equals_one_process(references, dp, tp, pp, data_parallel, optimizer):
+    got = train_mnist(mp(dp, tp, pp, data_parallel), dp * tp * pp, optimizer, batch=GLOBAL_BATCH // dp)
+    torch.testing.assert_close(got, references[optimizer], rtol=0, atol=2e-5)
+
+
+def test_clipping_accumulation_and_schedules_across_every_axis():
+    """Clipping by the global norm must count FSDP shards, tp slices and pp stages once each."""
+    kw = dict(model_cls=SchedClassifier, gradient_clip_val=0.05, accumulate=2)
+    ref = train_mnist("auto", 1, "sgd", batch=GLOBAL_BATCH, ref=True, **kw)
+    got = train_mnist(mp(2, 2, 2, "shard", schedule="zero_bubble"), 8, "sgd", batch=GLOBAL_BATCH // 2, **kw)
+    torch.testing.assert_close(got, ref, rtol=0, atol=2e-5)
+
+
+def test_checkpoint_saved_under_3d_resumes_under_other_layouts(tmp_path):
+    ds = mnist_like(GLOBAL_BATCH * 4)
+    straight, _ = fit_adam64("shm_ddp_fork", 2, 3, GLOBAL_BATCH // 2, ds)
+    _, path = fit_adam64(mp(2, 2, 2, "shard"), 8, 1, GLOBAL_BATCH // 2, ds, ckpt_dir=tmp_path)
+    _, plain, adam = check_plain_checkpoint(path)
+    assert adam.state[plain.net[1].weight]["exp_avg"].shape == (256, 784)
+    for strategy, devices, batch in (("shm_ddp_fork", 2, GLOBAL_BATCH // 2), (mp(1, 2, 2), 4, GLOBAL_BATCH)):
+        resumed, _ = fit_adam64(strategy, devices, 3, batch, ds, ckpt_path=path)
+        torch.testing.assert_close(resumed, straight, rtol=0, atol=1e-6)
+
+
+class _Blocks(torch.nn.Module):
+    """Two column -> row pairs without biases: every parameter is split by tp, each stage holds one pair."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(*[torch.nn.Linear(64, 64, bias=False) for _ in range(4)])
+
+
+def _persistent(world, dp, tp, pp):
+    """Parameter elements and Adam state one rank keeps between steps under FSDP x tp x pp."""
+    import lightning_shm.parallel.compose as compose
+    from lightning_shm.parallel.ddp import broadcast_module_state
+
+    torch.manual_seed(0)
+    model = _Blocks()
+    broadcast_module_state(model, world.group())
+    config = compose.ParallelConfig(dp, tp, pp, "shard", split_points=[2] if pp > 1 else None, balance="params")
+    groups = Topology(world.size, dp=dp, tp=tp, pp=pp).groups(world)
+    compose.parallelize(model, config, world, groups, training=True)
+    opt = torch.optim.Adam(model.parameters())
+    model.net.zero_grad()
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    state = sum(v.numel() for st in opt.state.values() for v in st.values() if v.dim())
+    return sum(p.numel() for p in model.parameters()), state
+
+
+@pytest.mark.parametrize("dp, tp, pp", [(2, 1, 1), (2, 2, 1), (2, 1, 2), (2, 2, 2)])
+def test_sharded_layouts_hold_their_share_of_the_model(dp, tp, pp):
+    full = 4 * 64 * 64
+    for params, adam in launch(_persistent, dp * tp * pp, dp, tp, pp, start_method="fork"):
+        assert params == full // (dp * tp * pp)  # 64 rows split evenly by tp and dp, one pair per stage
+        assert adam == 2 * params  # exp_avg and exp_avg_sq of the rank's rows only
+
+
+class DataParallelLogging(MNISTClassifier):
+    """Rank-dependent logged values: they must be averaged over the data-parallel group, not tp / pp ranks."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        dp_rank = self.trainer.strategy.distributed_sampler_kwargs["rank"]
+        self.log("dp_rank_mean", float(dp_rank), sync_dist=True, on_step=False, on_epoch=True)
+        return loss
+
+
+def test_logging_and_metrics_combine_over_data_parallel_ranks_only():
+    pl.seed_everything(0)
+    model = DataParallelLogging()
+    ds = mnist_like(GLOBAL_BATCH * 4)
+    t = trainer(strategy=mp(2, 2, 2), devices=8, max_epochs=1)
+    t.fit(model, loader(ds, GLOBAL_BATCH // 2), DataLoader(ds, batch_size=GLOBAL_BATCH // 2))
+    assert float(t.callback_metrics["dp_rank_mean"]) == pytest.approx(0.5)
+    one = trainer(devices=1).validate(model, DataLoader(ds, batch_size=GLOBAL_BATCH), verbose=False)[0]
+    ours = trainer(strategy=mp(2, 2, 1), devices=4).validate(model, DataLoader(ds, batch_size=GLOBAL_BATCH // 2),
+                                                             verbose=False)[0]
+    assert ours["val_acc"] == pytest.approx(one["val_acc"]) and ours["val_loss"] == pytest.approx(one["val_loss"],
+                                                                                                  abs=1e-5)
+    predicted = trainer(strategy=mp(2, 1, 2, "shard"), devices=4).predict(model, DataLoader(ds, batch_size=10))
+    assert torch.equal(torch.cat(predicted), torch.cat(trainer(devices=1).predict(model, DataLoader(ds, batch_size=10))))
+
+
+def test_bad_grid_names_every_size():
+    with pytest.raises(ValueError, match=r"devices=6 must equal data_parallel_size x tensor_parallel_size x "
+                                         r"pipeline_parallel_size = 2 x 2 x 2 = 8"):
+        trainer(strategy=mp(2, 2, 2), devices=6)
+    with pytest.raises(ValueError, match=r"data_parallel must be one of \('replicate', 'shard'\), got 'zero'"):
+        mp(1, 1, 1, "zero")
+
+
+def test_pipeline_cut_never_splits_a_tensor_parallel_pair():
+    """Explicit split points inside a column -> row pair would send split features across stages."""
+    with pytest.raises(ValueError, match=r"split points \[3\] fall between a tensor-parallel column layer and its "
+                                         r"row layer"):
+        trainer(strategy=mp(1, 2, 2, split_points=[3]), devices=4, max_epochs=1).fit(
+            MNISTClassifier(), loader(mnist_like(16), 8))
