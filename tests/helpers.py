@@ -54,19 +54,23 @@ PRECISION = {"sgd": "32-true", "adam": "64-true"}
 
 
 def train_mnist(strategy: Any, devices: int, optimizer: str, *, batch: int, model_cls: Any = None, ref: bool = False,
-                accumulate: int = 1, **kw: Any) -> torch.Tensor:
-    """Train the MNIST module on GLOBAL_BATCH * STEPS synthetic samples; return its flat weights (float64).
+                accumulate: int = 1, samples: Optional[int] = None, buffers: bool = False, **kw: Any) -> torch.Tensor:
+    """Train the MNIST module on GLOBAL_BATCH * STEPS synthetic samples (or ``samples``); return its flat weights
+    (float64), followed by its buffers (BatchNorm statistics) with ``buffers=True``.
 
-    ``ref=True`` makes one process iterate the distributed sampler's permutation in global batches.
+    ``ref=True`` makes one process iterate the distributed sampler's permutation in batches of ``batch``.
     """
     pl.seed_everything(SEED)
     model = (model_cls or MNISTClassifier)(optimizer=optimizer, lr=0.01 if optimizer != "sgd" else 0.1)
-    ds = mnist_like(GLOBAL_BATCH * STEPS * accumulate, seed=1)
+    ds = mnist_like(samples or GLOBAL_BATCH * STEPS * accumulate, seed=1)
     dl = reference_loader(ds, batch, SEED) if ref else loader(ds, batch)
     t = trainer(strategy=strategy, devices=devices, max_epochs=1, precision=PRECISION[optimizer],
                 accumulate_grad_batches=accumulate, **kw)
     t.fit(model, dl)
-    return flat_params(model).double()  # 64-true trains a float64 copy; the main-process model stays float32
+    flat = flat_params(model).double()
+    if buffers:
+        flat = torch.cat([flat] + [b.detach().double().reshape(-1) for b in model.buffers()])
+    return flat
 
 
 class SchedClassifier(MNISTClassifier):

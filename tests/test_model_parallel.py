@@ -126,7 +126,8 @@ def test_logging_and_metrics_combine_over_data_parallel_ranks_only():
     assert ours["val_acc"] == pytest.approx(one["val_acc"]) and ours["val_loss"] == pytest.approx(one["val_loss"],
                                                                                                   abs=1e-5)
     predicted = trainer(strategy=mp(2, 1, 2, "shard"), devices=4).predict(model, DataLoader(ds, batch_size=10))
-    assert torch.equal(torch.cat(predicted), torch.cat(trainer(devices=1).predict(model, DataLoader(ds, batch_size=10))))
+    single = trainer(devices=1).predict(model, DataLoader(ds, batch_size=10))
+    assert torch.equal(torch.cat(predicted), torch.cat(single))
 
 
 def test_bad_grid_names_every_size():

@@ -115,3 +115,47 @@ def _no_grad_input(world):
 def test_backward_all_reduce_is_skipped_when_input_needs_no_grad():
     traffic = launch(_no_grad_input, 2, start_method="fork")[0]
     assert traffic == {"all_reduce": 2 * 3 * 4}  # only the row layer's forward output [2, 3] float32
+
+
+def _conv_block(world, out_channels):
+    """column Conv2d -> sliced BatchNorm2d -> ReLU -> MaxPool -> row Conv2d, against the unsharded block."""
+    import copy
+
+    from lightning_shm.parallel.tp import ColumnParallelConv2d, RowParallelConv2d, sliced_batchnorm
+
+    g = world.group()
+    torch.manual_seed(0)
+    c1, bn, c2 = nn.Conv2d(3, out_channels, 3, padding=1), nn.BatchNorm2d(out_channels), nn.Conv2d(out_channels, 5, 3)
+    with torch.no_grad():
+        bn.weight.uniform_(0.5, 1.5)
+        bn.bias.uniform_(-0.5, 0.5)
+    s = even_split_sizes(out_channels, g.size)
+    col, row = ColumnParallelConv2d(c1, g, s), RowParallelConv2d(c2, g, s)
+    sbn = sliced_batchnorm(copy.deepcopy(bn), g, s)
+    x = torch.randn(4, 3, 10, 10, requires_grad=True)
+    ref = c2(nn.functional.max_pool2d(torch.relu(bn(c1(x))), 2))
+    ref.pow(2).sum().backward()
+    xp = x.detach().clone().requires_grad_(True)
+    out = row(nn.functional.max_pool2d(torch.relu(sbn(col(xp))), 2))
+    out.pow(2).sum().backward()
+    i = g.index
+    checks = {
+        "output": (out, ref),
+        "input grad": (xp.grad, x.grad),
+        "column weight grad": (col.weight.grad, _slice(c1.weight.grad, 0, s, i)),
+        "column bias grad": (col.bias.grad, _slice(c1.bias.grad, 0, s, i)),
+        "batchnorm weight grad": (sbn.weight.grad, _slice(bn.weight.grad, 0, s, i)),
+        "running mean": (sbn.running_mean, _slice(bn.running_mean, 0, s, i)),
+        "running var": (sbn.running_var, _slice(bn.running_var, 0, s, i)),
+        "row weight grad": (row.weight.grad, _slice(c2.weight.grad, 1, s, i)),
+        "row bias grad": (row.bias.grad, c2.bias.grad),
+    }
+    # relative to each reference's largest entry: the summed-square loss makes gradients large
+    return {k: float((a.double() - b.double()).abs().max() / max(1.0, float(b.abs().max())))
+            for k, (a, b) in checks.items()}
+
+
+@pytest.mark.parametrize("world_size, channels", [(2, 8), (3, 8)])  # 8 over 3 ranks: 3, 3, 2 channels
+def test_conv_column_batchnorm_row_match_unsharded_block(world_size, channels):
+    for errors in launch(_conv_block, world_size, channels, start_method="fork"):
+        assert max(errors.values()) < 1e-5, errors  # float32; the conv bias before BatchNorm has ~0 gradient

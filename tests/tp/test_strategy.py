@@ -18,6 +18,7 @@ from tests.helpers import (
     SchedClassifier,
     check_plain_checkpoint,
     fit_adam64,
+    loader,
     mnist_like,
     train_mnist,
     trainer,
@@ -139,3 +140,43 @@ def test_model_without_sequential():
 
     with pytest.raises(ValueError, match="has no top-level nn.Sequential"):
         trainer(strategy=tp(2), devices=2, max_epochs=1).fit(NoSeq(), DataLoader(torch.randn(8, 2)))
+
+
+# ---------------------------------------------------------------------- plans by qualified name on nested models
+def test_transformer_plan_expands_over_every_block():
+    from lightning_shm.parallel.tp import check_plan, resolve_plan
+
+    model = MNISTClassifier(arch="transformer", dim=16, depth=3, heads=4)
+    plan = resolve_plan(model, model.tp_plan)
+    assert sorted(plan) == sorted(f"net.{b}.{m}" for b in (1, 2, 3)
+                                  for m in ("attn.q", "attn.k", "attn.v", "attn.o", "mlp.fc1", "mlp.fc2"))
+    splits = check_plan(model, plan, 2)
+    assert splits["net.2.attn.q"].sizes == (8, 8) and splits["net.2.attn.o"].role == "row"
+    assert splits["net.1.mlp.fc1"].sizes == (32, 32)
+
+
+@pytest.mark.parametrize("plan, tp, model_kw, match", [
+    ({"net.*.attn.qq": "column"}, 2, {}, r"plan pattern 'net.\*.attn.qq' matches no module of MNISTClassifier"),
+    ({"net.0": "column"}, 2, {}, r"'net.0' is a RowEmbedding; only nn.Linear and nn.Conv2d can be 'column'"),
+    ({"net.*.attn.q": "column"}, 4, dict(heads=2),
+     r"column layer 'net.1.attn.q' has 2 heads of 8 \(16 output features\), fewer than tp=4"),
+    ({"net.*.attn.q": {"style": "column", "head_dim": 5}}, 2, {},
+     r"column layer 'net.1.attn.q' has 16 output features, not a multiple of head_dim=5"),
+    ({"net.*.attn.q": {"style": "diagonal"}}, 2, {}, r"plan entry 'net.\*.attn.q': a plan style must be one of"),
+    ({"net.*.mlp.fc1": "column"}, 2, {},
+     r"Linear 'net.1.mlp.fc2' sits between column layer 'net.1.mlp.fc1' and its row layer"),
+], ids=["no-match", "wrong-type", "fewer-heads-than-tp", "not-whole-heads", "bad-style", "unpaired-in-sequential"])
+def test_bad_plans_on_nested_models_fail_before_any_worker_starts(plan, tp, model_kw, match):
+    model = MNISTClassifier(arch="transformer", dim=16, depth=1, **{"heads": 4, **model_kw})
+    with pytest.raises(ValueError, match=match):
+        trainer(strategy=tp_strategy(tp, plan=plan), devices=tp, max_epochs=1).fit(model, loader(mnist_like(8), 4))
+
+
+def test_conv_channels_fewer_than_tp_fail_before_any_worker_starts():
+    model = MNISTClassifier(arch="cnn", channels=(2, 4), cnn_hidden=8)
+    with pytest.raises(ValueError, match=r"column layer 'net.0' has 2 output channels, fewer than tp=4"):
+        trainer(strategy=tp_strategy(4), devices=4, max_epochs=1).fit(model, loader(mnist_like(8), 4))
+
+
+def tp_strategy(size, **kw):
+    return SHMTensorParallel(start_method="fork", tensor_parallel_size=size, **kw)

@@ -1,0 +1,156 @@
+"""The models users bring -- a transformer and a CNN with BatchNorm -- under every strategy.
+
+Each run is compared with one process on the global batch (same init, same seed). Where BatchNorm
+makes "one process" ambiguous the reference says which process it is:
+
+* shm_ddp / shm_fsdp without ``sync_batchnorm``: each rank normalises its own part of the batch,
+  as torch DDP does -- the reference is Lightning's own ``ddp_spawn`` (gloo);
+* ``sync_batchnorm=True``: statistics of the global batch -- one process, exactly;
+* shm_tp: BatchNorm between a column and a row conv is per channel -- one process, exactly;
+* shm_pipeline: BatchNorm sees one microbatch at a time (as in GPipe) -- one process accumulating
+  gradients over the same microbatches.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from lightning_shm import SHMDDPStrategy, SHMFSDPStrategy, SHMModelParallel, SHMPipeline, SHMTensorParallel
+from lightning_shm.models import MNISTClassifier
+from tests.helpers import GLOBAL_BATCH, STEPS, flat_params, loader, mnist_like, train_mnist, trainer
+
+TRANSFORMER = functools.partial(MNISTClassifier, arch="transformer", dim=16, depth=6, heads=4)
+CNN = functools.partial(MNISTClassifier, arch="cnn", channels=(8, 16), cnn_hidden=32)
+SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"]
+OPTIMIZERS = ["sgd", "adam"]
+
+
+@pytest.fixture(scope="module")
+def transformer_refs():
+    return {opt: train_mnist("auto", 1, opt, batch=GLOBAL_BATCH, ref=True, model_cls=TRANSFORMER)
+            for opt in OPTIMIZERS}
+
+
+# ---------------------------------------------------------------------- transformer
+TRANSFORMER_RUNS = {
+    "ddp": (lambda: SHMDDPStrategy(start_method="fork"), 2, 2),
+    "fsdp-unit-per-block": (lambda: SHMFSDPStrategy(start_method="fork"), 2, 2),
+    "tp2": (lambda: SHMTensorParallel(start_method="fork", tensor_parallel_size=2), 2, 1),
+    "tp4-one-head-each": (lambda: SHMTensorParallel(start_method="fork", tensor_parallel_size=4), 4, 1),
+    "dp2xtp2xpp2-shard": (lambda: SHMModelParallel(start_method="fork", data_parallel_size=2, tensor_parallel_size=2,
+                                                   pipeline_parallel_size=2, data_parallel="shard",
+                                                   microbatches=2), 8, 2),
+}
+
+
+@pytest.mark.parametrize("name", list(TRANSFORMER_RUNS))
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_transformer_equals_one_process(transformer_refs, name, optimizer):
+    strategy, devices, dp = TRANSFORMER_RUNS[name]
+    got = train_mnist(strategy(), devices, optimizer, batch=GLOBAL_BATCH // dp, model_cls=TRANSFORMER)
+    torch.testing.assert_close(got, transformer_refs[optimizer], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("schedule, P", list(itertools.product(SCHEDULES, [2, 4])))
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_transformer_pipelined_between_blocks_equals_one_process(transformer_refs, schedule, P, optimizer):
+    strategy = SHMPipeline(start_method="fork", pipeline_parallel_size=P, microbatches=4, schedule=schedule)
+    got = train_mnist(strategy, P, optimizer, batch=GLOBAL_BATCH, model_cls=TRANSFORMER)
+    torch.testing.assert_close(got, transformer_refs[optimizer], rtol=0, atol=1e-5)
+
+
+def test_attention_splits_on_whole_heads_even_when_uneven():
+    """3 heads of 4 over tp=2: ranks hold 2 and 1 heads (8 and 4 features), not 6 and 6 features -- a
+    split in the middle of a head would mix two heads' dimensions in one rank's attention."""
+    three_heads = functools.partial(MNISTClassifier, arch="transformer", dim=12, depth=2, heads=3)
+    ref = train_mnist("auto", 1, "sgd", batch=GLOBAL_BATCH, ref=True, model_cls=three_heads)
+    got = train_mnist(SHMTensorParallel(start_method="fork", tensor_parallel_size=2), 2, "sgd", batch=GLOBAL_BATCH,
+                      model_cls=three_heads)
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
+
+
+def test_transformer_checkpoint_of_3d_run_loads_into_one_process(tmp_path):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    pl.seed_everything(0)
+    model = TRANSFORMER()
+    ckpt = ModelCheckpoint(dirpath=tmp_path)
+    strategy = SHMModelParallel(start_method="fork", tensor_parallel_size=2, pipeline_parallel_size=2, microbatches=2)
+    t = trainer(strategy=strategy, devices=4, max_epochs=1, enable_checkpointing=True, callbacks=[ckpt])
+    t.fit(model, loader(mnist_like(GLOBAL_BATCH * 2), GLOBAL_BATCH))
+    plain = MNISTClassifier.load_from_checkpoint(ckpt.best_model_path)
+    assert plain.hparams.arch == "transformer"
+    torch.testing.assert_close(flat_params(plain), flat_params(model))
+
+
+# ---------------------------------------------------------------------- CNN with BatchNorm
+@pytest.fixture(scope="module")
+def cnn_refs():
+    """One process on the global batch (BatchNorm over all of it) and Lightning's DDP on 2 ranks (each rank's
+    BatchNorm over its half), parameters and BatchNorm buffers."""
+    one = {opt: train_mnist("auto", 1, opt, batch=GLOBAL_BATCH, ref=True, model_cls=CNN, buffers=True)
+           for opt in OPTIMIZERS}
+    gloo = train_mnist("ddp_spawn", 2, "sgd", batch=GLOBAL_BATCH // 2, model_cls=CNN, buffers=True)
+    return one, gloo
+
+
+@pytest.mark.parametrize("strategy", ["shm_ddp_fork", "shm_fsdp_fork"])
+def test_cnn_without_sync_batchnorm_equals_lightning_ddp(cnn_refs, strategy):
+    """Per-rank batch statistics, rank 0's running statistics on every rank -- as torch DDP."""
+    _, gloo = cnn_refs
+    got = train_mnist(strategy, 2, "sgd", batch=GLOBAL_BATCH // 2, model_cls=CNN, buffers=True)
+    torch.testing.assert_close(got, gloo, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("strategy", ["shm_ddp_fork", "shm_fsdp_fork"])
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_cnn_with_sync_batchnorm_equals_one_process_on_the_global_batch(cnn_refs, strategy, optimizer):
+    one, gloo = cnn_refs
+    got = train_mnist(strategy, 2, optimizer, batch=GLOBAL_BATCH // 2, model_cls=CNN, buffers=True,
+                      sync_batchnorm=True)
+    torch.testing.assert_close(got, one[optimizer], rtol=0, atol=1e-5)  # parameters and running statistics
+    assert (got - gloo).abs().max() > 1e-4 or optimizer == "adam"  # and not what per-rank statistics give
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_cnn_conv_column_row_with_sliced_batchnorm_equals_one_process(cnn_refs, optimizer):
+    one, _ = cnn_refs
+    strategy = SHMTensorParallel(start_method="fork", tensor_parallel_size=2)
+    got = train_mnist(strategy, 2, optimizer, batch=GLOBAL_BATCH, model_cls=CNN, buffers=True)
+    torch.testing.assert_close(got, one[optimizer], rtol=0, atol=1e-5)
+
+
+def test_cnn_pipeline_equals_one_process_over_the_same_microbatches():
+    M = 4
+    samples = GLOBAL_BATCH * STEPS
+    ref = train_mnist("auto", 1, "sgd", batch=GLOBAL_BATCH // M, ref=True, model_cls=CNN, buffers=True,
+                      accumulate=M, samples=samples)
+    got = train_mnist(SHMPipeline(start_method="fork", pipeline_parallel_size=2, microbatches=M), 2, "sgd",
+                      batch=GLOBAL_BATCH, model_cls=CNN, buffers=True, samples=samples)
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
+
+
+class BufferSpread(MNISTClassifier):
+    """Every rank must evaluate with the same BatchNorm statistics (rank 0's), as under torch DDP."""
+
+    def validation_step(self, batch, batch_idx):
+        super().validation_step(batch, batch_idx)
+        stats = torch.cat([b.reshape(-1).float() for n, b in self.named_buffers() if "running" in n])
+        gathered = self.all_gather(stats)
+        self.log("buffer_spread", (gathered - gathered[0]).abs().max(), reduce_fx="max")
+
+
+@pytest.mark.parametrize("strategy", ["shm_ddp_fork", "shm_fsdp_fork"])
+def test_every_rank_validates_with_rank_0s_batchnorm_statistics(strategy):
+    pl.seed_everything(0)
+    model = BufferSpread(arch="cnn", channels=(8, 16), cnn_hidden=32)
+    ds = mnist_like(GLOBAL_BATCH * 4)
+    t = trainer(strategy=strategy, devices=2, max_epochs=2)
+    t.fit(model, loader(ds, GLOBAL_BATCH // 2), DataLoader(ds, batch_size=GLOBAL_BATCH // 2))
+    assert float(t.callback_metrics["buffer_spread"]) == 0.0
