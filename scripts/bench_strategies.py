@@ -1,8 +1,8 @@
-"""Training throughput of the strategies, side by side in one run, on the reference MLP and a wide one.
+"""Training throughput of the strategies, side by side in one run, on the MNIST models.
 
-    python scripts/bench_strategies.py                 # W=2, reference MLP and the ~20M-parameter MLP
+    python scripts/bench_strategies.py                 # W=2: reference MLP, ~20M-parameter MLP, CNN, transformer
     python scripts/bench_strategies.py --quick         # fewer steps
-    python scripts/bench_strategies.py --world-size 4 --models reference
+    python scripts/bench_strategies.py --world-size 4 --models reference cnn
 
 Rows (same global batch everywhere, synthetic MNIST-shaped data held in memory):
 
@@ -35,7 +35,13 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 ROOT = Path(__file__).resolve().parents[1]
-MODELS = {"reference": [256, 64], "wide": [4096, 4096]}
+MODELS: dict[str, dict[str, Any]] = {  # MNISTClassifier arguments
+    "reference": {"arch": "mlp", "hidden_sizes": [256, 64]},
+    "wide": {"arch": "mlp", "hidden_sizes": [4096, 4096]},
+    "cnn": {"arch": "cnn"},
+    "transformer": {"arch": "transformer"},
+}
+STEPS = {"reference": (50, 1000), "wide": (3, 12), "cnn": (5, 60), "transformer": (5, 60)}  # (warm-up, measured)
 DATASET_SAMPLES = 60_000
 TABLES = ("memory", "prefetch", "tp", "pipeline")
 
@@ -47,7 +53,7 @@ class RunSpec:
     row: str
     strategy: str  # "single" | Lightning strategy name | "ceiling"
     devices: int
-    hidden: list[int]
+    model: str
     global_batch: int
     warmup: int
     steps: int
@@ -98,7 +104,7 @@ def run_one(spec: RunSpec) -> dict[str, Any]:
     out_path = Path(tempfile.mkdtemp(prefix="bench_")) / "timing.json"
 
     pl.seed_everything(0)
-    model = MNISTClassifier(hidden_sizes=spec.hidden, optimizer="sgd", lr=0.01)
+    model = MNISTClassifier(**MODELS[spec.model], optimizer="sgd", lr=0.01)
     if spec.strategy in ("single", "ceiling"):
         strategy, devices = "auto", 1
     elif spec.strategy_kwargs:
@@ -145,8 +151,7 @@ def measure(spec: RunSpec) -> dict[str, Any]:
 
 
 def rows_for(model: str, world: int, gb: int, warmup: int, steps: int) -> list[RunSpec]:
-    hidden = MODELS[model]
-    common = dict(hidden=hidden, global_batch=gb, warmup=warmup, steps=steps)
+    common = dict(model=model, global_batch=gb, warmup=warmup, steps=steps)
     rows = [
         RunSpec("single", "single", 1, **common),
         RunSpec("ddp_spawn (gloo)", "ddp_spawn", world, **common),
@@ -169,7 +174,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run-one", help=argparse.SUPPRESS)
     p.add_argument("--world-size", type=int, default=2)
-    p.add_argument("--models", nargs="+", default=["reference", "wide"], choices=sorted(MODELS))
+    p.add_argument("--models", nargs="+", default=list(MODELS), choices=sorted(MODELS))
     p.add_argument("--global-batch", type=int, default=128)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--no-memory", action="store_true", help="skip the extra tables (same as --tables without names)")
@@ -192,7 +197,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     plot_data = {}
     t_start = time.time()
     for model in [] if args.no_throughput else args.models:
-        steps = {"reference": (50, 1000), "wide": (3, 12)}[model]  # reference: windows of ~3 s
+        steps = STEPS[model]  # reference: windows of ~3 s
         warmup, n_steps = (steps[0], steps[1] // 3) if args.quick else steps
         n_steps = args.steps or n_steps
         specs = [s for s in rows_for(model, args.world_size, args.global_batch, warmup, n_steps)
@@ -204,8 +209,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         res = {row: sorted(r, key=lambda x: x["samples_per_s"])[len(r) // 2] for row, r in runs.items()}
         single, ceiling = res["single"]["samples_per_s"], res["ceiling (no comm)"]["samples_per_s"]
         gloo = res.get("ddp_spawn (gloo)", {}).get("samples_per_s", float("nan"))
-        n_params = sum(a * b + b for a, b in zip([784] + MODELS[model], MODELS[model] + [10])) + 2 * sum(MODELS[model])
-        lines += [f"## {model} MLP {MODELS[model]} ({n_params / 1e6:.2f}M parameters)\n",
+        lines += [f"## {describe(model)}\n",
                   "| row | samples/s | step ms | vs single | vs ddp_spawn | vs ceiling |",
                   "|---|---:|---:|---:|---:|---:|"]
         for s in specs:
@@ -220,7 +224,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     if "memory" in tables:
         lines.append(memory_table([2, 4], args.models))
     if "prefetch" in tables:
-        lines.append(prefetch_table(args.models, args.global_batch, 4 if args.quick else 10, repeats))
+        lines.append(prefetch_table([m for m in args.models if m in ("reference", "wide")], args.global_batch, 4 if args.quick else 10, repeats))
     if "tp" in tables:
         lines.append(tp_table([2, 4], args.models, args.global_batch))
     if "pipeline" in tables:
@@ -234,7 +238,7 @@ def main(argv: Optional[list[str]] = None) -> None:
 
 
 # ---------------------------------------------------------------------- memory per rank
-def memory_worker(world: Any, hidden: list[int], kind: str) -> dict[str, int]:
+def memory_worker(world: Any, model_kw: dict[str, Any], kind: str) -> dict[str, int]:
     """Bytes one rank holds for a training step with Adam: persistent (params, grads, optimizer state)
     and the peak, counted from tensor storage sizes (not RSS)."""
     from torch import nn
@@ -245,7 +249,7 @@ def memory_worker(world: Any, hidden: list[int], kind: str) -> dict[str, int]:
     from lightning_shm.parallel.fsdp import ShardedModule
 
     torch.manual_seed(0)
-    model = MNISTClassifier(hidden_sizes=hidden, optimizer="adam")
+    model = MNISTClassifier(**model_kw, optimizer="adam")
     x, y = torch.randn(8, 1, 28, 28), torch.randint(0, 10, (8,))
 
     def nbytes(ts: Any) -> int:
@@ -294,7 +298,7 @@ def memory_table(worlds: list[int], models: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def prefetch_worker(world: Any, hidden: list[int], policy: Optional[int], prefetch: bool, batch: int, steps: int,
+def prefetch_worker(world: Any, model_kw: dict[str, Any], policy: Optional[int], prefetch: bool, batch: int, steps: int,
                     threads: int) -> dict[str, float]:
     """Median FSDP training step (SGD) with and without prefetch, and the gather time it could hide."""
     import statistics
@@ -307,7 +311,7 @@ def prefetch_worker(world: Any, hidden: list[int], policy: Optional[int], prefet
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)
-    model = MNISTClassifier(hidden_sizes=hidden)
+    model = MNISTClassifier(**model_kw)
     sharded = ShardedModule(model, world.group(), policy, prefetch=prefetch)
     gather = [0.0]  # seconds spent copying shards into full tensors (on whichever thread does it)
     for u in sharded.units:
@@ -368,7 +372,7 @@ def prefetch_table(models: list[str], global_batch: int, steps: int, repeats: in
     return "\n".join(lines) + "\n"
 
 
-def tp_worker(world: Any, hidden: list[int], tp: int, global_batch: int) -> dict[str, Any]:
+def tp_worker(world: Any, model_kw: dict[str, Any], tp: int, global_batch: int) -> dict[str, Any]:
     """One training step of the MLP under dp x tp: bytes each rank sends into collectives, parameter bytes."""
     from torch import nn
 
@@ -381,7 +385,7 @@ def tp_worker(world: Any, hidden: list[int], tp: int, global_batch: int) -> dict
     topo = Topology.infer(world.size, tp=tp)
     groups = topo.groups(world)
     torch.manual_seed(0)
-    model = MNISTClassifier(hidden_sizes=hidden)
+    model = MNISTClassifier(**model_kw)
     tpm = TensorParallelModule(model, groups.tp, check_plan(model, plan_for(model, None), tp))
     reducer = GradReducer(list(model.named_parameters()), groups.dp) if groups.dp.size > 1 else None
     b = global_batch // topo.dp
@@ -402,7 +406,7 @@ def tp_table(worlds: list[int], models: list[str], global_batch: int) -> str:
              "| model | W | tp x dp | parameter MiB per rank | full model MiB | TP collectives KiB | "
              "DP all-reduce KiB |", "|---|---:|---|---:|---:|---:|---:|"]
     for model in models:
-        full = sum(a * b + b for a, b in zip([784] + MODELS[model], MODELS[model] + [10])) + 2 * sum(MODELS[model])
+        full = n_params(model)
         for w in worlds:
             for tp in sorted({w, 2}):
                 r = launch(tp_worker, w, MODELS[model], tp, global_batch, start_method="fork")[0]
@@ -446,6 +450,20 @@ def pipeline_table(stages: list[int], microbatches: list[int], batch: int, steps
     return "\n".join(lines) + "\n"
 
 
+def n_params(model: str) -> int:
+    sys.path.insert(0, str(ROOT))
+    from lightning_shm.models import MNISTClassifier
+
+    return sum(p.numel() for p in MNISTClassifier(**MODELS[model]).parameters())
+
+
+def describe(model: str) -> str:
+    kw = MODELS[model]
+    what = {"mlp": f"{model} MLP {kw.get('hidden_sizes')}", "cnn": "CNN, channels [32, 64]",
+            "transformer": "transformer, dim 64, 4 blocks of 4 heads"}[kw["arch"]]
+    return f"{what} ({n_params(model) / 1e6:.2f}M parameters)"
+
+
 def plot(path: Path, data: dict[str, dict[str, float]], world: int) -> None:
     import matplotlib
 
@@ -459,7 +477,7 @@ def plot(path: Path, data: dict[str, dict[str, float]], world: int) -> None:
         ax.barh(names, [rows[n] for n in names], color=colors[: len(names)])
         ax.invert_yaxis()
         ax.set_xlabel("samples / s")
-        ax.set_title(f"{model} MLP, W={world}")
+        ax.set_title(f"{model}, W={world}")
         for i, n in enumerate(names):
             ax.text(rows[n], i, f" {rows[n]:,.0f}", va="center", fontsize=8)
     fig.tight_layout()
