@@ -162,6 +162,8 @@ def rows_for(model: str, world: int, gb: int, warmup: int, steps: int) -> list[R
                 data_parallel=1, **common),
         RunSpec(f"shm_pipeline (1f1b, P={world}, M=4)", "shm_pipeline", world, data_parallel=1,
                 strategy_kwargs={"pipeline_parallel_size": world, "microbatches": 4, "schedule": "1f1b"}, **common),
+        RunSpec(f"shm_pipeline (1f1b, P={world}, M=8)", "shm_pipeline", world, data_parallel=1,
+                strategy_kwargs={"pipeline_parallel_size": world, "microbatches": 8, "schedule": "1f1b"}, **common),
         RunSpec("ceiling (no comm)", "ceiling", world, **common),
     ]
     if model == "wide":
@@ -224,7 +226,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     if "memory" in tables:
         lines.append(memory_table([2, 4], args.models))
     if "prefetch" in tables:
-        lines.append(prefetch_table([m for m in args.models if m in ("reference", "wide")], args.global_batch, 4 if args.quick else 10, repeats))
+        mlps = [m for m in args.models if m in ("reference", "wide")]
+        lines.append(prefetch_table(mlps, args.global_batch, 4 if args.quick else 10, repeats))
     if "tp" in tables:
         lines.append(tp_table([2, 4], args.models, args.global_batch))
     if "pipeline" in tables:
@@ -246,7 +249,7 @@ def memory_worker(world: Any, model_kw: dict[str, Any], kind: str) -> dict[str, 
     sys.path.insert(0, str(ROOT))
     from lightning_shm.models import MNISTClassifier
     from lightning_shm.parallel.ddp import GradReducer
-    from lightning_shm.parallel.fsdp import ShardedModule
+    from lightning_shm.parallel.fsdp import FSDPState
 
     torch.manual_seed(0)
     model = MNISTClassifier(**model_kw, optimizer="adam")
@@ -266,7 +269,7 @@ def memory_worker(world: Any, model_kw: dict[str, Any], kind: str) -> dict[str, 
         optim = nbytes(v for st in opt.state.values() for v in st.values() if torch.is_tensor(v))
         largest = max(p.numel() * p.element_size() for p in model.parameters())
         return {"params": params, "grads": grads, "optimizer": optim, "peak": params + grads + optim + largest}
-    sharded = ShardedModule(model, world.group())
+    sharded = FSDPState(model, world.group())
     opt = model.configure_optimizers()
     sharded.watch([opt])
     sharded.stats.reset_peak()
@@ -307,12 +310,12 @@ def prefetch_worker(world: Any, model_kw: dict[str, Any], policy: Optional[int],
 
     sys.path.insert(0, str(ROOT))
     from lightning_shm.models import MNISTClassifier
-    from lightning_shm.parallel.fsdp import ShardedModule
+    from lightning_shm.parallel.fsdp import FSDPState
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     model = MNISTClassifier(**model_kw)
-    sharded = ShardedModule(model, world.group(), policy, prefetch=prefetch)
+    sharded = FSDPState(model, world.group(), policy, prefetch=prefetch)
     gather = [0.0]  # seconds spent copying shards into full tensors (on whichever thread does it)
     for u in sharded.units:
         copy = u.copy_shards_into
@@ -379,14 +382,14 @@ def tp_worker(world: Any, model_kw: dict[str, Any], tp: int, global_batch: int) 
     sys.path.insert(0, str(ROOT))
     from lightning_shm.models import MNISTClassifier
     from lightning_shm.parallel.ddp import GradReducer
-    from lightning_shm.parallel.tp import TensorParallelModule, check_plan, plan_for
+    from lightning_shm.parallel.tp import TensorParallelState, check_plan, plan_for
     from lightning_shm.runtime import Topology
 
     topo = Topology.infer(world.size, tp=tp)
     groups = topo.groups(world)
     torch.manual_seed(0)
     model = MNISTClassifier(**model_kw)
-    tpm = TensorParallelModule(model, groups.tp, check_plan(model, plan_for(model, None), tp))
+    tpm = TensorParallelState(model, groups.tp, check_plan(model, plan_for(model, None), tp))
     reducer = GradReducer(list(model.named_parameters()), groups.dp) if groups.dp.size > 1 else None
     b = global_batch // topo.dp
     x, y = torch.randn(b, 1, 28, 28), torch.randint(0, 10, (b,))

@@ -1,8 +1,9 @@
 """Ctrl-C / SIGTERM to a training run: the workers stop together and save their real state.
 
 The signal goes to the main process (as Ctrl-C or ``kill`` does); every rank stops at the start of
-the same step, Lightning's ``on_exception`` callbacks run where the trained state is, and
-``OnExceptionCheckpoint`` writes the real step and weights. ``fit(ckpt_path="last")`` then
+the same step (ranks check for stop requests every ``stop_check_every`` = 4 steps), Lightning's
+``on_exception`` callbacks run where the trained state is, and ``OnExceptionCheckpoint`` writes the
+real step and weights. ``fit(ckpt_path="last")`` then
 continues from that step. Exit status as in one process: 1 after SIGINT, 0 after SIGTERM.
 """
 
@@ -89,15 +90,16 @@ def test_interrupt_saves_the_real_step_and_resume_continues_from_it(tmp_path, na
     assert out.returncode == (1 if signame == "SIGINT" else 0), out.stderr[-3000:]
     assert "global_step" not in out.stdout or signame == "SIGTERM"
     ckpt = torch.load(tmp_path / "on_exception.ckpt", weights_only=False)
-    assert ckpt["global_step"] == 6  # steps 0..5 done; every rank stopped before step 6
+    # signalled during step 5; every rank stopped together at the next stop check (every 4th batch: 8)
+    assert ckpt["global_step"] == 8
     assert ckpt["optimizer_states"][0]["state"], "the checkpoint must hold the trained optimizer state"
-    assert [int(s) for s in steps.read_text().split()] == [0, 1, 2, 3, 4, 5]
+    assert [int(s) for s in steps.read_text().split()] == list(range(8))
 
     steps.write_text("")
     resumed = run("resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     total = 12 if name in ("ddp", "fsdp") else 24  # 576 samples in batches of 24 per data-parallel replica
-    assert [int(s) for s in steps.read_text().split()] == list(range(6, total))
+    assert [int(s) for s in steps.read_text().split()] == list(range(8, total))
     assert f"global_step {total}" in resumed.stdout
 
 

@@ -30,14 +30,14 @@ from torch import nn
 
 from lightning_shm.parallel.ddp import GradReducer
 from lightning_shm.parallel.ddp.sync_batchnorm import convert_sync_batchnorm
-from lightning_shm.parallel.fsdp import ShardedModule, UnitPolicy, find_units
+from lightning_shm.parallel.fsdp import FSDPState, UnitPolicy, find_units
 from lightning_shm.parallel.fsdp.policy import PolicyFn
 from lightning_shm.parallel.pipeline import PipelineEngine, PipelineSchedule, PipelineStage, Schedule, plan_chunks
 from lightning_shm.parallel.pipeline.split import validate_split_points
 from lightning_shm.parallel.placement import Placement
 from lightning_shm.parallel.sequential import find_sequential, replace_submodule
 from lightning_shm.parallel.state import ModelState
-from lightning_shm.parallel.tp import LayerPlan, TensorParallelModule, check_plan, plan_for
+from lightning_shm.parallel.tp import LayerPlan, TensorParallelState, check_plan, plan_for
 from lightning_shm.runtime import ParallelGroups, Topology, World
 
 DATA_PARALLEL = ("replicate", "shard")
@@ -172,7 +172,7 @@ def _layers(module: nn.Module, config: ParallelConfig) -> Optional[list[tuple[st
 
 # ---------------------------------------------------------------------- composition (each worker)
 @dataclass
-class ParallelModel:
+class ParallelState:
     """What one rank holds after :func:`parallelize`, and the per-step calls its parallelisms need."""
 
     module: nn.Module
@@ -181,8 +181,8 @@ class ParallelModel:
     stage: Optional[PipelineStage] = None
     engine: Optional[PipelineEngine] = None
     chunk_starts: Optional[list[int]] = None
-    tp: Optional[TensorParallelModule] = None
-    fsdp: Optional[ShardedModule] = None
+    tp: Optional[TensorParallelState] = None
+    fsdp: Optional[FSDPState] = None
     reducer: Optional[GradReducer] = None
 
     def begin_step(self) -> None:
@@ -206,7 +206,7 @@ class ParallelModel:
 
 def parallelize(module: nn.Module, config: ParallelConfig, world: World, groups: ParallelGroups, *,
                 training: bool, sample_input: Optional[torch.Tensor] = None,
-                log: Callable[[str], None] = lambda msg: None) -> ParallelModel:
+                log: Callable[[str], None] = lambda msg: None) -> ParallelState:
     """Apply the configured parallelisms to ``module`` (in place) on this rank. Every rank calls it with
     the same arguments; ``module`` holds rank 0's weights everywhere already."""
     topo = groups.topology
@@ -219,7 +219,7 @@ def parallelize(module: nn.Module, config: ParallelConfig, world: World, groups:
     stage = engine = starts = None
     if topo.pp > 1:
         stage, starts = _split_pipeline(module, config, world, groups, plan, sample_input, log)
-    tp = TensorParallelModule(module, groups.tp, splits) if splits else None
+    tp = TensorParallelState(module, groups.tp, splits) if splits else None
     if stage is not None:
         stage.refresh_chunks()  # the chunks run the tensor-parallel layers that replaced the plain ones
     # the sequence FSDP groups into units, as it is now (tp layers in place): the stage's layers or the Sequential's
@@ -228,7 +228,7 @@ def parallelize(module: nn.Module, config: ParallelConfig, world: World, groups:
     placements: dict[str, Placement] = tp.placements() if tp is not None else {}
     fsdp = reducer = None
     if topo.dp > 1 and config.shard:
-        fsdp = ShardedModule(module, groups.dp, config.policy, config.reshard_after_forward, config.prefetch,
+        fsdp = FSDPState(module, groups.dp, config.policy, config.reshard_after_forward, config.prefetch,
                              layers=layers)
         placements = {**placements, **fsdp.placements(placements)}
     elif topo.dp > 1:
@@ -244,7 +244,7 @@ def parallelize(module: nn.Module, config: ParallelConfig, world: World, groups:
         engine.grad_sink = fsdp.grad_sink if fsdp is not None else None
     state = ModelState(module, plain_keys, plain_params, placements, stages=groups.pp if topo.pp > 1 else None,
                        after_load=fsdp.after_shards_written if fsdp is not None else None)
-    return ParallelModel(module, groups, state, stage, engine, starts, tp, fsdp, reducer)
+    return ParallelState(module, groups, state, stage, engine, starts, tp, fsdp, reducer)
 
 
 def _stage_path(module: nn.Module, stage: nn.Module) -> str:
@@ -263,7 +263,7 @@ def _split_pipeline(module: nn.Module, config: ParallelConfig, world: World, gro
                                   forbidden=forbidden)
     else:
         chosen = None
-    starts, how = world.world_group.broadcast_object(chosen, src=0)
+    starts, how = world.world_group.broadcast_object(chosen, src_member=0)
     log(f"pipeline: {sched.chunks} chunks of {len(seq)} layers start at {starts} (split by {how}), schedule "
         f"{sched.kind.value}, {sched.microbatches} microbatches")
     pp_index = groups.coords.pp

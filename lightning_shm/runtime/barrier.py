@@ -3,7 +3,7 @@
 Layout (int64 words, one 128-byte row per member so no two ranks ever write the same cache line
 or its prefetch neighbour)::
 
-    row i:  [gen | seq op dtype numel root (even gens) | .. | seq op dtype numel root (odd gens) | ..]
+    row i:  [gen | seq coll dtype numel arg (even gens) | .. | seq coll dtype numel arg (odd gens) | ..]
              0     1   2  3     4     5                  8    9  10 11    12    13
 
 Protocol for member ``i`` entering generation ``g = previous + 1``:
@@ -30,11 +30,11 @@ from __future__ import annotations
 from typing import Sequence
 
 from lightning_shm.runtime.errors import CollectiveMismatchError
-from lightning_shm.runtime.ops import dtype_name, op_name
+from lightning_shm.runtime.ops import arg_name, dtype_name, op_name
 from lightning_shm.runtime.wait import Waiter
 
 ROW_WORDS = 16
-DESC_FIELDS = ("seq", "op", "dtype", "numel", "root")
+DESC_FIELDS = ("seq", "coll", "dtype", "numel", "arg")  # arg: the collective's own argument (reduce op, source)
 _DESC_BASE = (1, 9)  # word offset of the descriptor slot for even / odd generations
 
 
@@ -56,41 +56,41 @@ class Barrier:
         self._label = label
         self.gen = words[self._me]  # 0 on a fresh segment
 
-    def wait(self, seq: int, op: int, dtype: int, numel: int, root: int, check_numel: bool = True,
-             check: bool = True, check_root: bool = True) -> int:
-        """Enter the next generation announcing (seq, op, dtype, numel, root); return the generation."""
+    def wait(self, seq: int, coll: int, dtype: int, numel: int, arg: int, check_numel: bool = True,
+             check: bool = True, check_arg: bool = True) -> int:
+        """Enter the next generation announcing (seq, coll, dtype, numel, arg); return the generation."""
         w = self._w
         g = self.gen + 1
         self.gen = g
         d = self._me + _DESC_BASE[g & 1]
         w[d] = seq
-        w[d + 1] = op
+        w[d + 1] = coll
         w[d + 2] = dtype
         w[d + 3] = numel
-        w[d + 4] = root
+        w[d + 4] = arg
         w[self._me] = g  # publish: everything above is visible to whoever sees this
         for j, row in self._peers:
             if w[row] < g:
-                self._waiter.wait_ge(w, row, g, lambda: self._timeout_message(g, seq, op),
+                self._waiter.wait_ge(w, row, g, lambda: self._timeout_message(g, seq, coll),
                                      lambda: self.missing(g))
         if check:
-            self._check(g, seq, op, dtype, numel, root, check_numel, check_root)
+            self._check(g, seq, coll, dtype, numel, arg, check_numel, check_arg)
         return g
 
     def peer_field(self, member: int, g: int, field: str) -> int:
         """A field of ``member``'s descriptor for generation ``g`` (valid right after ``wait``)."""
         return self._w[self._rows[member] + _DESC_BASE[g & 1] + DESC_FIELDS.index(field)]
 
-    def _check(self, g: int, seq: int, op: int, dtype: int, numel: int, root: int, check_numel: bool,
-               check_root: bool) -> None:
+    def _check(self, g: int, seq: int, coll: int, dtype: int, numel: int, arg: int, check_numel: bool,
+               check_arg: bool) -> None:
         w = self._w
         base = _DESC_BASE[g & 1]
         for j, row in self._peers:
             d = row + base
-            if w[d] != seq or w[d + 1] != op or w[d + 2] != dtype or (check_root and w[d + 4] != root) or (
+            if w[d] != seq or w[d + 1] != coll or w[d + 2] != dtype or (check_arg and w[d + 4] != arg) or (
                 check_numel and w[d + 3] != numel
             ):
-                mine = dict(zip(DESC_FIELDS, (seq, op, dtype, numel, root)))
+                mine = dict(zip(DESC_FIELDS, (seq, coll, dtype, numel, arg)))
                 theirs = dict(zip(DESC_FIELDS, (w[d + k] for k in range(5))))
                 raise CollectiveMismatchError(
                     f"{self._label}: rank {self._ranks[self._index]} entered {_fmt(mine)} but rank "
@@ -103,17 +103,15 @@ class Barrier:
         """Global ranks that have not entered generation ``g``."""
         return [self._ranks[j] for j, row in self._peers if self._w[row] < g]
 
-    def _timeout_message(self, g: int, seq: int, op: int) -> str:
+    def _timeout_message(self, g: int, seq: int, coll: int) -> str:
         missing = self.missing(g)
         return (
-            f"{self._label}: {op_name(op)} (collective #{seq}, generation {g}) timed out after "
+            f"{self._label}: {op_name(coll)} (collective #{seq}, generation {g}) timed out after "
             f"{self._waiter.policy.timeout_s:g} s on rank {self._ranks[self._index]}: rank(s) {missing} "
             f"did not arrive"
         )
 
 
 def _fmt(d: dict) -> str:
-    return (
-        f"{op_name(d['op'])}(collective #{d['seq']}, dtype={dtype_name(d['dtype'])}, numel={d['numel']}, "
-        f"root={d['root']})"
-    )
+    return (f"{op_name(d['coll'])}(collective #{d['seq']}, dtype={dtype_name(d['dtype'])}, numel={d['numel']}, "
+            f"{arg_name(d['coll'], d['arg'])})")

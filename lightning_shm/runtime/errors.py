@@ -36,7 +36,7 @@ class BarrierTimeoutError(SHMRuntimeError, TimeoutError):
 
 
 class CollectiveMismatchError(SHMRuntimeError):
-    """Ranks of one group entered different collectives (op, dtype, size, root or sequence number)."""
+    """Ranks of one group entered different collectives (kind, dtype, size, reduce op or source, sequence number)."""
 
 
 class WorkerDiedError(SHMRuntimeError):

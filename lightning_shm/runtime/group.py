@@ -104,7 +104,8 @@ class SharedBuffer:
 class Group:
     """Collectives among ``ranks`` (global ranks, sorted); member index = position in ``ranks``.
 
-    ``src`` arguments are member indices. Every member must call the same collectives in the same
+    ``src_member`` arguments are member indices (positions in ``ranks``), never global ranks. Every
+    member must call the same collectives in the same
     order; a mismatch raises :class:`CollectiveMismatchError` on every member instead of corrupting
     data or hanging.
     """
@@ -127,6 +128,7 @@ class Group:
         self._raw = [[segment.tensor(torch.uint8, scratch0 + (b * self.size + j) * sb, sb) for j in range(self.size)]
                      for b in (0, 1)]
         self._typed: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
+        self._oneshot: dict[tuple[int, torch.dtype, int], list[torch.Tensor]] = {}  # slot views cut to n
         self._shared: list[SharedBuffer] = []
         self.traffic: dict[str, int] = {}  # bytes this member contributed, per collective (for benchmarks)
 
@@ -141,6 +143,9 @@ class Group:
         """Typed views of the next scratch buffer's W slots (alternates buffers)."""
         b = self._buf
         self._buf ^= 1
+        return self._typed_slots(b, dtype)
+
+    def _typed_slots(self, b: int, dtype: torch.dtype) -> list[torch.Tensor]:
         views = self._typed.get((b, dtype))
         if views is None:
             views = [raw.view(dtype) for raw in self._raw[b]]
@@ -150,8 +155,9 @@ class Group:
     def _cap(self, dtype: torch.dtype) -> int:
         return self.config.slot_bytes // torch.empty((), dtype=dtype).element_size()
 
-    def _sync(self, op: int, dtype: int, numel: int, root: int, check: bool, check_numel: bool = True) -> int:
-        return self._barrier.wait(self._seq, op, dtype, numel, root, check_numel=check_numel, check=check)
+    def _sync(self, coll: int, dtype: int, numel: int, arg: int, check: bool, check_numel: bool = True) -> int:
+        """The barrier of collective ``coll``; ``arg`` is its own argument (the reduce op, the source member)."""
+        return self._barrier.wait(self._seq, coll, dtype, numel, arg, check_numel=check_numel, check=check)
 
     def _count(self, kind: str, t: torch.Tensor) -> None:
         self.traffic[kind] = self.traffic.get(kind, 0) + t.numel() * t.element_size()
@@ -192,8 +198,8 @@ class Group:
         if self.size == 1:
             return value
         self._seq += 1
-        g = self._barrier.wait(self._seq, Coll.VOTE, 0, 0, value, check_root=False)
-        return max(self._barrier.peer_field(j, g, "root") for j in range(self.size))
+        g = self._barrier.wait(self._seq, Coll.VOTE, 0, 0, value, check_arg=False)
+        return max(self._barrier.peer_field(j, g, "arg") for j in range(self.size))
 
     # ------------------------------------------------------------------ all-reduce
     def all_reduce(self, tensor: torch.Tensor, op: Any = "sum") -> torch.Tensor:
@@ -217,11 +223,15 @@ class Group:
         return tensor
 
     def _all_reduce_oneshot(self, flat: torch.Tensor, op: ReduceOp) -> None:
-        n = flat.numel()
-        slots = self._slots(flat.dtype)
-        slots[self.index][:n].copy_(flat)
+        n, b = flat.numel(), self._buf
+        self._buf ^= 1
+        key = (b, flat.dtype, n)
+        views = self._oneshot.get(key)  # the same small collectives repeat every step: cut the views once
+        if views is None:
+            views = self._oneshot[key] = [s[:n] for s in self._typed_slots(b, flat.dtype)]
+        views[self.index].copy_(flat)
         self._sync(Coll.ALL_REDUCE, dtype_code(flat.dtype), n, int(op), check=True)
-        fold(op, [s[:n] for s in slots], flat, self.size)
+        fold(op, views, flat, self.size)
 
     def _all_reduce_rsag(self, flat: torch.Tensor, op: ReduceOp) -> None:
         W, r, n = self.size, self.index, flat.numel()
@@ -382,50 +392,52 @@ class Group:
         return outs
 
     # ------------------------------------------------------------------ broadcast
-    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
-        """Copy member ``src``'s ``tensor`` into every member's ``tensor`` (in place)."""
-        if not 0 <= src < self.size:
-            raise ValueError(f"broadcast src must be a member index in [0, {self.size}), got {src}")
+    def broadcast(self, tensor: torch.Tensor, src_member: int = 0) -> torch.Tensor:
+        """Copy member ``src_member``'s ``tensor`` into every member's ``tensor`` (in place)."""
+        if not 0 <= src_member < self.size:
+            raise ValueError(f"broadcast src_member must be a member index in [0, {self.size}), got {src_member}")
         if self.size == 1:
             return tensor
         flat, contiguous = _flat(tensor)
         n, r = flat.numel(), self.index
         self._seq += 1
-        if r == src:
+        if r == src_member:
             self._count("broadcast", flat)
         dc = dtype_code(flat.dtype)
         hit = self._find_shared(flat) if contiguous else None
         if hit is not None:
             buf, off = hit
-            self._sync(Coll.BROADCAST, dc, n, src + _SHARED_FLAG, check=True)
-            if r != src:
-                flat.copy_(buf.region(src)[off:off + n])
-            self._sync(Coll.BROADCAST, dc, n, src + _SHARED_FLAG, check=False)  # src may not modify before
+            self._sync(Coll.BROADCAST, dc, n, src_member + _SHARED_FLAG, check=True)
+            if r != src_member:
+                flat.copy_(buf.region(src_member)[off:off + n])
+            # the source may not modify its buffer before everyone has copied it
+            self._sync(Coll.BROADCAST, dc, n, src_member + _SHARED_FLAG, check=False)
         else:
             cap = self._cap(flat.dtype)
             for c0 in range(0, max(n, 1), cap):
                 L = min(cap, n - c0)
                 slots = self._slots(flat.dtype)
-                if r == src:
-                    slots[src][:L].copy_(flat[c0:c0 + L])
-                self._sync(Coll.BROADCAST, dc, n, src, check=c0 == 0)
-                if r != src:
-                    flat[c0:c0 + L].copy_(slots[src][:L])
-        if not contiguous and r != src:
+                if r == src_member:
+                    slots[src_member][:L].copy_(flat[c0:c0 + L])
+                self._sync(Coll.BROADCAST, dc, n, src_member, check=c0 == 0)
+                if r != src_member:
+                    flat[c0:c0 + L].copy_(slots[src_member][:L])
+        if not contiguous and r != src_member:
             tensor.copy_(flat.view(tensor.shape))
         return tensor
 
     # ------------------------------------------------------------------ python objects
-    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
-        """Pickle ``obj`` on member ``src`` and return it on every member (any size)."""
-        if not 0 <= src < self.size:
-            raise ValueError(f"broadcast_object src must be a member index in [0, {self.size}), got {src}")
+    def broadcast_object(self, obj: Any, src_member: int = 0) -> Any:
+        """Pickle ``obj`` on member ``src_member`` and return it on every member (any size)."""
+        if not 0 <= src_member < self.size:
+            raise ValueError(f"broadcast_object src_member must be a member index in [0, {self.size}), "
+                             f"got {src_member}")
         if self.size == 1:
             return obj
         r, cap = self.index, self.config.slot_bytes
         self._seq += 1
         dc = dtype_code(torch.uint8)
-        data = _to_bytes_tensor(obj) if r == src else None
+        data = _to_bytes_tensor(obj) if r == src_member else None
         n = data.numel() if data is not None else -1
         c0, rounds, c = 0, 1, 0
         recv: Optional[torch.Tensor] = None
@@ -433,15 +445,15 @@ class Group:
             slots = self._slots(torch.uint8)
             if data is not None:
                 L = min(cap, n - c0)
-                slots[src][:L].copy_(data[c0:c0 + L])
-            g = self._sync(Coll.BROADCAST_OBJECT, dc, n, src, check=c == 0, check_numel=False)
+                slots[src_member][:L].copy_(data[c0:c0 + L])
+            g = self._sync(Coll.BROADCAST_OBJECT, dc, n, src_member, check=c == 0, check_numel=False)
             if c == 0:
-                n = self._barrier.peer_field(src, g, "numel") if data is None else n
+                n = self._barrier.peer_field(src_member, g, "numel") if data is None else n
                 rounds = max(1, math.ceil(n / cap))
                 recv = torch.empty(n, dtype=torch.uint8) if data is None else None
             if recv is not None:
                 L = min(cap, n - c0)
-                recv[c0:c0 + L].copy_(slots[src][:L])
+                recv[c0:c0 + L].copy_(slots[src_member][:L])
             c0 += cap
             c += 1
         return obj if recv is None else pickle.loads(recv.numpy().tobytes())
@@ -457,7 +469,7 @@ class Group:
 def _flat(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
     """A 1-D view of ``t`` if contiguous, else a contiguous copy (caller writes it back)."""
     if t.is_contiguous():
-        return t.view(-1), True
+        return (t if t.dim() == 1 else t.view(-1)), True
     return t.contiguous().view(-1), False
 
 

@@ -386,6 +386,8 @@ def _worker_entry(a: _WorkerArgs, conn: Connection, job: Any) -> None:
     if a.start_method == "fork":
         close_inherited_owner_lock()  # the main process's liveness lock stays the main process's
     stacks.register(a.stack_path)
+    if a.runtime.keep_freed_memory:
+        _keep_freed_memory()
     import torch
 
     torch.set_num_threads(a.threads)
@@ -410,6 +412,23 @@ def _worker_entry(a: _WorkerArgs, conn: Connection, job: Any) -> None:
         with contextlib.suppress(Exception):
             conn.close()
     _fast_exit(code, run_atexit=a.start_method != "fork")
+
+
+def _keep_freed_memory() -> None:
+    """Make glibc keep freed large blocks in the heap instead of returning them to the OS.
+
+    Training allocates and frees the same large tensors every step (gradients, FSDP's gathered
+    units). glibc serves blocks over its mmap threshold (at most 32 MiB) with fresh mappings and
+    unmaps them on free, so each step faults every page in again: a 64 MiB copy into fresh memory
+    takes ~28 ms here, into reused memory ~5 ms. Like a caching allocator, the worker's footprint
+    then stays at its peak instead of breathing with every step.
+    """
+    with contextlib.suppress(Exception):
+        libc = ctypes.CDLL(None)
+        m_trim_threshold, m_mmap_max, m_arena_max = -1, -4, -8
+        libc.mallopt(m_arena_max, 1)  # one heap for every thread: it can grow without bound (brk)
+        libc.mallopt(m_mmap_max, 0)  # every block from that heap, none mmap'd on its own
+        libc.mallopt(m_trim_threshold, 2**31 - 1)  # and its free top is not given back
 
 
 def _load_job(job: Any) -> tuple[Callable[..., Any], tuple, dict]:

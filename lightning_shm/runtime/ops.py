@@ -24,6 +24,9 @@ class ReduceOp(enum.IntEnum):
         """Accept "sum"/"mean"/"avg"/"max"/"min", our enum, or ``torch.distributed.ReduceOp``."""
         if isinstance(op, ReduceOp):
             return op
+        known = _PARSED.get(op) if isinstance(op, str) else None  # the hot path: small collectives
+        if known is not None:
+            return known
         if isinstance(op, str):
             key = op.lower()
         else:  # torch.distributed.ReduceOp / RedOpType without importing torch.distributed
@@ -32,6 +35,10 @@ class ReduceOp(enum.IntEnum):
         if key not in aliases:
             raise ValueError(f"unsupported reduce op {op!r}; use one of {sorted(aliases)}")
         return aliases[key]
+
+
+_PARSED = {"sum": ReduceOp.SUM, "mean": ReduceOp.MEAN, "avg": ReduceOp.MEAN, "max": ReduceOp.MAX,
+           "min": ReduceOp.MIN}
 
 
 class Coll(enum.IntEnum):
@@ -71,6 +78,19 @@ def op_name(code: int) -> str:
         return Coll(code).name.lower()
     except ValueError:
         return f"<op {code}>"
+
+
+def arg_name(coll: int, arg: int) -> str:
+    """A collective's own argument, as its descriptor carries it (reduce op, or source member)."""
+    zero_copy = 16  # group.py adds it for tensors in shared buffers
+    if coll in (Coll.ALL_REDUCE, Coll.REDUCE_SCATTER):
+        try:
+            return f"reduce={ReduceOp(arg % zero_copy).name.lower()}" + (", zero-copy" if arg >= zero_copy else "")
+        except ValueError:
+            return f"reduce=<{arg}>"
+    if coll in (Coll.BROADCAST, Coll.BROADCAST_OBJECT):
+        return f"src_member={arg % zero_copy}"
+    return f"arg={arg}"
 
 
 def check_reducible(dtype: torch.dtype, op: ReduceOp) -> None:

@@ -51,13 +51,15 @@ class ChannelConfig:
 
 
 class Channel:
-    """One direction between ``src`` and ``dst`` (global ranks). Only ``src`` sends, only ``dst`` receives."""
+    """One direction between global ranks ``src_rank`` and ``dst_rank``: only the first sends,
+    only the second receives."""
 
-    def __init__(self, segment: Segment, src: int, dst: int, me: int, waiter: Waiter, config: ChannelConfig) -> None:
-        if me not in (src, dst):
-            raise ValueError(f"rank {me} is neither end of channel {src}->{dst}")
-        self.src, self.dst, self.config = src, dst, config
-        self._is_sender = me == src
+    def __init__(self, segment: Segment, src_rank: int, dst_rank: int, me: int, waiter: Waiter,
+                 config: ChannelConfig) -> None:
+        if me not in (src_rank, dst_rank):
+            raise ValueError(f"rank {me} is neither end of channel {src_rank}->{dst_rank}")
+        self.src_rank, self.dst_rank, self.config = src_rank, dst_rank, config
+        self._is_sender = me == src_rank
         self._w = segment.words()
         self._waiter = waiter
         base = config._data_offset()
@@ -68,7 +70,7 @@ class Channel:
 
     def send(self, tensor: torch.Tensor) -> None:
         if not self._is_sender:
-            raise RuntimeError(f"rank {self.dst} is the receiving end of channel {self.src}->{self.dst}")
+            raise RuntimeError(f"rank {self.dst_rank} is the receiving end of channel {self.src_rank}->{self.dst_rank}")
         if tensor.dim() > _MAX_DIMS:
             raise ValueError(f"channel messages support up to {_MAX_DIMS} dims, got shape {tuple(tensor.shape)}")
         t = tensor.detach().contiguous()
@@ -78,7 +80,7 @@ class Channel:
             c = self._count
             if w[_TAIL] < c - S + 1:
                 self._waiter.wait_ge(w, _TAIL, c - S + 1, lambda: self._timeout("send", c),
-                                     lambda: [self.dst])
+                                     lambda: [self.dst_rank])
             slot = c % S
             L = min(sb, nbytes - f * sb)
             if L:
@@ -97,11 +99,11 @@ class Channel:
     def recv(self, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Next message as a new tensor (or copied into ``out``, which must match its shape/dtype)."""
         if self._is_sender:
-            raise RuntimeError(f"rank {self.src} is the sending end of channel {self.src}->{self.dst}")
+            raise RuntimeError(f"rank {self.src_rank} is the sending end of channel {self.src_rank}->{self.dst_rank}")
         w, S, sb = self._w, self.config.slots, self.config.slot_bytes
         c = self._count
         if w[_HEAD] < c + 1:
-            self._waiter.wait_ge(w, _HEAD, c + 1, lambda: self._timeout("recv", c), lambda: [self.src])
+            self._waiter.wait_ge(w, _HEAD, c + 1, lambda: self._timeout("recv", c), lambda: [self.src_rank])
         h = _HDR0 + (c % S) * _HDR_WORDS
         nbytes, dtype = w[h], _DTYPE_OF[w[h + 1]]
         shape = tuple(w[h + 3 + d] for d in range(w[h + 2]))
@@ -113,7 +115,7 @@ class Channel:
         for f in range(max(1, math.ceil(nbytes / sb))):
             c = self._count
             if w[_HEAD] < c + 1:
-                self._waiter.wait_ge(w, _HEAD, c + 1, lambda: self._timeout("recv", c), lambda: [self.src])
+                self._waiter.wait_ge(w, _HEAD, c + 1, lambda: self._timeout("recv", c), lambda: [self.src_rank])
             L = min(sb, nbytes - f * sb)
             if L:
                 raw[f * sb:f * sb + L].copy_(self._payload[c % S][:L])
@@ -122,6 +124,6 @@ class Channel:
         return out
 
     def _timeout(self, what: str, count: int) -> str:
-        peer = self.dst if what == "send" else self.src
-        return (f"channel {self.src}->{self.dst}: {what} of message #{count} timed out after "
+        peer = self.dst_rank if what == "send" else self.src_rank
+        return (f"channel {self.src_rank}->{self.dst_rank}: {what} of message #{count} timed out after "
                 f"{self._waiter.policy.timeout_s:g} s waiting for rank {peer}")

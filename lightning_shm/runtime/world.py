@@ -59,6 +59,7 @@ class RuntimeConfig:
     group: GroupConfig = field(default_factory=GroupConfig)
     channel: ChannelConfig = field(default_factory=ChannelConfig)
     wait: Optional[WaitPolicy] = None  # None: derived from world size vs. cores
+    keep_freed_memory: bool = True  # workers reuse freed large blocks instead of faulting in fresh pages
 
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:
@@ -122,8 +123,9 @@ class World:
     def world_group(self) -> Group:
         return self.group()
 
-    def channel(self, src: int, dst: int, tag: str = "", config: Optional[ChannelConfig] = None) -> Channel:
-        """The ``src -> dst`` channel; both ends call this with the same arguments."""
+    def channel(self, src_rank: int, dst_rank: int, tag: str = "", config: Optional[ChannelConfig] = None) -> Channel:
+        """The channel from global rank ``src_rank`` to ``dst_rank``; both ends call this with the same arguments."""
+        src, dst = src_rank, dst_rank
         if src == dst or not (0 <= src < self.size and 0 <= dst < self.size):
             raise ValueError(f"channel ends must be two different ranks in 0..{self.size - 1}, got {src}->{dst}")
         cfg = config or self.config.channel

@@ -46,6 +46,8 @@ class SHMStrategyBase(ParallelStrategy):
         runtime: full runtime configuration (overrides ``timeout``).
         stop_grace_s: after SIGINT / SIGTERM, how long the workers may take to reach their next step
             (where they stop together and run ``on_exception`` callbacks) before they are stopped at once.
+        stop_check_every: ranks agree on pending stop requests every this many steps (a barrier each
+            time: every sync point makes the faster rank wait out the other's jitter).
     """
 
     def __init__(self, accelerator: Optional["pl.accelerators.Accelerator"] = None,
@@ -53,7 +55,7 @@ class SHMStrategyBase(ParallelStrategy):
                  cluster_environment: Optional[ClusterEnvironment] = None,
                  checkpoint_io: Optional[CheckpointIO] = None, precision_plugin: Optional[Precision] = None,
                  start_method: str = "spawn", timeout: float = 300.0, runtime: Optional[RuntimeConfig] = None,
-                 stop_grace_s: float = 60.0) -> None:
+                 stop_grace_s: float = 60.0, stop_check_every: int = 4) -> None:
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
@@ -61,6 +63,9 @@ class SHMStrategyBase(ParallelStrategy):
             raise ValueError(f"start_method must be one of {START_METHODS}, got {start_method!r}")
         if stop_grace_s < 0:
             raise ValueError(f"stop_grace_s must be >= 0, got {stop_grace_s}")
+        if not isinstance(stop_check_every, int) or stop_check_every < 1:
+            raise ValueError(f"stop_check_every must be a positive int, got {stop_check_every!r}")
+        self.stop_check_every = stop_check_every
         self._start_method = start_method
         self.runtime_config = runtime or RuntimeConfig(timeout_s=timeout)
         self.stop_grace_s = stop_grace_s
@@ -164,16 +169,16 @@ class SHMStrategyBase(ParallelStrategy):
         self.model.to(self.root_device)
 
     # ------------------------------------------------------------------ stopping on SIGINT / SIGTERM
-    def stop_point(self) -> None:
+    def stop_point(self, batch_idx: int) -> None:
         """Where every rank agrees whether to stop on a pending SIGINT / SIGTERM (one barrier).
 
-        Called at the start of each training, validation and test step -- points every rank passes
-        equally often --, never in predict (ranks may predict different numbers of batches). A stop
-        raises what one process would raise at this point: ``KeyboardInterrupt`` for SIGINT,
-        Lightning's ``SIGTERMException`` for SIGTERM (after the previous batch completed, as Lightning
-        does).
+        Called at the start of training, validation and test steps -- points every rank passes
+        equally often --, every ``stop_check_every`` batches; never in predict (ranks may predict
+        different numbers of batches). A stop raises what one process would raise at this point:
+        ``KeyboardInterrupt`` for SIGINT, Lightning's ``SIGTERMException`` for SIGTERM (after the
+        previous batch completed, as Lightning does).
         """
-        if self._world is None:
+        if self._world is None or batch_idx % self.stop_check_every:
             return
         signum = self._world.world_group.vote_max(self._world.stop_requested())
         if signum:
@@ -181,7 +186,7 @@ class SHMStrategyBase(ParallelStrategy):
             raise KeyboardInterrupt() if signum == signal.SIGINT else SIGTERMException()
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        self.stop_point()
+        self.stop_point(batch_idx)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         """In the main process while Lightning handles a failure or stop that happened in the workers, nothing
@@ -233,9 +238,10 @@ class SHMStrategyBase(ParallelStrategy):
             self._group.barrier()
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """``src`` is a global rank (Lightning's meaning); in the world group it is also the member index."""
         if self._group is None:
             return obj
-        return self._group.broadcast_object(obj, src)
+        return self._group.broadcast_object(obj, src_member=src)
 
     def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
         g = group if isinstance(group, Group) else self._group

@@ -35,7 +35,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_shm.parallel.clip import clip_grad_norm_
-from lightning_shm.parallel.compose import ParallelConfig, ParallelModel, parallelize, validate
+from lightning_shm.parallel.compose import ParallelConfig, ParallelState, parallelize, validate
 from lightning_shm.parallel.ddp import broadcast_module_state, broadcast_tensors
 from lightning_shm.parallel.fsdp import UnitPolicy
 from lightning_shm.parallel.fsdp.policy import PolicyFn
@@ -88,10 +88,11 @@ class SHMModelParallel(SHMStrategyBase):
             unit_policy, reshard_after_forward, prefetch, bucket_cap_mb, find_unused_parameters)
         self.sample_input = sample_input
         self.broadcast_buffers = broadcast_buffers
-        self.parallel: Optional[ParallelModel] = None
+        self.parallel: Optional[ParallelState] = None
         self.pipeline: Optional[PipelineSteps] = None
         self._groups: Optional[ParallelGroups] = None
         self._exit: Optional[contextlib.ExitStack] = None  # what setup patched for the run (ModelSummary)
+        self._buffer_owners: Optional[list[tuple[nn.Module, str]]] = None
 
     # ------------------------------------------------------------------ grid
     def topology(self) -> Topology:
@@ -146,6 +147,7 @@ class SHMModelParallel(SHMStrategyBase):
             module._example_input_array = None  # a stage cannot run the model's example input
             self.pipeline = PipelineSteps(module, self.parallel, self.precision_plugin)
         report_share(self._layout())
+        self._buffer_owners = None
         if fitting:
             self.setup_optimizers(trainer)
             self.parallel.watch([o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers])
@@ -204,10 +206,16 @@ class SHMModelParallel(SHMStrategyBase):
 
     def _sync_buffers(self) -> None:
         """Rank 0's buffers (e.g. BatchNorm running statistics) on every data-parallel replica, like
-        torch DDP's ``broadcast_buffers``: all replicas evaluate with the same statistics."""
+        torch DDP's ``broadcast_buffers``: all replicas evaluate with the same statistics. Buffers are
+        looked up by owner and name each time: a callback may replace them (SWA resets BatchNorm)."""
         dp = self.data_parallel_group()
-        if self.broadcast_buffers and dp is not None and dp.size > 1:
-            broadcast_tensors([b for b in self.lightning_module.buffers() if b.numel()], dp)
+        if not (self.broadcast_buffers and dp is not None and dp.size > 1):
+            return
+        if self._buffer_owners is None:
+            self._buffer_owners = [(m, n) for m in self.lightning_module.modules() for n, b in m._buffers.items()
+                                   if b is not None and b.numel()]
+        if self._buffer_owners:
+            broadcast_tensors([m._buffers[n] for m, n in self._buffer_owners], dp)
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self._before_forward()
@@ -218,13 +226,13 @@ class SHMModelParallel(SHMStrategyBase):
         return super().training_step(*args, **kwargs)
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        self.stop_point()
+        self.stop_point(args[1])
         if self.pipeline is not None:
             return self.pipeline.eval_step("validation_step", *args)
         return super().validation_step(*args, **kwargs)
 
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        self.stop_point()
+        self.stop_point(args[1])
         if self.pipeline is not None:
             return self.pipeline.eval_step("test_step", *args)
         return super().test_step(*args, **kwargs)

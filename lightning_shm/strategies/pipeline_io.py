@@ -136,17 +136,19 @@ class LightningStageIO:
             return torch.stack([o * w for o, w in zip(outs, self.weights)]).sum()
         return outs
 
-    def replay_logs(self, position: StagePosition) -> None:
-        """Combine the last stage's per-microbatch logs and log them on every rank of the pp group."""
+    def finish(self, position: StagePosition, result: Any) -> Any:
+        """The last stage's ``result`` (the loss, the step's output) on every rank of the pp group, and
+        its per-microbatch logs combined and logged on every rank -- in one broadcast."""
         module = self.module
-        payload = _aggregate(self.records, module) if position.is_last else None
-        payload = position.pp_group.broadcast_object(payload, src=position.last)
-        for name, value, args, kwargs, metric_state in payload:
+        payload = (result, _aggregate(self.records, module)) if position.is_last else None
+        result, logs = position.pp_group.broadcast_object(payload, src_member=position.last)
+        for name, value, args, kwargs, metric_state in logs:
             if isinstance(value, MetricRef):
                 metric = module.get_submodule(value.path)
                 import_state(metric, metric_state)
                 value = metric
             module.log(name, value, *args, **kwargs)
+        return result
 
 
 def _aggregate(records: list[tuple[str, Any, tuple, dict, float]], module: nn.Module) -> list[tuple]:

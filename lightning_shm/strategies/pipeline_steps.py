@@ -21,7 +21,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 
-from lightning_shm.parallel.compose import ParallelModel
+from lightning_shm.parallel.compose import ParallelState
 from lightning_shm.parallel.pipeline import PipelineSchedule, Schedule
 from lightning_shm.strategies.pipeline_io import LightningStageIO, StagePosition
 
@@ -29,7 +29,7 @@ from lightning_shm.strategies.pipeline_io import LightningStageIO, StagePosition
 class PipelineSteps:
     """The training and evaluation steps of ``module`` on the stage ``parallel`` holds."""
 
-    def __init__(self, module: pl.LightningModule, parallel: ParallelModel, precision: Precision) -> None:
+    def __init__(self, module: pl.LightningModule, parallel: ParallelState, precision: Precision) -> None:
         assert parallel.engine is not None and parallel.stage is not None
         self.module, self.parallel, self.precision = module, parallel, precision
         self.engine, self.stage, self.schedule = parallel.engine, parallel.stage, parallel.engine.schedule
@@ -44,8 +44,7 @@ class PipelineSteps:
         if skip_backward:  # e.g. SWA's BatchNorm pass: forward in training mode, nothing else
             io = self._io("training_step", batch, batch_idx, training=False, context=self.precision.train_step_context)
             self.engine.eval_step(io, io.parts)
-            return self.position.pp_group.broadcast_object(
-                io.combined_output() if self.position.is_last else None, src=self.position.last)
+            return io.finish(self.position, io.combined_output() if self.position.is_last else None)
         io = self._io("training_step", batch, batch_idx, training=True, loss_scale=1.0 / accumulate,
                       context=self.precision.train_step_context)
         # Lightning zero-grads *after* training_step and before backward; the schedule computes the
@@ -59,10 +58,7 @@ class PipelineSteps:
         self._fresh_grads = [(p, p.grad) for p in params]
         for p, g in zip(params, previous):
             p.grad = g
-        pos = self.position
-        loss = pos.pp_group.broadcast_object(io.total_loss() if pos.is_last else None, src=pos.last)
-        io.replay_logs(pos)
-        return loss
+        return io.finish(self.position, io.total_loss() if self.position.is_last else None)
 
     @contextlib.contextmanager
     def _held_units(self) -> Iterator[None]:
@@ -106,10 +102,7 @@ class PipelineSteps:
                     "predict_step": self.precision.predict_step_context}
         io = self._io(step, batch, batch_idx, training=False, extra=extra, context=contexts[step])
         self.engine.eval_step(io, io.parts)
-        pos = self.position
-        out = pos.pp_group.broadcast_object(io.combined_output() if pos.is_last else None, src=pos.last)
-        io.replay_logs(pos)
-        return out
+        return io.finish(self.position, io.combined_output() if self.position.is_last else None)
 
     def _io(self, step: str, batch: Any, batch_idx: int, training: bool, context: Callable[[], Any],
             extra: tuple = (), loss_scale: float = 1.0) -> LightningStageIO:

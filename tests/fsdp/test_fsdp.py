@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader
 import lightning_shm  # noqa: F401
 from lightning_shm import SHMFSDPStrategy
 from lightning_shm.models import MNISTClassifier
-from lightning_shm.parallel.fsdp import ShardedModule, UnitPolicy, find_units
+from lightning_shm.parallel.fsdp import FSDPState, UnitPolicy, find_units
 from lightning_shm.parallel.state import ModelState
 from lightning_shm.runtime import launch
 from tests.helpers import (
@@ -72,7 +72,7 @@ def test_default_units_are_the_parameter_owning_children_of_the_sequential():
 def _shard_and_step(world, reshard):
     torch.manual_seed(0)
     model = MNISTClassifier(optimizer="adam")
-    sharded = ShardedModule(model, world.group(), reshard_after_forward=reshard)
+    sharded = FSDPState(model, world.group(), reshard_after_forward=reshard)
     opt = model.configure_optimizers()
     sharded.watch([opt])
     x = torch.randn(16, 1, 28, 28)
@@ -128,7 +128,7 @@ def test_units_are_freed_after_forward_or_kept_until_backward(reshard):
 def _steps_with_prefetch(world, prefetch):
     torch.manual_seed(0)
     model = MNISTClassifier(optimizer="adam")
-    sharded = ShardedModule(model, world.group(), prefetch=prefetch)
+    sharded = FSDPState(model, world.group(), prefetch=prefetch)
     opt = model.configure_optimizers()
     sharded.watch([opt])
     state = ModelState(model, list(MNISTClassifier().state_dict()), list(FULL), sharded.placements(),

@@ -92,3 +92,20 @@ def test_gpipe_holds_more_activations_than_1f1b():
     assert gp[0].peak_activation_bytes == ob[0].peak_activation_bytes
     for g, o in zip(gp[1:], ob[1:]):  # 8 microbatches alive vs at most P - stage
         assert g.peak_activation_bytes > 1.5 * o.peak_activation_bytes
+
+
+def test_zero_bubble_weight_passes_free_their_stash_within_1f1b_memory():
+    """ZB-H1 runs each W soon after its B (in the steady state): at most P microbatches are between
+    their F and their W on any stage -- 1F1B's peak, which its first stage holds -- so the
+    (input, output-gradient) pairs kept for deferred weight gradients never add up to all M
+    microbatches' as in a schedule that runs every W after the last B (then: GPipe's memory)."""
+    P, M = 2, 8
+    zb, ob, gp = (launch(train_pipeline, P, HIDDEN, s, M, 1, 2, 128, split_points=SPLIT_P2, start_method="fork")
+                  for s in ("zero_bubble", "1f1b", "gpipe"))
+    for r, (z, o, g) in enumerate(zip(zb, ob, gp)):
+        # 1F1B holds P - r microbatches on stage r, ZB-H1 at most P
+        assert z.peak_activation_bytes <= o.peak_activation_bytes * P / (P - r) * 1.05, (r, z, o)
+    assert zb[1].peak_activation_bytes < gp[1].peak_activation_bytes / 3  # 2 microbatches' stash, not 8
+    kinds = [rec.kind for rec in sorted(zb[0].timeline, key=lambda rec: rec.start)]
+    last_f = max(i for i, k in enumerate(kinds) if k == "F")
+    assert "W" in kinds[:last_f]  # weight passes inside the steady state, not all after the last B

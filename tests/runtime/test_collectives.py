@@ -115,11 +115,11 @@ def check_broadcast(world) -> list[str]:
         for n in sizes_for(world.size):
             for src in {0, world.size - 1}:
                 x = make(world.rank, n, dtype)
-                g.broadcast(x, src)
+                g.broadcast(x, src_member=src)
                 if not torch.equal(x, make(src, n, dtype)):
                     errors.append(f"broadcast {dtype} n={n} src={src}")
     big = {"rank": world.rank, "blob": b"x" * 200_000, "t": torch.arange(5)}
-    got = g.broadcast_object(big if world.rank == world.size - 1 else None, src=world.size - 1)
+    got = g.broadcast_object(big if world.rank == world.size - 1 else None, src_member=world.size - 1)
     if got["rank"] != world.size - 1 or got["blob"] != big["blob"] or not torch.equal(got["t"], big["t"]):
         errors.append("broadcast_object")
     objs = g.all_gather_object({"r": world.rank, "pad": "y" * (70_000 * world.rank)})
@@ -200,7 +200,7 @@ def _errors(world):
     out = []
     for call in (lambda: g.all_reduce(torch.arange(3), "mean"),
                  lambda: g.all_reduce(torch.ones(3), "median"),
-                 lambda: g.broadcast(torch.ones(3), src=5),
+                 lambda: g.broadcast(torch.ones(3), src_member=5),
                  lambda: g.reduce_scatter(torch.ones(10), out=torch.empty(2))):
         try:
             call()
@@ -214,5 +214,5 @@ def test_bad_arguments_raise_before_communicating():
     msgs = launch(_errors, 2, start_method="fork")[0]
     assert "mean of an integer tensor" in msgs[0]
     assert "median" in msgs[1]
-    assert "src must be a member index in [0, 2), got 5" in msgs[2]
+    assert "src_member must be a member index in [0, 2), got 5" in msgs[2]
     assert "5 elements" in msgs[3]

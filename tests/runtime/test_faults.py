@@ -105,7 +105,7 @@ def _mismatch(world):
     if world.rank == 0:
         g.all_reduce(torch.ones(4))
     else:
-        g.broadcast(torch.ones(4), src=0)
+        g.broadcast(torch.ones(4), src_member=0)
 
 
 def test_mismatched_collectives_raise_instead_of_corrupting():

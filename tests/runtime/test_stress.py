@@ -32,7 +32,7 @@ def _mixed(world, n_ops):
             checks += bool((x == (world.size + 1) / 2).all())
         elif kind == "bc":
             x = torch.full((n,), float(world.rank))
-            g.broadcast(x, src=i % world.size)
+            g.broadcast(x, src_member=i % world.size)
             checks += bool((x == i % world.size).all())
         elif kind == "ag":
             out = g.all_gather(torch.full((n,), world.rank, dtype=torch.int64))
@@ -51,7 +51,7 @@ def _mixed(world, n_ops):
             checks += bool((x == sub.size).all())
         else:
             src = i % world.size
-            checks += g.broadcast_object((i, world.rank), src=src) == (i, src)
+            checks += g.broadcast_object((i, world.rank), src_member=src) == (i, src)
     return checks
 
 

@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader
 import lightning_shm  # noqa: F401
 from lightning_shm import SHMTensorParallel
 from lightning_shm.models import MNISTClassifier, build_mlp
-from lightning_shm.parallel.tp import TensorParallelModule, check_plan, derive_plan, plan_for
+from lightning_shm.parallel.tp import TensorParallelState, check_plan, derive_plan, plan_for
 from lightning_shm.runtime import launch
 from tests.helpers import (
     GLOBAL_BATCH,
@@ -63,7 +63,7 @@ def test_user_plan_as_data_and_global_norm_clipping():
 def _param_bytes(world):
     pl.seed_everything(0)
     m = MNISTClassifier()
-    tpm = TensorParallelModule(m, world.group(), check_plan(m, plan_for(m, None), world.size))
+    tpm = TensorParallelState(m, world.group(), check_plan(m, plan_for(m, None), world.size))
     return tpm.parameter_bytes(), {n: tuple(p.shape) for n, p in m.named_parameters()}
 
 

@@ -210,23 +210,23 @@ class GradReducer:
         return sum(b.end - b.start for b in self.buckets)
 
 
-def broadcast_module_state(module: nn.Module, group: Group, src: int = 0) -> None:
-    """Make every rank's parameters and buffers equal to member ``src``'s.
+def broadcast_module_state(module: nn.Module, group: Group, src_member: int = 0) -> None:
+    """Make every rank's parameters and buffers equal to member ``src_member``'s.
 
     Explicit on purpose: pickling the model to spawned workers, ``fork``, and weights created in
     ``configure_model`` with different RNG states must all end up identical.
     """
-    broadcast_tensors(list(module.parameters()) + list(module.buffers()), group, src)
+    broadcast_tensors(list(module.parameters()) + list(module.buffers()), group, src_member)
 
 
-def broadcast_tensors(tensors: Sequence[torch.Tensor], group: Group, src: int = 0) -> None:
-    """In-place broadcast of ``tensors`` from member ``src``: one collective per dtype, not per tensor."""
+def broadcast_tensors(tensors: Sequence[torch.Tensor], group: Group, src_member: int = 0) -> None:
+    """In-place broadcast of ``tensors`` from member ``src_member``: one collective per dtype, not per tensor."""
     tensors = [t for t in tensors if t.numel()]
     for dtype in sorted({t.dtype for t in tensors}, key=str):
         same = [t for t in tensors if t.dtype == dtype]
         flat = torch.cat([t.detach().reshape(-1) for t in same])
-        group.broadcast(flat, src)
-        if group.index != src:
+        group.broadcast(flat, src_member)
+        if group.index != src_member:
             off = 0
             with torch.no_grad():
                 for t in same:

@@ -2,9 +2,9 @@
 
 Rule: every rank reads every rank's shards when it gathers, without a collective. So shards may
 only change where all ranks then meet at a barrier before anyone gathers again. The changes are
-the optimizer's step and loading a checkpoint (or an averaged model): :meth:`ShardedModule.watch`
+the optimizer's step and loading a checkpoint (or an averaged model): :meth:`FSDPState.watch`
 puts that barrier at the end of every ``optimizer.step()`` (fused optimizers included), and
-:meth:`ShardedModule.after_shards_written` is the barrier for everything else that writes them.
+:meth:`FSDPState.after_shards_written` is the barrier for everything else that writes them.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from lightning_shm.parallel.placement import Placement, Split
 from lightning_shm.runtime import Group
 
 
-class ShardedModule:
+class FSDPState:
     """Owns the units of ``module`` on ``group``. Every rank constructs it with the same arguments.
 
     ``prefetch=True`` gathers the next unit on a helper thread while the current one computes

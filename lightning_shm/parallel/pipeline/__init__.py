@@ -1,4 +1,4 @@
-from lightning_shm.parallel.pipeline.engine import PipelineEngine, Record, StageIO
+from lightning_shm.parallel.pipeline.engine import PipelineEngine, StageIO
 from lightning_shm.parallel.pipeline.schedules import (
     Action,
     PipelineSchedule,
@@ -11,7 +11,7 @@ from lightning_shm.parallel.pipeline.split import balanced_split, layer_costs_by
 from lightning_shm.parallel.pipeline.stage import CapturedInput, PipelineStage, split_batch
 
 __all__ = [
-    "Action", "CapturedInput", "PipelineEngine", "PipelineSchedule", "PipelineStage", "Record",
+    "Action", "CapturedInput", "PipelineEngine", "PipelineSchedule", "PipelineStage",
     "Schedule", "StageIO", "Timed", "balanced_split", "bubble_fraction", "layer_costs_by_time", "plan_chunks",
     "simulate", "split_batch",
 ]

@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_shm.models import build_mlp
-from lightning_shm.parallel.pipeline.engine import PipelineEngine, Record
-from lightning_shm.parallel.pipeline.schedules import PipelineSchedule, Schedule
+from lightning_shm.parallel.pipeline.engine import PipelineEngine
+from lightning_shm.parallel.pipeline.schedules import PipelineSchedule, Schedule, Timed
 from lightning_shm.parallel.pipeline.split import plan_chunks
 from lightning_shm.parallel.pipeline.stage import PipelineStage
 from lightning_shm.runtime import World
@@ -27,7 +27,7 @@ from lightning_shm.runtime import World
 @dataclass
 class DriverResult:
     rank: int
-    timeline: list[Record]
+    timeline: list[Timed]
     step_seconds: list[float]
     peak_activation_bytes: int
     chunk_starts: list[int]
@@ -65,7 +65,7 @@ def train_pipeline(world: World, hidden: list[int], schedule: str, microbatches:
     g = world.group()
     sample = torch.randn(64, 784)
     starts, _ = plan_chunks(seq, sched.chunks, split_points, sample if world.rank == 0 else None, stages=P)
-    starts = g.broadcast_object(starts if world.rank == 0 else None, src=0)
+    starts = g.broadcast_object(starts if world.rank == 0 else None, src_member=0)
     stage = PipelineStage(seq, starts, sched.chunks_of(world.rank))
     engine = PipelineEngine(stage.chunks, sched, world.rank, list(range(P)), world, tag=f"drv-{schedule}",
                             activation_checkpointing=checkpointing)

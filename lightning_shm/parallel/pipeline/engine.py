@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import functools
 import time
-from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Optional, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_shm.parallel.pipeline.schedules import Action, PipelineSchedule, Schedule
+from lightning_shm.parallel.pipeline.schedules import Action, PipelineSchedule, Schedule, Timed
 from lightning_shm.runtime import Channel, ChannelConfig, World
 
 
@@ -42,15 +41,6 @@ class StageIO(Protocol):
                      recompute: bool = False) -> Optional[torch.Tensor]:
         """Run the last chunk on ``x``; training: return the microbatch loss already weighted so that
         the sum over microbatches is the batch loss (eval: may return None)."""
-
-
-@dataclass
-class Record:
-    kind: str
-    mb: int
-    chunk: int
-    start: float
-    end: float
 
 
 class _DeferredWeightLinear(torch.autograd.Function):
@@ -111,7 +101,7 @@ class PipelineEngine:
         # where a deferred weight gradient goes when its weight is not a leaf (FSDP's gathered parameters):
         # ``grad_sink(weight, grad)`` takes it, or returns False
         self.grad_sink: Optional[Callable[[torch.Tensor, torch.Tensor], bool]] = None
-        self.timeline: list[Record] = []
+        self.timeline: list[Timed] = []
         self.peak_activation_bytes = 0
         self._store: dict[tuple[int, int], tuple[torch.Tensor, Any]] = {}
         self._saved: dict[tuple[int, int], dict[int, int]] = {}  # (m, c) -> {storage ptr: bytes}
@@ -215,7 +205,7 @@ class PipelineEngine:
 
     # ------------------------------------------------------------------ bookkeeping
     def _record(self, kind: str, mb: int, chunk: int, t0: float) -> None:
-        self.timeline.append(Record(kind, mb, chunk, t0, time.perf_counter()))
+        self.timeline.append(Timed(self.pp_index, Action(kind, mb, chunk), t0, time.perf_counter()))
 
     def _update_peak(self) -> None:
         alive: dict[int, int] = {}

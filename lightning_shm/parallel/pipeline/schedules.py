@@ -10,8 +10,10 @@ M microbatches, v chunks per rank (V = P*v chunks, chunk c on rank c % P).
 * ``interleaved_1f1b`` (Megatron): each rank owns v non-adjacent chunks; microbatches travel in
   groups of P, so the warm-up bubble shrinks by v. Needs M divisible by P.
 * ``zero_bubble`` (ZB-H1, Qi et al. 2023): 1F1B whose backward is split into B (input gradient,
-  on the critical path) and W (weight gradient, off it); rank r defers P-1-r W passes into the
-  cool-down, where 1F1B would sit idle waiting for gradients.
+  on the critical path) and W (weight gradient, off it). W passes run inside the steady state,
+  filling the moments 1F1B spends waiting for gradients; no rank holds more than P microbatches
+  between their F and their W -- the peak of 1F1B's first stage -- and the bubble shrinks from
+  (P-1)(T_F+T_B+T_W) to (P-1)(T_F+T_B-T_W).
 
 :func:`simulate` runs any schedule with given action costs and no communication delay: it checks
 that the dependencies can be met (no deadlock) and gives the ideal bubble fraction.
@@ -133,9 +135,12 @@ def _zero_bubble_h1(P: int, M: int, rank: int) -> list[Action]:
     """ZB-H1 order, built by list scheduling with unit costs (F = B = W = 1).
 
     Each rank, whenever it is free, does a ready B first (it is on the critical path), else the
-    next F if fewer than P - r microbatches are between their F and B (1F1B's activation memory),
-    else a pending W (off the critical path), else waits. The W passes thus land exactly in the
-    gaps where 1F1B would wait for gradients; makespan 3M + P - 1 instead of 3M + 3(P - 1).
+    next F if fewer than P microbatches are between their F and their W (1F1B's peak activation
+    memory: its first stage holds P), else a pending W (off the critical path), else waits. The W
+    passes land in the gaps where 1F1B would wait for gradients, and because a microbatch is only
+    done with its W, they come back into the steady state as soon as P microbatches are in flight
+    instead of piling up to the end. Makespan 3M + P - 1 at P = 2 (the paper's (P-1)(T_F+T_B-T_W)
+    bubble), within 2 units of it at P = 4.
     """
     return _greedy_zb_orders(P, M)[rank]
 
@@ -145,6 +150,7 @@ def _greedy_zb_orders(P: int, M: int) -> dict[int, list[Action]]:
     free = [0.0] * P
     next_f = [0] * P
     next_b = [0] * P
+    w_done = [0] * P
     pending_w: list[list[int]] = [[] for _ in range(P)]
     orders: dict[int, list[Action]] = {r: [] for r in range(P)}
 
@@ -168,11 +174,12 @@ def _greedy_zb_orders(P: int, M: int) -> dict[int, list[Action]]:
             act = Action("B", m, r)
             next_b[r] += 1
             pending_w[r].append(m)
-        elif next_f[r] < M and next_f[r] - next_b[r] < P - r and (r == 0 or ready(("F", next_f[r], r - 1))):
+        elif next_f[r] < M and next_f[r] - w_done[r] < P and (r == 0 or ready(("F", next_f[r], r - 1))):
             act = Action("F", next_f[r], r)
             next_f[r] += 1
         elif pending_w[r]:
             act = Action("W", pending_w[r].pop(0), r)
+            w_done[r] += 1
         if act is None:  # wait for the next event anywhere
             later = [v for v in done.values() if v > t]
             later += [free[q] for q in range(P) if q != r and remaining(q) and free[q] > t]
@@ -189,10 +196,24 @@ def _greedy_zb_orders(P: int, M: int) -> dict[int, list[Action]]:
 
 
 class Timed(NamedTuple):
+    """One action on one pipeline rank, from ``start`` to ``end`` (simulated units or measured seconds)."""
+
     rank: int
     action: Action
     start: float
     end: float
+
+    @property
+    def kind(self) -> str:
+        return self.action.kind
+
+    @property
+    def mb(self) -> int:
+        return self.action.mb
+
+    @property
+    def chunk(self) -> int:
+        return self.action.chunk
 
 
 def simulate(schedule: PipelineSchedule, costs: dict[str, float]) -> list[Timed]:

@@ -18,11 +18,11 @@ from lightning_shm.parallel.tp.plan import (
     plan_for,
     resolve_plan,
 )
-from lightning_shm.parallel.tp.state import TensorParallelModule
+from lightning_shm.parallel.tp.state import TensorParallelState
 
 __all__ = [
     "ColumnParallelConv2d", "ColumnParallelLinear", "LayerPlan", "LayerSplit", "RowParallelConv2d",
-    "RowParallelLinear", "STYLES", "ShardedLayerNorm", "TensorParallelModule", "apply_plan", "check_plan",
+    "RowParallelLinear", "STYLES", "ShardedLayerNorm", "TensorParallelState", "apply_plan", "check_plan",
     "copy_to_tp", "derive_plan", "distributed_layer_norm", "plan_for", "reduce_from_tp", "resolve_plan",
     "sliced_batchnorm",
 ]

@@ -1,7 +1,7 @@
 """A module under tensor parallelism: the plan applied, and where each slice lives.
 
 Every parameter of a parallel layer is split along one dimension (``split_dims``) over the tp group
-or replicated on every tp rank; :meth:`TensorParallelModule.placements` says which, so checkpoints
+or replicated on every tp rank; :meth:`TensorParallelState.placements` says which, so checkpoints
 are consolidated (and cut again) by :class:`~lightning_shm.parallel.state.ModelState` like any other
 layout.
 """
@@ -17,7 +17,7 @@ from lightning_shm.parallel.tp.plan import LayerSplit, apply_plan
 from lightning_shm.runtime import Group
 
 
-class TensorParallelModule:
+class TensorParallelState:
     """Applies a checked plan (``splits``, from :func:`~lightning_shm.parallel.tp.plan.check_plan` on the
     whole model) to the modules ``module`` holds, over ``group`` (the tp group)."""
 
