@@ -38,7 +38,7 @@ from lightning_shm.parallel.placement import Placement
 from lightning_shm.parallel.sequential import find_sequential, replace_submodule
 from lightning_shm.parallel.state import ModelState
 from lightning_shm.parallel.tp import LayerPlan, TensorParallelState, check_plan, plan_for
-from lightning_shm.runtime import ParallelGroups, Topology, World
+from lightning_shm.runtime import ParallelGroups, ReduceOp, Topology, World
 
 DATA_PARALLEL = ("replicate", "shard")
 
@@ -212,7 +212,7 @@ def parallelize(module: nn.Module, config: ParallelConfig, world: World, groups:
     topo = groups.topology
     plain_keys = list(module.state_dict())
     plain_params = [n for n, _ in module.named_parameters()]
-    if config.sync_batchnorm and topo.dp > 1:
+    if config.sync_batchnorm and groups.dp_size > 1:
         convert_sync_batchnorm(module, groups.dp)
     plan = _tp_plan(module, config) if topo.tp > 1 else {}
     splits = check_plan(module, plan, topo.tp) if plan else {}  # on the whole model, before any stage cut
@@ -227,12 +227,15 @@ def parallelize(module: nn.Module, config: ParallelConfig, world: World, groups:
               else _layers(module, config))
     placements: dict[str, Placement] = tp.placements() if tp is not None else {}
     fsdp = reducer = None
-    if topo.dp > 1 and config.shard:
-        fsdp = FSDPState(module, groups.dp, config.policy, config.reshard_after_forward, config.prefetch,
-                             layers=layers)
+    if topo.dp > 1 and config.shard:  # FSDP inside the node; several nodes: replicas of it (HSDP)
+        fsdp = FSDPState(module, groups.node_dp, config.policy, config.reshard_after_forward, config.prefetch,
+                         layers=layers, across=_node_mean(groups))
         placements = {**placements, **fsdp.placements(placements)}
-    elif topo.dp > 1:
-        placements = {n: placements.get(n, Placement()).replicated(topo.dp) for n, _ in module.named_parameters()}
+        if groups.nodes > 1:
+            placements = {n: p.replicated(groups.nodes) for n, p in placements.items()}
+    elif groups.dp_size > 1:
+        placements = {n: placements.get(n, Placement()).replicated(groups.dp_size)
+                      for n, _ in module.named_parameters()}
         if training:
             reducer = GradReducer(list(module.named_parameters()), groups.dp, config.bucket_cap_mb,
                                   config.find_unused_parameters, tag=f"ddp-tp{groups.coords.tp}-pp{groups.coords.pp}",
@@ -247,6 +250,19 @@ def parallelize(module: nn.Module, config: ParallelConfig, world: World, groups:
     return ParallelState(module, groups, state, stage, engine, starts, tp, fsdp, reducer)
 
 
+def _node_mean(groups: ParallelGroups) -> Optional[Callable[[torch.Tensor], None]]:
+    """HSDP: a gradient shard, averaged with the same shard on every other node over the rank's rail."""
+    rail = groups.rail
+    if rail is None or rail.size == 1:
+        return None
+
+    def mean_over_nodes(part: torch.Tensor) -> None:
+        rail.all_reduce(part, ReduceOp.SUM)
+        part.div_(rail.size)
+
+    return mean_over_nodes
+
+
 def _stage_path(module: nn.Module, stage: nn.Module) -> str:
     return next(n for n, m in module.named_modules() if m is stage)
 
@@ -257,13 +273,13 @@ def _split_pipeline(module: nn.Module, config: ParallelConfig, world: World, gro
     path, seq = find_sequential(module, config.sequential)
     sched = config.pipeline
     forbidden = _pair_interiors(module, config, plan)
-    if world.rank == 0:  # measure once, everyone uses the same cut
+    if groups.world.index == 0:  # measure once (global rank 0), everyone uses the same cut
         sample = sample if config.balance == "time" else None
         chosen: Any = plan_chunks(seq, sched.chunks, config.split_points, sample, stages=sched.stages,
                                   forbidden=forbidden)
     else:
         chosen = None
-    starts, how = world.world_group.broadcast_object(chosen, src_member=0)
+    starts, how = groups.world.broadcast_object(chosen, src_member=0)
     log(f"pipeline: {sched.chunks} chunks of {len(seq)} layers start at {starts} (split by {how}), schedule "
         f"{sched.kind.value}, {sched.microbatches} microbatches")
     pp_index = groups.coords.pp

@@ -56,3 +56,8 @@ class WorkerTraceback(Exception):
 
     def __str__(self) -> str:
         return self.text
+
+
+class NodeStoppedError(SHMRuntimeError):
+    """Another node of a multi-node run stopped (its processes died, failed or timed out): the collective
+    across nodes could not complete. The error that stopped it is reported on that node."""

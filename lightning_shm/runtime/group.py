@@ -202,22 +202,32 @@ class Group:
         return max(self._barrier.peer_field(j, g, "arg") for j in range(self.size))
 
     # ------------------------------------------------------------------ all-reduce
-    def all_reduce(self, tensor: torch.Tensor, op: Any = "sum") -> torch.Tensor:
-        """In-place reduction of ``tensor`` over the group; returns ``tensor``."""
+    def all_reduce(self, tensor: torch.Tensor, op: Any = "sum",
+                   across: Optional[Callable[[torch.Tensor], None]] = None) -> torch.Tensor:
+        """In-place reduction of ``tensor`` over the group; returns ``tensor``.
+
+        ``across(part)``, if given, is applied in place to each reduced part before it is shared with
+        the other members -- a multi-node group combines each part with the other nodes' there
+        (:class:`~lightning_shm.runtime.hierarchy.NodeSpanningGroup`).
+        """
         op = ReduceOp.parse(op)
         check_reducible(tensor.dtype, op)
         if self.size == 1:
+            if across is not None:
+                across(tensor.view(-1) if tensor.is_contiguous() else tensor)
             return tensor
         flat, contiguous = _flat(tensor)
         self._seq += 1
         self._count("all_reduce", flat)
         hit = self._find_shared(flat) if contiguous else None
         if hit is not None:
-            self._all_reduce_shared(flat, hit[0], hit[1], op)
+            self._all_reduce_shared(flat, hit[0], hit[1], op, across)
         elif flat.numel() * flat.element_size() <= self.config.oneshot_max_bytes:
             self._all_reduce_oneshot(flat, op)
+            if across is not None:  # every member holds the whole (small) result: each combines it
+                across(flat)
         else:
-            self._all_reduce_rsag(flat, op)
+            self._all_reduce_rsag(flat, op, across)
         if not contiguous:
             tensor.copy_(flat.view(tensor.shape))
         return tensor
@@ -233,7 +243,8 @@ class Group:
         self._sync(Coll.ALL_REDUCE, dtype_code(flat.dtype), n, int(op), check=True)
         fold(op, views, flat, self.size)
 
-    def _all_reduce_rsag(self, flat: torch.Tensor, op: ReduceOp) -> None:
+    def _all_reduce_rsag(self, flat: torch.Tensor, op: ReduceOp,
+                         across: Optional[Callable[[torch.Tensor], None]] = None) -> None:
         W, r, n = self.size, self.index, flat.numel()
         dc, cap = dtype_code(flat.dtype), self._cap(flat.dtype)
         for c0 in range(0, n, cap):
@@ -251,13 +262,16 @@ class Group:
             if hi > lo:  # reduce my part (own contribution read in place), post the result in my slot
                 pub = mine[lo:hi]
                 fold(op, [xc[lo:hi] if j == r else slots[j][lo:hi] for j in range(W)], pub, W)
+                if across is not None:
+                    across(pub)
                 xc[lo:hi].copy_(pub)
             self._sync(Coll.ALL_REDUCE, dc, n, int(op), check=False)
             for k in range(W):  # collect the other parts' results
                 if k != r and b[k] < b[k + 1]:
                     xc[b[k]:b[k + 1]].copy_(slots[k][b[k]:b[k + 1]])
 
-    def _all_reduce_shared(self, flat: torch.Tensor, buf: SharedBuffer, off: int, op: ReduceOp) -> None:
+    def _all_reduce_shared(self, flat: torch.Tensor, buf: SharedBuffer, off: int, op: ReduceOp,
+                           across: Optional[Callable[[torch.Tensor], None]] = None) -> None:
         n, W, r = flat.numel(), self.size, self.index
         dc = dtype_code(flat.dtype)
         self._sync(Coll.ALL_REDUCE, dc, n, int(op) + _SHARED_FLAG, check=True)  # everyone's data is final
@@ -266,19 +280,29 @@ class Group:
         if hi > lo:
             parts = [buf.region(j)[lo:hi] for j in range(W)]
             fold(op, parts, parts[0], W)
+            if across is not None:
+                across(parts[0])
             for p in parts[1:]:
                 p.copy_(parts[0])
         self._sync(Coll.ALL_REDUCE, dc, n, int(op) + _SHARED_FLAG, check=False)  # every result written
 
     # ------------------------------------------------------------------ reduce-scatter
     def reduce_scatter(self, tensor: torch.Tensor, op: Any = "sum", out: Optional[torch.Tensor] = None,
-                       sizes: Optional[Sequence[int]] = None) -> torch.Tensor:
+                       sizes: Optional[Sequence[int]] = None,
+                       across: Optional[Callable[[torch.Tensor], None]] = None) -> torch.Tensor:
         """Reduce ``tensor`` (flattened, n elements) and return this member's part.
 
         Parts follow ``sizes`` (elements per member, summing to n; e.g. whole rows of a matrix), by
         default :func:`even_split` (the first ``n % W`` members get one element more).
-        ``out`` must not overlap ``tensor``.
+        ``out`` must not overlap ``tensor``. ``across(part)`` is then applied to the part in place.
         """
+        out = self._reduce_scatter(tensor, op, out, sizes)
+        if across is not None:  # e.g. HSDP: this member's part, combined with the other nodes' replicas
+            across(out.view(-1))
+        return out
+
+    def _reduce_scatter(self, tensor: torch.Tensor, op: Any, out: Optional[torch.Tensor],
+                        sizes: Optional[Sequence[int]]) -> torch.Tensor:
         op = ReduceOp.parse(op)
         check_reducible(tensor.dtype, op)
         flat, contiguous = _flat(tensor)

@@ -13,10 +13,11 @@ of neighbouring ranks)::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Optional
 
 if TYPE_CHECKING:
     from lightning_shm.runtime.group import Group
+    from lightning_shm.runtime.rail import Rail
     from lightning_shm.runtime.world import World
 
 
@@ -83,26 +84,57 @@ class Topology:
         c = self.coords(rank)
         return [self.rank_of(c.dp, c.tp, p) for p in range(self.pp)]
 
-    def groups(self, world: "World") -> "ParallelGroups":
-        """This rank's dp, tp and pp groups (each member calls; groups are created on first use)."""
+    def groups(self, world: "World", rail: Optional["Rail"] = None) -> "ParallelGroups":
+        """This rank's dp, tp and pp groups (each member calls; groups are created on first use).
+
+        This grid is one node's. With a ``rail`` (several nodes) the world and the data-parallel groups
+        span every node -- the same grid on each, replicas across -- while tp and pp stay inside it."""
         if world.size != self.world_size:
             raise ValueError(f"topology is for {self.world_size} ranks, world has {world.size}")
         r = world.rank
+        node_world, node_dp = world.group(), world.group(self.dp_ranks(r))
+        if rail is None:
+            world_group, dp, nodes, node = node_world, node_dp, 1, 0
+        else:
+            from lightning_shm.runtime.hierarchy import NodeSpanningGroup
+
+            world_group, dp = NodeSpanningGroup(node_world, rail), NodeSpanningGroup(node_dp, rail)
+            nodes, node = rail.size, rail.index
         return ParallelGroups(
             topology=self,
             coords=self.coords(r),
-            world=world.group(),
-            dp=world.group(self.dp_ranks(r)),
+            world=world_group,
+            dp=dp,
             tp=world.group(self.tp_ranks(r)),
             pp=world.group(self.pp_ranks(r)),
+            node_dp=node_dp,
+            rail=rail,
+            nodes=nodes,
+            node=node,
         )
 
 
 @dataclass(frozen=True)
 class ParallelGroups:
+    """One rank's groups. ``world`` and ``dp`` span every node (``nodes`` > 1: node by node); ``node_dp`` is
+    this node's part of ``dp``, ``rail`` this rank's link to the other nodes (None on one node)."""
+
     topology: Topology
     coords: Coords
-    world: "Group"
-    dp: "Group"
+    world: Any
+    dp: Any
     tp: "Group"
     pp: "Group"
+    node_dp: "Group"
+    rail: Optional["Rail"] = None
+    nodes: int = 1
+    node: int = 0
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel replicas over all nodes."""
+        return self.topology.dp * self.nodes
+
+    @property
+    def dp_index(self) -> int:
+        return self.node * self.topology.dp + self.coords.dp

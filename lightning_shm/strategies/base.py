@@ -28,7 +28,16 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 
-from lightning_shm.runtime import Group, RuntimeConfig, Topology, World
+from lightning_shm.runtime import (
+    Group,
+    NodeLayout,
+    NodeSpanningGroup,
+    Rail,
+    RuntimeConfig,
+    Topology,
+    World,
+    connect_rail,
+)
 from lightning_shm.runtime.launcher import START_METHODS
 from lightning_shm.runtime.segment import check_free_space
 from lightning_shm.runtime.world import control_bytes
@@ -72,8 +81,10 @@ class SHMStrategyBase(ParallelStrategy):
         self.stop_agreed = 0  # in a worker: the signal all ranks agreed to stop on
         self.workers_handled_failure = False  # in the main process: the run failed or stopped in the workers
         self._num_nodes = 1
+        self._node = 0  # this node's rank (NODE_RANK / SLURM_NODEID ... through the cluster environment)
         self._world: Optional[World] = None
         self._group: Optional[Group] = None
+        self._rail: Optional[Rail] = None
         self._metric_state: list = []
 
     # ------------------------------------------------------------------ topology
@@ -91,13 +102,17 @@ class SHMStrategyBase(ParallelStrategy):
 
     @num_nodes.setter
     def num_nodes(self, num_nodes: int) -> None:
-        if num_nodes != 1:
-            raise ValueError(
-                f"{type(self).__name__} runs W processes on one machine through shared memory; got "
-                f"num_nodes={num_nodes}. For several machines use Lightning's strategy='ddp' (the same "
-                f"LightningModule trains there unchanged)."
-            )
+        """Several machines: one main process per node starts its ``devices`` workers; shared memory inside
+        each node, a gloo rail per local rank between nodes (see :mod:`lightning_shm.runtime.rail`)."""
+        if not isinstance(num_nodes, int) or num_nodes < 1:
+            raise ValueError(f"num_nodes must be a positive int, got {num_nodes!r}")
         self._num_nodes = num_nodes
+
+    @property
+    def node_rank(self) -> int:
+        if self._world is None and self.cluster_environment is not None and self._num_nodes > 1:
+            return self.cluster_environment.node_rank()
+        return self._node
 
     @property
     def root_device(self) -> torch.device:
@@ -109,8 +124,9 @@ class SHMStrategyBase(ParallelStrategy):
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        topo = self.topology()
-        return {"num_replicas": topo.dp, "rank": topo.coords(self.global_rank).dp}
+        topo = self.topology()  # one node's grid: data-parallel replicas repeat on every node
+        return {"num_replicas": topo.dp * self._num_nodes,
+                "rank": self.node_rank * topo.dp + topo.coords(self.local_rank).dp}
 
     @property
     def group(self) -> Group:
@@ -136,9 +152,21 @@ class SHMStrategyBase(ParallelStrategy):
         in the main process, before any worker starts."""
 
     def attach_world(self, world: World) -> None:
-        """Called by the launcher in each worker before the Trainer's entry point runs."""
+        """Called by the launcher in each worker before the Trainer's entry point runs. On several nodes
+        this connects the rank's rail (gloo) to the same local rank of every other node."""
         self._world = world
         self._group = world.world_group
+        if self._num_nodes > 1:
+            env = self.cluster_environment
+            assert env is not None
+            self._node = env.node_rank()
+            layout = NodeLayout(self._num_nodes, self._node, self.num_processes, world.rank)
+            self._rail = connect_rail(layout, env.main_address, env.main_port, self.runtime_config.timeout_s)
+            self._group = NodeSpanningGroup(world.world_group, self._rail)
+
+    def detach_world(self) -> None:
+        """Called by the launcher in each worker once its results are sent."""
+        self._rail = None
 
     def setup_environment(self) -> None:
         super().setup_environment()
@@ -146,23 +174,24 @@ class SHMStrategyBase(ParallelStrategy):
         reset_seed()
 
     def set_world_ranks(self) -> None:
-        rank = self._world.rank if self._world is not None else 0
+        rank = self.global_rank
         if self.cluster_environment is not None:
             self.cluster_environment.set_global_rank(rank)
-            self.cluster_environment.set_world_size(self.num_processes)
+            self.cluster_environment.set_world_size(self.world_size)
         rank_zero_only.rank = utils_rank_zero_only.rank = rank
 
     @property
     def global_rank(self) -> int:
-        return self._world.rank if self._world is not None else 0
+        """``node_rank x devices + local_rank``."""
+        return self.node_rank * max(self.num_processes, 1) + self.local_rank
 
     @property
     def local_rank(self) -> int:
-        return self.global_rank
+        return self._world.rank if self._world is not None else 0
 
     @property
     def world_size(self) -> int:
-        return max(self.num_processes, 1)
+        return max(self.num_processes, 1) * self._num_nodes
 
     def model_to_device(self) -> None:
         assert self.model is not None
@@ -205,7 +234,7 @@ class SHMStrategyBase(ParallelStrategy):
 
     def check_shared_memory(self, module: "pl.LightningModule") -> None:
         """Fail before any worker starts when /dev/shm cannot hold the run (the total and its parts named)."""
-        W = self.world_size
+        W = max(self.num_processes, 1)  # this node's processes
         parts = {"control, stacks": control_bytes(W) + W * (64 << 10),
                  "collective scratch": self._group_bytes(), **self.shm_components(module)}
         if self._start_method != "fork":
@@ -273,7 +302,7 @@ class SHMStrategyBase(ParallelStrategy):
             indices.append(list(getattr(bs, "seen_batch_indices", None) or []) or None)
             sizes.append(int(getattr(dl, "batch_size", None) or getattr(bs, "batch_size", 1) or 1))
         gathered = self.prediction_group().all_gather_object((outputs, indices, sizes))
-        if self.global_rank != 0:
+        if self.local_rank != 0:  # each node's main process gets them from its local rank 0
             return None
         merged = merge_predictions(gathered)
         return merged if loop.num_dataloaders > 1 else merged[0]

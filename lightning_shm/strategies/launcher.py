@@ -111,7 +111,7 @@ class SHMLauncher(_Launcher):
         checkpoint = None
         if trainer.state.fn == TrainerFn.FITTING:  # what rank 0 would write now (collective for sharded models)
             checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
-        if strategy.global_rank != 0:
+        if strategy.local_rank != 0:  # local rank 0 of each node reports to that node's main process
             return None
         path = None
         if checkpoint is not None:
@@ -168,15 +168,18 @@ def _run_in_worker(world: World, launcher: SHMLauncher, trainer: Optional["pl.Tr
         return results if world.rank == 0 else None
     trainer._signal_connector = _StopRequestConnector(trainer, world)
     try:
-        results = function(*args, **kwargs)
-    except (KeyboardInterrupt, SIGTERMException) as exc:
-        if not strategy.stop_agreed:
-            raise  # not a stop every rank agreed on: report it like any other failure
-        # every rank is here at the same step: Lightning's own interrupt handling, as in one process
-        call._interrupt(trainer, exc)
-        trainer._teardown()
-        results = None
-    return launcher._collect_results(trainer, results, strategy.stop_agreed)
+        try:
+            results = function(*args, **kwargs)
+        except (KeyboardInterrupt, SIGTERMException) as exc:
+            if not strategy.stop_agreed:
+                raise  # not a stop every rank agreed on: report it like any other failure
+            # every rank is here at the same step: Lightning's own interrupt handling, as in one process
+            call._interrupt(trainer, exc)
+            trainer._teardown()
+            results = None
+        return launcher._collect_results(trainer, results, strategy.stop_agreed)
+    finally:
+        strategy.detach_world()
 
 
 def _check_main_is_importable() -> None:

@@ -104,7 +104,7 @@ class SHMModelParallel(SHMStrategyBase):
 
     def attach_world(self, world: World) -> None:
         super().attach_world(world)
-        self._groups = self.topology().groups(world)
+        self._groups = self.topology().groups(world, self._rail)
 
     def data_parallel_group(self) -> Optional[Group]:
         return self._groups.dp if self._groups is not None else None
@@ -295,7 +295,7 @@ class SHMModelParallel(SHMStrategyBase):
         if self.parallel is None:  # the main process: a plain optimizer over the plain module
             return opt.state_dict()
         state = self.parallel.state.full_optimizer_state(opt)  # collective: every rank takes part
-        return state if self.global_rank == 0 else {}  # only rank 0 writes checkpoints
+        return state if self.local_rank == 0 else {}  # global rank 0 writes; each node's local rank 0 reports
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         assert self.parallel is not None

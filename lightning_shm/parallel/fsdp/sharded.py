@@ -9,7 +9,7 @@ puts that barrier at the end of every ``optimizer.step()`` (fused optimizers inc
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Optional, Union
+from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
 from torch import nn
@@ -30,7 +30,8 @@ class FSDPState:
 
     def __init__(self, module: nn.Module, group: Group, policy: Union[None, int, PolicyFn, UnitPolicy] = None,
                  reshard_after_forward: bool = True, prefetch: bool = False,
-                 layers: Optional[list[tuple[str, nn.Module]]] = None) -> None:
+                 layers: Optional[list[tuple[str, nn.Module]]] = None,
+                 across: Optional[Callable[[torch.Tensor], None]] = None) -> None:
         self.module = module
         self.group = group
         direct = [n for n, _ in module.named_parameters(recurse=False)]
@@ -48,7 +49,7 @@ class FSDPState:
                     owners.setdefault(id(p), []).append((m, attr))
         self.stats = MemoryStats()
         self.prefetcher = Prefetcher() if prefetch else None
-        self.units = [FSDPUnit(spec, group, i, reshard_after_forward, self.stats, owners, self.prefetcher)
+        self.units = [FSDPUnit(spec, group, i, reshard_after_forward, self.stats, owners, self.prefetcher, across)
                       for i, spec in enumerate(specs)]
         # units are found in module order, which is the Sequential's execution order; for another
         # order a prefetched gather is merely wasted (used later or dropped), never wrong

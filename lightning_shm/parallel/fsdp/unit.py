@@ -33,7 +33,7 @@ microbatches, their gradients add up in one full gradient, reduce-scattered once
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -91,13 +91,16 @@ class FSDPUnit:
     """Shards ``spec``'s parameters over ``group`` and installs the gather/free hooks.
 
     ``owners``: for every parameter id, all (module, attribute) pairs that hold it in the model.
+    ``across``: applied to each reduced gradient shard (HSDP: the mean with the other nodes' replicas).
     """
 
     def __init__(self, spec: UnitSpec, group: Group, index: int, reshard_after_forward: bool,
                  stats: "MemoryStats", owners: dict[int, list[tuple[nn.Module, str]]],
-                 prefetcher: Optional[Prefetcher] = None) -> None:
+                 prefetcher: Optional[Prefetcher] = None,
+                 across: Optional[Callable[[torch.Tensor], None]] = None) -> None:
         self.name = spec.name
         self.group = group
+        self.across = across
         self.reshard_after_forward = reshard_after_forward
         self.stats = stats
         self.prefetcher = prefetcher
@@ -220,7 +223,7 @@ class FSDPUnit:
         r = self.group.index
         for b in self.blocks:
             g = grad_full[b.full_offset:b.full_offset + b.numel]
-            part = self.group.reduce_scatter(g, "mean", sizes=[k * b.row_numel for k in b.rows])
+            part = self.group.reduce_scatter(g, "mean", sizes=[k * b.row_numel for k in b.rows], across=self.across)
             out.append(part.view(b.rows[r], *b.shape[1:]))
         return out
 

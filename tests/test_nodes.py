@@ -1,0 +1,63 @@
+"""Two nodes x two devices on one machine (scripts/launch_nodes.py): shared memory inside each node,
+gloo rails between them. Every strategy must train like one process on the global batch, combine
+logs over all four ranks, write one checkpoint, and stop both nodes when a rank of one fails.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_shm.models import MNISTClassifier
+from tests.helpers import GLOBAL_BATCH, STEPS, train_mnist
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_nodes(name: str, out: Path, mode: str = "train") -> subprocess.CompletedProcess:
+    out.mkdir(parents=True, exist_ok=True)
+    return subprocess.run([sys.executable, "scripts/launch_nodes.py", "--nodes", "2", "--grace", "60", "--",
+                           sys.executable, "tests/nodes_job.py", name, str(out), mode],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return train_mnist("auto", 1, "sgd", batch=GLOBAL_BATCH, ref=True, model_cls=MNISTClassifier,
+                       samples=GLOBAL_BATCH * STEPS)
+
+
+@pytest.mark.parametrize("name", ["ddp", "fsdp", "tp", "pipeline"])
+def test_two_nodes_equal_one_process(tmp_path, reference, name):
+    done = run_nodes(name, tmp_path)
+    assert done.returncode == 0, done.stderr[-4000:]
+    got = [torch.load(tmp_path / f"node{n}.pt").double() for n in (0, 1)]
+    torch.testing.assert_close(got[0], reference, rtol=0, atol=1e-5)
+    assert torch.equal(got[0], got[1])  # every node's main process holds the trained model
+    meta = [json.loads((tmp_path / f"node{n}.json").read_text()) for n in (0, 1)]
+    assert meta[0]["global_step"] == meta[1]["global_step"] == STEPS
+    # logs combine over the data-parallel ranks of both nodes: all four for ddp / fsdp (a SumMetric of
+    # rank + 1 per step: 5 * (1 + 2 + 3 + 4)); for tp the replicas are global ranks 0 and 2 (tp ranks see the
+    # same data); a pipeline logs from its last stage (ranks 1 and 3), whose step runs once per microbatch
+    metrics = meta[0]["metrics"]
+    expected = {"ddp": (STEPS * 10, 1.5), "fsdp": (STEPS * 10, 1.5), "tp": (STEPS * 4, 1.0),
+                "pipeline": (STEPS * 2 * 6, 2.0)}[name]
+    assert (metrics["rank_sum"], metrics["rank_mean"]) == pytest.approx(expected)
+    # one checkpoint, written once (global rank 0), plain: it loads in one process
+    files = sorted((tmp_path / "ckpt").iterdir())
+    assert len(files) == 1 and meta[0]["best"] == meta[1]["best"] == str(files[0])
+    plain = MNISTClassifier.load_from_checkpoint(files[0])
+    torch.testing.assert_close(torch.cat([p.detach().reshape(-1) for p in plain.parameters()]).double(), got[0])
+
+
+def test_a_rank_failing_on_node_1_stops_both_nodes(tmp_path):
+    done = run_nodes("ddp", tmp_path, mode="fail")
+    assert done.returncode != 0
+    assert "ValueError: rank 3 on node 1 failed on purpose" in done.stderr, done.stderr[-4000:]
+    assert "NodeStoppedError: node 1 stopped" in done.stderr, done.stderr[-4000:]  # what node 0 reports
+    assert not (tmp_path / "node0.pt").exists() and not (tmp_path / "node1.pt").exists()
