@@ -246,6 +246,7 @@ def parallelize(module: nn.Module, config: ParallelConfig, world: World, groups:
                                 activation_checkpointing=config.activation_checkpointing)
         engine.grad_sink = fsdp.grad_sink if fsdp is not None else None
     state = ModelState(module, plain_keys, plain_params, placements, stages=groups.pp if topo.pp > 1 else None,
+                       before_load=fsdp.before_shards_written if fsdp is not None else None,
                        after_load=fsdp.after_shards_written if fsdp is not None else None)
     return ParallelState(module, groups, state, stage, engine, starts, tp, fsdp, reducer)
 

@@ -41,17 +41,20 @@ class ModelState:
             module, in order, taken before parallelizing.
         placements: per state key, how this rank's piece is cut from the full entry (absent: whole).
         stages: the pipeline group when the module is one stage of a pipeline, else None.
-        after_load: called (on every rank) once new values were written into the pieces, e.g. FSDP's
-            barrier before any rank gathers them.
+        before_load, after_load: called (on every rank) before and after new values are written into
+            the pieces, e.g. FSDP's barriers: nobody still reads the old values / nobody reads the new
+            ones before all are written.
     """
 
     def __init__(self, module: nn.Module, plain_keys: Sequence[str], plain_params: Sequence[str],
                  placements: Mapping[str, Placement], stages: Optional[Group] = None,
+                 before_load: Optional[Callable[[], None]] = None,
                  after_load: Optional[Callable[[], None]] = None) -> None:
         self.module = module
         self.plain_keys, self.plain_params = list(plain_keys), list(plain_params)
         self.placements = dict(placements)
         self.stages = stages if stages is not None and stages.size > 1 else None
+        self.before_load = before_load or (lambda: None)
         self._after_load = after_load or (lambda: None)
         self._copies = {id(p): self.placement(n).copies for n, p in module.named_parameters()}
 
@@ -115,6 +118,7 @@ class ModelState:
         unexpected = [k for k in state_dict if k not in self.plain_keys and k not in local_keys]
         if strict and unexpected:
             raise KeyError(f"unexpected keys in the checkpoint: {unexpected[:10]}")
+        self.before_load()
         with torch.no_grad():
             self.module.load_state_dict(self.localize(state_dict, local_keys), strict=False)
         self._after_load()

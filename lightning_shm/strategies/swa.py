@@ -13,7 +13,7 @@ averaged weights, which resume under any layout.
 from __future__ import annotations
 
 import copy
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import StochasticWeightAveraging
@@ -53,7 +53,16 @@ def copy_pieces(module: nn.Module) -> nn.Module:
 
 
 def adapt_swa(trainer: "pl.Trainer", module: nn.Module, state: ModelState) -> None:
-    """Give each SWA callback an average in ``module``'s (parallelized) layout."""
+    """Give each SWA callback an average in ``module``'s (parallelized) layout, and have it copy the
+    average into the module only once no rank still reads the module's pieces (``state.before_load``)."""
     for cb in trainer.callbacks:
         if isinstance(cb, StochasticWeightAveraging):
             cb._average_model = AveragedPieces(copy_pieces(module), state)  # type: ignore[assignment]
+            cb.transfer_weights = _after(state.before_load, cb.transfer_weights)  # type: ignore[method-assign]
+
+
+def _after(first: Callable[[], None], fn: Callable[..., Any]) -> Callable[..., Any]:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        first()
+        return fn(*args, **kwargs)
+    return call

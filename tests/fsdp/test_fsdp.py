@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 
 import lightning.pytorch as pl
 import pytest
@@ -132,7 +133,7 @@ def _steps_with_prefetch(world, prefetch):
     opt = model.configure_optimizers()
     sharded.watch([opt])
     state = ModelState(model, list(MNISTClassifier().state_dict()), list(FULL), sharded.placements(),
-                       after_load=sharded.after_shards_written)
+                       before_load=sharded.before_shards_written, after_load=sharded.after_shards_written)
     torch.manual_seed(1 + world.rank)
     outs, peaks = [], []
     for _ in range(3):
@@ -170,6 +171,36 @@ def test_prefetch_changes_nothing_but_the_peak():
         assert n0 == 0 and n1 > 0 and live0 == live1 == 0
         # full parameters alive at once: net.1 alone without prefetch; net.1 plus the prefetched net.2 with it
         assert p0 == [200_960 * 4] * 3 and p1 == [(200_960 + 512) * 4] * 3
+
+
+def _forward_between_backward_and_step(world):
+    """Rank 1 runs a forward without gradients after backward, late; rank 0 steps at once. The step must
+    wait: rank 1 gathers rank 0's shards and must see the weights before the step, as one process would."""
+    torch.manual_seed(0)
+    model = MNISTClassifier()
+    sharded = FSDPState(model, world.group())
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    sharded.watch([opt])
+    x, y = torch.randn(8, 1, 28, 28), torch.randint(0, 10, (8,))
+    sharded.begin_step()
+    nn.functional.cross_entropy(model(x), y).backward()
+    if world.rank == 1:
+        time.sleep(0.3)
+        with torch.no_grad():
+            late = model(x)
+    opt.step()
+    sharded.close()
+    return late if world.rank == 1 else None
+
+
+def test_no_rank_writes_shards_another_still_reads():
+    torch.manual_seed(0)
+    plain = MNISTClassifier()
+    x = torch.randn(8, 1, 28, 28)
+    with torch.no_grad():
+        expected = plain(x)
+    got = launch(_forward_between_backward_and_step, 2, start_method="fork")[1]
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
 
 
 # ---------------------------------------------------------------------- checkpoints

@@ -1,10 +1,12 @@
 """Shard a whole module into FSDP units over a group; the rules that keep every rank's reads valid.
 
 Rule: every rank reads every rank's shards when it gathers, without a collective. So shards may
-only change where all ranks then meet at a barrier before anyone gathers again. The changes are
-the optimizer's step and loading a checkpoint (or an averaged model): :meth:`FSDPState.watch`
-puts that barrier at the end of every ``optimizer.step()`` (fused optimizers included), and
-:meth:`FSDPState.after_shards_written` is the barrier for everything else that writes them.
+only change between two barriers: one before (nobody is still reading the old values -- another
+rank may be in a forward without gradients, or a prefetch, while this one has moved on) and one
+after (nobody gathers before every rank has written). The changes are the optimizer's step and
+loading a checkpoint (or an averaged model): :meth:`FSDPState.watch` puts both barriers around
+every ``optimizer.step()`` (fused optimizers included); :meth:`before_shards_written` and
+:meth:`after_shards_written` are the barriers for everything else that writes them.
 """
 
 from __future__ import annotations
@@ -61,6 +63,12 @@ class FSDPState:
         self.after_shards_written()
 
     # ------------------------------------------------------------------ the rule
+    def before_shards_written(self) -> None:
+        """Every rank has stopped reading the current shards (a barrier): now they may be written."""
+        for u in self.units:
+            u.drop_prefetched()  # a gather in flight reads every rank's shards
+        self.group.barrier()
+
     def after_shards_written(self) -> None:
         """Every rank has written its shards: nobody gathers before all have (a barrier)."""
         self.group.barrier()
@@ -76,9 +84,10 @@ class FSDPState:
         return sum(p._version for p in self.shards())
 
     def watch(self, optimizers: list[torch.optim.Optimizer]) -> None:
-        """End every step of these optimizers (those updating shards) with the barrier."""
+        """Put every step of these optimizers (those updating shards) between the two barriers."""
         for opt in optimizers:
             if any(id(p) in self._shards for g in opt.param_groups for p in g["params"]):
+                self._watched.append(opt.register_step_pre_hook(lambda *_: self.before_shards_written()))
                 self._watched.append(opt.register_step_post_hook(lambda *_: self.after_shards_written()))
 
     # ------------------------------------------------------------------ state
