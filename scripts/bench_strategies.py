@@ -43,7 +43,7 @@ MODELS: dict[str, dict[str, Any]] = {  # MNISTClassifier arguments
 }
 STEPS = {"reference": (50, 1000), "wide": (3, 12), "cnn": (5, 60), "transformer": (5, 60)}  # (warm-up, measured)
 DATASET_SAMPLES = 60_000
-TABLES = ("memory", "prefetch", "tp", "pipeline")
+TABLES = ("memory", "prefetch", "tp", "pipeline", "fixed", "layouts")
 
 
 @dataclass
@@ -125,6 +125,83 @@ def run_one(spec: RunSpec) -> dict[str, Any]:
             "threads": timing["threads"]}
 
 
+# ---------------------------------------------------------------------- fixed cost per fit
+class Edges(Callback):
+    """Rank 0 writes the wall-clock time of its first step's start and its last step's end."""
+
+    def __init__(self, out_path: Path) -> None:
+        self.out_path, self.first = out_path, 0.0
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.global_step == 0 and not self.first:
+            self.first = time.time()
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.global_step == trainer.max_steps and trainer.is_global_zero:
+            self.out_path.write_text(json.dumps({"first": self.first, "last": time.time()}))
+
+
+def fixed_cost_one(strategy: str, fits: int) -> list[dict[str, float]]:
+    """``fits`` short fits in this process: seconds from ``fit()`` to rank 0's first step (start) and
+    from rank 0's last step to ``fit()`` returning (stop). A second fit shows what a warm launcher saves."""
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader, TensorDataset
+
+    sys.path.insert(0, str(ROOT))
+    import lightning_shm  # noqa: F401
+    from lightning_shm.models import MNISTClassifier
+
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(640, 1, 28, 28, generator=g), torch.randint(0, 10, (640,), generator=g))
+    out = []
+    for _ in range(fits):
+        path = Path(tempfile.mkdtemp(prefix="bench_")) / "edges.json"
+        trainer = pl.Trainer(accelerator="cpu", strategy=strategy, devices=2, max_steps=5, logger=False,
+                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                             callbacks=[Edges(path)], num_sanity_val_steps=0)
+        t_fit = time.time()
+        trainer.fit(MNISTClassifier(**MODELS["reference"]), DataLoader(data, batch_size=32))
+        t_ret = time.time()
+        edges = json.loads(path.read_text())
+        out.append({"start_s": edges["first"] - t_fit, "stop_s": t_ret - edges["last"]})
+    return out
+
+
+FIXED_COST_ROWS = {  # row -> registered strategy name
+    "ddp_spawn (gloo)": "ddp_spawn",
+    "shm_ddp (spawn)": "shm_ddp_spawn",
+    "shm_ddp (forkserver, the default)": "shm_ddp",
+    "shm_ddp (fork)": "shm_ddp_fork",
+}
+
+
+def fixed_costs(repeats: int, fits: int = 2) -> dict[str, list[dict[str, float]]]:
+    """Median over ``repeats`` fresh interpreters of each fit's start/stop seconds."""
+    import statistics
+
+    res = {}
+    for row, name in FIXED_COST_ROWS.items():
+        runs = []
+        for _ in range(repeats):
+            proc = subprocess.run([sys.executable, __file__, "--fixed-cost-one", name, str(fits)], cwd=ROOT,
+                                  capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise RuntimeError(f"fixed-cost child failed:\n{proc.stderr[-3000:]}")
+            runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+        res[row] = [{k: statistics.median(r[i][k] for r in runs) for k in ("start_s", "stop_s")} for i in range(fits)]
+    return res
+
+
+def fixed_cost_table(res: dict[str, list[dict[str, float]]]) -> str:
+    lines = ["## Fixed cost per fit (reference MLP, W=2; seconds, median of fresh interpreters)\n",
+             "| row | first fit: fit() -> first step | last step -> fit() returns | second fit in the same "
+             "process: start | stop |", "|---|---:|---:|---:|---:|"]
+    for row, fits in res.items():
+        a, b = fits[0], fits[-1]
+        lines.append(f"| {row} | {a['start_s']:.2f} | {a['stop_s']:.2f} | {b['start_s']:.2f} | {b['stop_s']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
 # ---------------------------------------------------------------------- driver
 def launch_child(spec: RunSpec, env: Optional[dict[str, str]] = None) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, __file__, "--run-one", json.dumps(asdict(spec))], cwd=ROOT,
@@ -175,13 +252,17 @@ def rows_for(model: str, world: int, gb: int, warmup: int, steps: int) -> list[R
 def main(argv: Optional[list[str]] = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run-one", help=argparse.SUPPRESS)
+    p.add_argument("--fixed-cost-one", nargs=2, help=argparse.SUPPRESS)
+    p.add_argument("--summary", action="store_true", help="the short run (under 5 minutes on 2 cores) that ends "
+                   "with one 'summary:' line of ratios against the ceiling")
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=sorted(MODELS))
     p.add_argument("--global-batch", type=int, default=128)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--no-memory", action="store_true", help="skip the extra tables (same as --tables without names)")
-    p.add_argument("--tables", nargs="*", default=list(TABLES), choices=list(TABLES),
-                   help="extra tables after the throughput rows (default: all)")
+    p.add_argument("--tables", nargs="*", default=[t for t in TABLES if t != "layouts"], choices=list(TABLES),
+                   help="extra tables after the throughput rows (default: all but 'layouts', W=4 runs of "
+                        "the wide MLP, a few minutes)")
     p.add_argument("--no-throughput", action="store_true", help="only the extra tables")
     p.add_argument("--rows", nargs="+", default=None, help="only these rows (by name prefix, e.g. shm_ddp "
                    "ddp_spawn); 'single' and 'ceiling' are always measured since the ratios refer to them")
@@ -191,6 +272,12 @@ def main(argv: Optional[list[str]] = None) -> None:
     args = p.parse_args(argv)
     if args.run_one:
         print(json.dumps(run_one(RunSpec(**json.loads(args.run_one)))))
+        return
+    if args.fixed_cost_one:
+        print(json.dumps(fixed_cost_one(args.fixed_cost_one[0], int(args.fixed_cost_one[1]))))
+        return
+    if args.summary:
+        summary(args.global_batch, args.repeats or 3)
         return
     repeats = args.repeats or (1 if args.quick else 3)
     args.out_dir.mkdir(parents=True, exist_ok=True)
@@ -232,12 +319,81 @@ def main(argv: Optional[list[str]] = None) -> None:
         lines.append(tp_table([2, 4], args.models, args.global_batch))
     if "pipeline" in tables:
         lines.append(pipeline_table([2, 4], [4, 8], args.global_batch, 3 if args.quick else 5))
+    if "fixed" in tables:
+        lines.append(fixed_cost_table(fixed_costs(1 if args.quick else 3)))
+    if "layouts" in tables:
+        lines.append(layouts_table("wide", args.global_batch, repeats, args.quick))
     text = "\n".join(lines)
     (args.out_dir / f"strategies_w{args.world_size}.md").write_text(text)
     if plot_data:
         plot(args.out_dir / f"strategies_w{args.world_size}.png", plot_data, args.world_size)
     print(text)
     print(f"(written to {args.out_dir}/; {time.time() - t_start:.0f} s)")
+
+
+# ---------------------------------------------------------------------- composed layouts
+LAYOUTS = [  # (dp, tp, pp, data_parallel) at W = dp x tp x pp
+    (4, 1, 1, "replicate"), (4, 1, 1, "shard"), (1, 4, 1, "replicate"), (2, 2, 1, "replicate"),
+    (2, 2, 1, "shard"), (2, 1, 2, "replicate"), (2, 1, 2, "shard"), (1, 2, 2, "replicate"),
+]
+
+
+def layout_name(dp: int, tp: int, pp: int, how: str) -> str:
+    parts = [f"dp{dp} {how}" if dp > 1 else "", f"tp{tp}" if tp > 1 else "", f"pp{pp}" if pp > 1 else ""]
+    return " x ".join(p for p in parts if p)
+
+
+def layout_memory_worker(world: Any, model_kw: dict[str, Any], dp: int, tp: int, pp: int, how: str) -> int:
+    """Bytes a rank keeps between steps with Adam: its parameters, their gradients, the optimizer state."""
+    sys.path.insert(0, str(ROOT))
+    import lightning_shm.parallel.compose as compose
+    from lightning_shm.models import MNISTClassifier
+    from lightning_shm.runtime import Topology
+
+    torch.manual_seed(0)
+    model = MNISTClassifier(**model_kw)
+    config = compose.ParallelConfig(dp, tp, pp, how, sequential="net", balance="params")
+    compose.parallelize(model, config, world, Topology(world.size, dp=dp, tp=tp, pp=pp).groups(world),
+                        training=True)
+    params = [p for p in model.parameters()]
+    opt = torch.optim.Adam(params)
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    local = sum(p.numel() * p.element_size() for p in params)
+    state = sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values() if v.dim())
+    return 2 * local + state  # parameters + gradients + Adam's two moments
+
+
+def layouts_table(model: str, global_batch: int, repeats: int, quick: bool) -> str:
+    """W=4 layouts of the composed strategy: persistent memory per rank and throughput, side by side."""
+    from lightning_shm.runtime import launch
+
+    warmup, steps = (1, 2) if quick else (2, 6)
+    full = n_params(model) * 4 * 4  # fp32 parameters + gradients + two Adam moments, one process
+    specs = []
+    for dp, tp, pp, how in LAYOUTS:
+        kw = {"data_parallel_size": dp, "tensor_parallel_size": tp, "pipeline_parallel_size": pp,
+              "data_parallel": how}
+        specs.append(RunSpec(layout_name(dp, tp, pp, how), "shm_model_parallel", 4, model, global_batch, warmup,
+                             steps, strategy_kwargs=kw, data_parallel=dp))
+    specs.append(RunSpec("ceiling (no comm)", "ceiling", 4, model, global_batch, warmup, steps))
+    runs: dict[str, list[float]] = {s.row: [] for s in specs}
+    for _ in range(repeats):
+        for s in specs:
+            runs[s.row].append(measure(s)["samples_per_s"])
+    med = {row: sorted(v)[len(v) // 2] for row, v in runs.items()}
+    ceiling = med["ceiling (no comm)"]
+    lines = [f"## Composed layouts, W=4 ({describe(model)}, global batch {global_batch}, {os.cpu_count()} cores, "
+             f"median of {repeats})\n",
+             "| layout | persistent MiB per rank (params + grads + Adam) | of one process | samples/s | vs ceiling |",
+             "|---|---:|---:|---:|---:|"]
+    for (dp, tp, pp, how), s in zip(LAYOUTS, specs):
+        mem = max(launch(layout_memory_worker, 4, MODELS[model], dp, tp, pp, how, start_method="fork"))
+        lines.append(f"| {s.row} | {mem / 2**20:,.1f} | {mem / full:.3f} | {med[s.row]:,.0f} | "
+                     f"{med[s.row] / ceiling:.2f}x |")
+    lines.append(f"| ceiling (4 independent processes) | {full / 2**20:,.1f} | 1.000 | {ceiling:,.0f} | 1.00x |")
+    return "\n".join(lines) + "\n"
 
 
 # ---------------------------------------------------------------------- memory per rank
@@ -485,6 +641,47 @@ def plot(path: Path, data: dict[str, dict[str, float]], world: int) -> None:
             ax.text(rows[n], i, f" {rows[n]:,.0f}", va="center", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+# ---------------------------------------------------------------------- --summary
+SUMMARY_STEPS = {"reference": (30, 300), "wide": (2, 8)}  # (warm-up, measured): short windows, several repeats
+
+
+def summary(global_batch: int, repeats: int) -> None:
+    """The rows the performance targets name, medians of ``repeats`` interleaved runs, and one line."""
+    import statistics
+
+    from lightning_shm.parallel.pipeline import PipelineSchedule, Schedule
+
+    t_start = time.time()
+    M = 4
+    bubble = PipelineSchedule(Schedule.ONE_F_ONE_B, 2, M, 1).formula_bubble()
+    wanted = {"reference": ("shm_ddp", "shm_tp", "ceiling"),
+              "wide": ("shm_ddp", "shm_fsdp", "shm_tp", f"shm_pipeline (1f1b, P=2, M={M})", "ceiling")}
+    ratios: dict[str, dict[str, float]] = {}
+    lines = [f"# Summary: W=2, global batch {global_batch}, {os.cpu_count()} cores, median of {repeats}\n",
+             "| model | row | samples/s | vs ceiling |", "|---|---|---:|---:|"]
+    for model, rows in wanted.items():
+        warmup, steps = SUMMARY_STEPS[model]
+        specs = [s for s in rows_for(model, 2, global_batch, warmup, steps)
+                 if s.row.startswith(rows) and s.row != "shm_fsdp, prefetch"]
+        runs: dict[str, list[float]] = {s.row: [] for s in specs}
+        for _ in range(repeats):
+            for s in specs:
+                runs[s.row].append(measure(s)["samples_per_s"])
+        med = {row: statistics.median(v) for row, v in runs.items()}
+        ceiling = med["ceiling (no comm)"]
+        ratios[model] = {row.split(" ")[0].split(",")[0]: v / ceiling for row, v in med.items()}
+        lines += [f"| {model} | {row} | {v:,.0f} | {v / ceiling:.2f}x |" for row, v in med.items()]
+    fixed = fixed_costs(repeats, fits=1)["shm_ddp (spawn)"][0]
+    ref, wide = ratios["reference"], ratios["wide"]
+    print("\n".join(lines))
+    print(f"\n(pipeline theory: 1 - bubble = {1 - bubble:.2f} of the ceiling at P=2, M={M}; "
+          f"{time.time() - t_start:.0f} s)")
+    print(f"summary: ddp_ref={ref['shm_ddp']:.2f} ddp_wide={wide['shm_ddp']:.2f} fsdp_wide={wide['shm_fsdp']:.2f} "
+          f"fsdp_vs_ddp_wide={wide['shm_fsdp'] / wide['shm_ddp']:.2f} tp_ref={ref['shm_tp']:.2f} "
+          f"tp_wide={wide['shm_tp']:.2f} pp_wide_vs_theory={wide['shm_pipeline'] / (1 - bubble):.2f} "
+          f"start_s={fixed['start_s']:.2f} stop_s={fixed['stop_s']:.2f}")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 The main process:
 
 1. sweeps segments left by dead runs, creates the control segment (abort flag, stop requests);
-2. starts W processes (``spawn`` by default, ``fork`` selectable) running ``fn(world, *args)``. A
+2. starts W processes (``spawn`` by default; ``fork``, or ``forkserver`` -- a server with torch and
+   lightning imported once, forking every worker -- selectable) running ``fn(world, *args)``. A
    spawned worker reads the pickled job from a segment (a pipe would block the main process for
    ever if the child died before reading it); its stderr passes through the main process
    (:mod:`.relay`), which keeps the last lines;
@@ -38,6 +39,7 @@ import logging
 import multiprocessing as mp
 import os
 import pickle
+import select
 import signal
 import sys
 import threading
@@ -47,7 +49,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, Iterator, Optional
 
-from lightning_shm.runtime import stacks
+from lightning_shm.runtime import forkserver, stacks
 from lightning_shm.runtime.errors import BarrierTimeoutError, PeerAbortedError, WorkerDiedError, WorkerTraceback
 from lightning_shm.runtime.messages import send
 from lightning_shm.runtime.relay import StderrRelay
@@ -71,6 +73,7 @@ class LaunchConfig:
     threads: Optional[int] = None  # per worker; None = user's OMP_NUM_THREADS or cores // W
     graceful_stop: bool = False  # SIGINT/SIGTERM: ask the workers to stop at a safe point (they must poll)
     stop_grace_s: float = 60.0  # ... and stop them at once if they have not stopped by then
+    preload: tuple[str, ...] = ("torch",)  # forkserver: modules the server imports once for every worker
 
     def __post_init__(self) -> None:
         if not isinstance(self.world_size, int) or self.world_size < 1:
@@ -105,6 +108,7 @@ class _WorkerArgs:
     stack_path: str
     start_method: str
     graceful_stop: bool
+    environ: Optional[dict[str, str]]  # fork server: the main process's environment now (the server's is old)
 
 
 class Launcher:
@@ -120,12 +124,16 @@ class Launcher:
         self._relay = StderrRelay()
         self._signals: list[int] = []
         self._wake: Optional[tuple[int, int]] = None
+        self._server_mark: Optional[int] = None  # fork server: where its output stood when this run began
 
     # ------------------------------------------------------------------ public
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
         cfg = self.config
         sweep_stale()
         ctx = mp.get_context(cfg.start_method)
+        if cfg.start_method == "forkserver":
+            forkserver.ensure_running(ctx, cfg.preload)
+            self._server_mark = forkserver.mark()
         threads = cfg.threads or thread_budget(cfg.world_size)
         if cfg.start_method == "fork":
             threads = _fork_safe_threads(threads)
@@ -139,11 +147,18 @@ class Launcher:
                 for rank in range(cfg.world_size):
                     self._stack_paths[rank] = os.path.join(SHM_DIR, self._create(f"stack{rank}", _STACK_BYTES).name)
                     wargs = _WorkerArgs(rank, cfg.world_size, self._control.name, cfg.runtime, threads, os.getpid(),
-                                        self._stack_paths[rank], cfg.start_method, cfg.graceful_stop)
+                                        self._stack_paths[rank], cfg.start_method, cfg.graceful_stop,
+                                        dict(os.environ) if cfg.start_method == "forkserver" else None)
                     parent, child = ctx.Pipe(duplex=True)
-                    p = ctx.Process(target=_worker_entry, args=(wargs, child, job), name=f"lightning_shm-rank{rank}")
-                    with self._relay.capturing(rank):
+                    with self._relay.capturing(rank) as stderr_fd:
+                        # a fork server's children inherit the server's fds 0-2, not ours: send the pipe
+                        err = Connection(os.dup(stderr_fd), readable=False) if cfg.start_method == "forkserver" \
+                            else None
+                        p = ctx.Process(target=_worker_entry, args=(wargs, child, job, err),
+                                        name=f"lightning_shm-rank{rank}")
                         p.start()
+                        if err is not None:
+                            err.close()
                     child.close()
                     conns.append(parent)
                     self.procs.append(p)
@@ -320,6 +335,10 @@ class Launcher:
         tail = self._relay.tail(rank)
         if tail:
             err.add_note(f"last lines rank {rank} wrote to stderr:\n{tail}")
+        elif self._server_mark is not None:  # died before taking its own stderr (e.g. importing the script)
+            early = forkserver.output_since(self._server_mark)
+            if early:
+                err.add_note(f"last lines the fork server's workers wrote to stderr:\n{early}")
         return err
 
     @staticmethod
@@ -379,10 +398,16 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, start_method: st
 
 
 # ---------------------------------------------------------------------- worker side
-def _worker_entry(a: _WorkerArgs, conn: Connection, job: Any) -> None:
+def _worker_entry(a: _WorkerArgs, conn: Connection, job: Any, stderr: Optional[Connection] = None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    _die_with_parent(a.parent_pid)
+    if stderr is not None:
+        os.dup2(stderr.fileno(), 2)
+        stderr.close()
+    if a.environ is not None:
+        os.environ.clear()
+        os.environ.update(a.environ)
+    _die_with_parent(a.parent_pid, direct=a.start_method != "forkserver")
     if a.start_method == "fork":
         close_inherited_owner_lock()  # the main process's liveness lock stays the main process's
     stacks.register(a.stack_path)
@@ -470,13 +495,35 @@ def _report(conn: Connection, e: BaseException) -> None:
         send(conn, ("error", payload, f"{type(e).__module__}.{type(e).__qualname__}", str(e), tb))
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """Ask Linux to SIGKILL this worker when the main process dies (no orphan spinning in a barrier)."""
+def _die_with_parent(parent_pid: int, direct: bool = True) -> None:
+    """SIGKILL this worker when the main process dies (no orphan spinning in a barrier). Its child
+    (spawn, fork): Linux does it (``PR_SET_PDEATHSIG``). A fork server's child: the server is its
+    parent, so a thread waits on a pidfd of the main process instead."""
+    if not direct:
+        threading.Thread(target=_kill_self_when_gone, args=(parent_pid,), name="lightning_shm-parent-watch",
+                         daemon=True).start()
+        return
     with contextlib.suppress(Exception):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     if os.getppid() != parent_pid:  # parent died before prctl took effect
         os._exit(1)
+
+
+def _kill_self_when_gone(pid: int) -> None:
+    try:
+        fd = os.pidfd_open(pid)
+        select.select([fd], [], [])  # readable when the process has exited
+    except OSError:
+        while True:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            except PermissionError:
+                pass
+            time.sleep(0.5)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _rebuild(rank: int, payload: Optional[bytes], type_name: str, message: str, tb: str) -> BaseException:

@@ -7,7 +7,9 @@ worker's fd 2 a pipe read by the main process, the output still reaches the term
 as it arrives) and :class:`~lightning_shm.runtime.errors.WorkerDiedError` can quote it.
 
 The pipe becomes the child's fd 2 by swapping the main process's fd 2 for the duration of
-``Process.start()`` (spawn and fork children inherit fds 0-2 as they are at that moment).
+``Process.start()`` (spawn and fork children inherit fds 0-2 as they are at that moment). A fork
+server's children inherit the server's instead: they are sent the pipe and make it their fd 2 first
+thing (what fails before that, e.g. importing the main module, goes to the server's stderr).
 """
 
 from __future__ import annotations
@@ -27,13 +29,14 @@ class StderrRelay:
         self._tails: dict[int, bytearray] = {}
 
     @contextlib.contextmanager
-    def capturing(self, rank: int) -> Iterator[None]:
-        """Inside: a child started now gets a pipe to us as its stderr."""
+    def capturing(self, rank: int) -> Iterator[int]:
+        """Inside: a child started now gets a pipe to us as its stderr (yields the write end, for a
+        child that does not inherit our fd 2 and must be handed it)."""
         r, w = os.pipe()
         saved = os.dup(2)
         try:
             os.dup2(w, 2)
-            yield
+            yield w
         finally:
             os.dup2(saved, 2)
             os.close(saved)

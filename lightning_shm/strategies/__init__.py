@@ -1,7 +1,7 @@
 """Lightning strategies: thin adapters of the parallelism code to the Trainer.
 
 One strategy, :class:`SHMModelParallel` (dp x tp x pp), and four presets of it; every name is
-registered twice, once per start method.
+registered once per start method (``shm_ddp``: forkserver, ``shm_ddp_spawn``, ``shm_ddp_fork``).
 """
 
 from typing import Any
@@ -24,7 +24,7 @@ REGISTRY = (
 
 def register_all(strategy_registry: Any) -> None:
     for name, cls, description in REGISTRY:
-        for suffix, method in (("", "spawn"), ("_fork", "fork")):
+        for suffix, method in (("", "forkserver"), ("_spawn", "spawn"), ("_fork", "fork")):
             strategy_registry.register(name + suffix, cls, description=f"{description}, start_method={method!r}",
                                        start_method=method, override=True)
 

@@ -38,6 +38,9 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from lightning_shm.runtime import LaunchConfig, Launcher, World
 from lightning_shm.strategies.main_state import restore_trainer
 
+# what the fork server imports once, so that no worker of any later fit imports it again
+FORKSERVER_PRELOAD = ("torch", "lightning.pytorch", "lightning_shm")
+
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
@@ -55,7 +58,7 @@ class WorkerOutput(NamedTuple):
 class SHMLauncher(_Launcher):
     """Runs a Trainer entry point on the strategy's W worker processes."""
 
-    def __init__(self, strategy: "SHMStrategyBase", start_method: str = "spawn") -> None:
+    def __init__(self, strategy: "SHMStrategyBase", start_method: str = "forkserver") -> None:
         self._strategy = strategy
         self._start_method = start_method
         self._runtime: Optional[Launcher] = None
@@ -67,9 +70,9 @@ class SHMLauncher(_Launcher):
 
     def launch(self, function: Callable, *args: Any, trainer: Optional["pl.Trainer"] = None, **kwargs: Any) -> Any:
         strategy = self._strategy
-        if self._start_method == "spawn":
+        if self._start_method != "fork":  # spawn, forkserver: each worker imports the main script again
             _check_missing_main_guard()
-            _check_main_is_importable()
+            _check_main_is_importable(self._start_method)
         if self._already_fit and trainer is not None and trainer.state.fn == TrainerFn.FITTING:
             raise NotImplementedError(
                 "Calling `trainer.fit()` twice on the same Trainer with a process-launching strategy is not "
@@ -79,11 +82,11 @@ class SHMLauncher(_Launcher):
         if trainer is not None and trainer.lightning_module is not None:  # bad input fails before any worker starts
             strategy.validate_model(trainer.lightning_module, trainer, (args, kwargs))
             strategy.check_shared_memory(trainer.lightning_module)
-        snapshot = _GlobalStateSnapshot.capture() if self._start_method == "spawn" else None
+        snapshot = _GlobalStateSnapshot.capture() if self._start_method != "fork" else None
         predicting = trainer is not None and trainer.state.fn == TrainerFn.PREDICTING
         config = LaunchConfig(world_size=strategy.num_processes, start_method=self._start_method,
                               runtime=strategy.runtime_config, graceful_stop=not predicting,
-                              stop_grace_s=strategy.stop_grace_s)
+                              stop_grace_s=strategy.stop_grace_s, preload=FORKSERVER_PRELOAD)
         self._runtime = Launcher(config)
         strategy.workers_handled_failure = True  # any exception leaving here comes after the workers' own handling
         outputs = self._runtime.run(_run_in_worker, self, trainer, function, args, kwargs, snapshot)
@@ -182,13 +185,13 @@ def _run_in_worker(world: World, launcher: SHMLauncher, trainer: Optional["pl.Tr
         strategy.detach_world()
 
 
-def _check_main_is_importable() -> None:
+def _check_main_is_importable(start_method: str) -> None:
     """A spawned worker re-imports the main script by its path; a script read from stdin has none."""
     main = sys.modules.get("__main__")
     path = getattr(main, "__file__", None)
     if path is not None and getattr(main, "__spec__", None) is None and not os.path.isfile(path):
         raise RuntimeError(
-            f"start_method='spawn' starts each worker by importing the main script again, but it has no file "
+            f"start_method={start_method!r} starts each worker by importing the main script again, but it has no file "
             f"({path!r}: a script read from stdin or typed interactively). Save it to a file, or pass "
             "start_method='fork' (e.g. strategy='shm_ddp_fork')."
         )

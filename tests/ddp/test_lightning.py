@@ -22,18 +22,22 @@ from tests.helpers import fit_adam64, flat_params, loader, mnist_like, trainer
 
 # ---------------------------------------------------------------------- contract
 def test_registered_names_and_start_methods():
-    assert {"shm_ddp", "shm_ddp_fork"} <= set(StrategyRegistry.available_strategies())
+    assert {"shm_ddp", "shm_ddp_spawn", "shm_ddp_fork"} <= set(StrategyRegistry.available_strategies())
     t = trainer(strategy="shm_ddp_fork", devices=3)
     assert isinstance(t.strategy, SHMDDPStrategy) and t.strategy._start_method == "fork"
     assert t.strategy.is_distributed and t.world_size == 3 and t.num_devices == 3
     assert t.strategy.distributed_sampler_kwargs == {"num_replicas": 3, "rank": 0}
     assert t.strategy.root_device == torch.device("cpu")
-    assert trainer(strategy="shm_ddp", devices=2).strategy._start_method == "spawn"
+    assert trainer(strategy="shm_ddp", devices=2).strategy._start_method == "forkserver"
+    assert trainer(strategy="shm_ddp_spawn", devices=2).strategy._start_method == "spawn"
 
 
-def test_multi_node_is_refused_with_pointer_to_ddp():
-    with pytest.raises(ValueError, match="num_nodes=2.*strategy='ddp'"):
-        trainer(strategy="shm_ddp", devices=2, num_nodes=2)
+def test_ranks_and_sampler_span_the_nodes(monkeypatch):
+    """Node 1 of 2, 3 devices each: the main process is global rank 3 of 6; its replicas sample 3..5 of 6."""
+    monkeypatch.setenv("NODE_RANK", "1")
+    t = trainer(strategy="shm_ddp_fork", devices=3, num_nodes=2)
+    assert t.num_nodes == 2 and t.world_size == 6 and t.node_rank == 1 and t.global_rank == 3
+    assert t.strategy.distributed_sampler_kwargs == {"num_replicas": 6, "rank": 3}
 
 
 def test_bad_arguments():

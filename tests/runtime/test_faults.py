@@ -184,17 +184,18 @@ def _run_script(tmp_path: Path, start_method: str) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     assert proc.stdout is not None and proc.stdout.readline().strip() == "started"
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and len(_children(proc.pid)) < 2:
+    while time.monotonic() < deadline and len(_descendants(proc.pid)) < 2:
         time.sleep(0.05)
     while time.monotonic() < deadline and not any(n.endswith("_group-0-1") for n in list_owned(proc.pid)):
         time.sleep(0.05)  # the workers run their loop once the group segment exists
-    assert len(_children(proc.pid)) >= 2, "workers did not start"
+    assert len(_descendants(proc.pid)) >= 2, "workers did not start"
     return proc
 
 
-def _children(pid: int) -> list[int]:
-    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
-    return [int(p) for p in out]
+def _descendants(pid: int) -> list[int]:
+    """Children and their children (a fork server's workers are its children, not the main process's)."""
+    out = [int(p) for p in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()]
+    return out + [d for c in out for d in _descendants(c)]
 
 
 def _gone(pid: int) -> bool:
@@ -207,9 +208,10 @@ def _gone(pid: int) -> bool:
 
 # SIGINT ends in KeyboardInterrupt, which an interpreter left by it reports as death by SIGINT
 @pytest.mark.parametrize("sig, rc", [(signal.SIGTERM, 128 + signal.SIGTERM), (signal.SIGINT, -signal.SIGINT)])
-def test_signal_to_main_process_stops_workers_and_cleans_up(tmp_path, sig, rc):
-    proc = _run_script(tmp_path, "fork")
-    workers = _children(proc.pid)
+@pytest.mark.parametrize("start_method", ["fork", "forkserver"])
+def test_signal_to_main_process_stops_workers_and_cleans_up(tmp_path, sig, rc, start_method):
+    proc = _run_script(tmp_path, start_method)
+    workers = _descendants(proc.pid)
     t0 = time.monotonic()
     proc.send_signal(sig)
     assert proc.wait(timeout=30) == rc
@@ -222,9 +224,10 @@ def test_signal_to_main_process_stops_workers_and_cleans_up(tmp_path, sig, rc):
     assert all(_gone(w) for w in workers)
 
 
-def test_sigkill_of_main_kills_workers_and_sweep_removes_its_segments(tmp_path):
-    proc = _run_script(tmp_path, "fork")
-    workers = _children(proc.pid)
+@pytest.mark.parametrize("start_method", ["fork", "forkserver"])  # forkserver: not the workers' parent
+def test_sigkill_of_main_kills_workers_and_sweep_removes_its_segments(tmp_path, start_method):
+    proc = _run_script(tmp_path, start_method)
+    workers = _descendants(proc.pid)
     assert workers
     proc.kill()
     proc.wait(timeout=10)

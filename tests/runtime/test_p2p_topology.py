@@ -129,6 +129,20 @@ def test_thread_budget_is_cores_over_world_unless_user_set(monkeypatch):
     assert launch(_threads, 2, start_method="spawn") == [(3, "3")] * 2
 
 
+def _probe(world):
+    return os.environ.get("LSHM_PROBE"), torch.get_num_threads()
+
+
+def test_fork_server_workers_see_the_environment_of_each_launch_and_use_threads(monkeypatch):
+    """The fork server (started once, by whichever launch came first) has an old environment; each
+    launch's workers must see the main process's environment as it is then (Lightning passes the
+    seed as PL_GLOBAL_SEED), and -- unlike forked workers -- their full thread budget."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    for value in ("first", "second"):
+        monkeypatch.setenv("LSHM_PROBE", value)
+        assert launch(_probe, 2, start_method="forkserver") == [(value, 2)] * 2
+
+
 def test_forked_workers_are_single_threaded(monkeypatch):
     """libgomp hangs in a child forked after the parent's OpenMP pool started (seen: a mul kernel)."""
     assert _fork_safe_threads(4) == 1 and _fork_safe_threads(1) == 1

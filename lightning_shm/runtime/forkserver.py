@@ -1,0 +1,100 @@
+"""The fork server: torch and lightning imported once per main process, every worker forked from it.
+
+A spawned worker is a fresh interpreter: it imports torch and lightning (seconds) before its first
+step, on every fit. ``fork`` skips that but copies a parent that may have started OpenMP threads
+(torch then runs the child single-threaded). multiprocessing's fork server is the middle way: a
+process started on the first launch, which imports the modules it is given (the strategies give
+torch, lightning and this package) and never computes anything, then forks each worker on request. The first fit costs what spawn costs; every later fit in the same
+main process (``fit`` then ``test``, a sweep, a test suite) starts in a fraction of a second.
+
+What a fork-server child does not get from the main process, and where it comes from instead:
+
+* its environment is the server's, from when the server started: the launcher sends the main
+  process's current ``os.environ`` with the job (``PL_GLOBAL_SEED`` changes between fits);
+* its fds 0-2 are the server's: the launcher sends each worker its stderr pipe (:mod:`.relay`),
+  which the worker makes its fd 2 first thing. What a worker writes before that -- the traceback of
+  a main script that fails to import -- goes to the server's stderr, which is a pipe this module
+  reads on a thread, forwards to the real stderr, and keeps the tail of for
+  :class:`~lightning_shm.runtime.errors.WorkerDiedError`.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from multiprocessing import forkserver
+from typing import Any, Optional, Sequence
+
+TAIL_BYTES = 16384
+
+
+class _ServerOutput:
+    """The fork server's stderr: forwarded to ours by a daemon thread; the tail kept, with a count of
+    every byte so far (a launch marks where it started)."""
+
+    def __init__(self) -> None:
+        self._read, self.write_fd = os.pipe()
+        self._terminal = os.dup(2)  # our stderr now (the relay swaps fd 2 while it starts workers)
+        self._tail = bytearray()
+        self._total = 0
+        self._lock = threading.Lock()
+        threading.Thread(target=self._pump, name="lightning_shm-forkserver-stderr", daemon=True).start()
+
+    def _pump(self) -> None:
+        while True:
+            try:
+                data = os.read(self._read, 65536)
+            except OSError:
+                return
+            if not data:
+                return
+            try:
+                os.write(self._terminal, data)
+            except OSError:
+                pass
+            with self._lock:
+                self._tail += data
+                del self._tail[:-TAIL_BYTES]
+                self._total += len(data)
+
+    def mark(self) -> int:
+        with self._lock:
+            return self._total
+
+    def since(self, mark: int) -> str:
+        with self._lock:
+            new = min(self._total - mark, len(self._tail))
+            return bytes(self._tail[len(self._tail) - new:]).decode(errors="replace") if new > 0 else ""
+
+
+_output: Optional[_ServerOutput] = None
+_lock = threading.Lock()
+
+
+def ensure_running(ctx: Any, preload: Sequence[str]) -> None:
+    """Start the fork server if it is not running: its stderr our pipe, ``preload`` imported (a server
+    already running keeps what it imported)."""
+    global _output
+    with _lock:
+        if _output is None:
+            _output = _ServerOutput()
+        ctx.set_forkserver_preload(list(preload))
+        saved = os.dup(2)
+        try:
+            os.dup2(_output.write_fd, 2)  # the server (a new interpreter) inherits fds 0-2
+            forkserver.ensure_running()
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
+def mark() -> int:
+    """Position in the server's output; :func:`output_since` returns what came after it."""
+    return _output.mark() if _output is not None else 0
+
+
+def output_since(mark: int, lines: int = 25) -> str:
+    if _output is None:
+        return ""
+    text = _output.since(mark)
+    return "\n".join(text.replace("\r", "\n").rstrip().splitlines()[-lines:])
