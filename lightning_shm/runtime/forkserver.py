@@ -4,8 +4,9 @@ A spawned worker is a fresh interpreter: it imports torch and lightning (seconds
 step, on every fit. ``fork`` skips that but copies a parent that may have started OpenMP threads
 (torch then runs the child single-threaded). multiprocessing's fork server is the middle way: a
 process started on the first launch, which imports the modules it is given (the strategies give
-torch, lightning and this package) and never computes anything, then forks each worker on request. The first fit costs what spawn costs; every later fit in the same
-main process (``fit`` then ``test``, a sweep, a test suite) starts in a fraction of a second.
+torch, lightning and this package) and never computes anything, then forks each worker on request.
+The first fit costs what spawn costs; every later fit in the same main process (``fit`` then
+``test``, a sweep, a test suite) starts in a fraction of a second.
 
 What a fork-server child does not get from the main process, and where it comes from instead:
 
