@@ -43,7 +43,7 @@ MODELS: dict[str, dict[str, Any]] = {  # MNISTClassifier arguments
 }
 STEPS = {"reference": (50, 1000), "wide": (3, 12), "cnn": (5, 60), "transformer": (5, 60)}  # (warm-up, measured)
 DATASET_SAMPLES = 60_000
-TABLES = ("memory", "prefetch", "tp", "pipeline", "fixed", "layouts")
+TABLES = ("memory", "prefetch", "tp", "pipeline", "fixed", "layouts", "breakdown")
 
 
 @dataclass
@@ -125,6 +125,76 @@ def run_one(spec: RunSpec) -> dict[str, Any]:
             "threads": timing["threads"]}
 
 
+# ---------------------------------------------------------------------- where a pipeline step goes
+class StepBreakdown(Callback):
+    """Every rank: its step's wall time split into compute actions (F / B / W, from the engine's
+    timeline), waiting inside the schedule (the span of its actions minus their time) and the rest
+    of the step outside the schedule (Lightning's loop, optimizer step, data, the step's broadcast)."""
+
+    def __init__(self, warmup: int, out_dir: Path) -> None:
+        self.warmup, self.out_dir, self.rows, self.t0 = warmup, out_dir, [], 0.0
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self.t0 = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        step = time.perf_counter() - self.t0
+        engine = trainer.strategy.parallel.engine  # a benchmark may look inside; the adapter does not
+        if trainer.global_step <= self.warmup or not engine.timeline:
+            return
+        tl = engine.timeline
+        busy = {k: sum(t.end - t.start for t in tl if t.kind == k) for k in ("F", "B", "W")}
+        span = max(t.end for t in tl) - min(t.start for t in tl)
+        self.rows.append({"step": step, **busy, "wait": span - sum(busy.values()), "outside": step - span})
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        import statistics
+
+        med = {k: statistics.median(r[k] for r in self.rows) for k in self.rows[0]}
+        (self.out_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(med))
+
+
+def breakdown_one(model: str, microbatches: int, schedule: str, global_batch: int) -> list[dict[str, float]]:
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader, TensorDataset
+
+    sys.path.insert(0, str(ROOT))
+    from lightning_shm import SHMPipeline
+    from lightning_shm.models import MNISTClassifier
+
+    warmup, steps = {"wide": (2, 8), "transformer": (5, 30)}[model]
+    g = torch.Generator().manual_seed(0)
+    n = global_batch * 20
+    data = TensorDataset(torch.randn(n, 1, 28, 28, generator=g), torch.randint(0, 10, (n,), generator=g))
+    out_dir = Path(tempfile.mkdtemp(prefix="bench_"))
+    pl.seed_everything(0)
+    trainer = pl.Trainer(accelerator="cpu", strategy=SHMPipeline(pipeline_parallel_size=2, microbatches=microbatches,
+                                                                 schedule=schedule),
+                         devices=2, max_steps=warmup + steps, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                         callbacks=[StepBreakdown(warmup, out_dir)])
+    trainer.fit(MNISTClassifier(**MODELS[model], optimizer="sgd", lr=0.01),
+                DataLoader(data, batch_size=global_batch, shuffle=True, drop_last=True))
+    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def breakdown_table(global_batch: int) -> str:
+    lines = [f"## Where a pipeline step goes (P=2, global batch {global_batch}; ms per step, median; per stage)\n",
+             "| model | schedule | M | stage | step | F | B | W | waiting inside the schedule | outside the schedule |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for model in ("wide", "transformer"):
+        for schedule, M in (("1f1b", 4), ("1f1b", 8), ("zero_bubble", 4)):
+            proc = subprocess.run([sys.executable, __file__, "--breakdown-one", model, str(M), schedule,
+                                   str(global_batch)], cwd=ROOT, capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise RuntimeError(f"breakdown child failed:\n{proc.stderr[-3000:]}")
+            for stage, r in enumerate(json.loads(proc.stdout.strip().splitlines()[-1])):
+                ms = {k: v * 1e3 for k, v in r.items()}
+                lines.append(f"| {model} | {schedule} | {M} | {stage} | {ms['step']:.1f} | {ms['F']:.1f} | "
+                             f"{ms['B']:.1f} | {ms['W']:.1f} | {ms['wait']:.1f} | {ms['outside']:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
 # ---------------------------------------------------------------------- fixed cost per fit
 class Edges(Callback):
     """Rank 0 writes the wall-clock time of its first step's start and its last step's end."""
@@ -175,12 +245,14 @@ FIXED_COST_ROWS = {  # row -> registered strategy name
 }
 
 
-def fixed_costs(repeats: int, fits: int = 2) -> dict[str, list[dict[str, float]]]:
+def fixed_costs(repeats: int, fits: int = 2, rows: Optional[list[str]] = None) -> dict[str, list[dict[str, float]]]:
     """Median over ``repeats`` fresh interpreters of each fit's start/stop seconds."""
     import statistics
 
     res = {}
     for row, name in FIXED_COST_ROWS.items():
+        if rows is not None and row not in rows:
+            continue
         runs = []
         for _ in range(repeats):
             proc = subprocess.run([sys.executable, __file__, "--fixed-cost-one", name, str(fits)], cwd=ROOT,
@@ -253,6 +325,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run-one", help=argparse.SUPPRESS)
     p.add_argument("--fixed-cost-one", nargs=2, help=argparse.SUPPRESS)
+    p.add_argument("--breakdown-one", nargs=4, help=argparse.SUPPRESS)
     p.add_argument("--summary", action="store_true", help="the short run (under 5 minutes on 2 cores) that ends "
                    "with one 'summary:' line of ratios against the ceiling")
     p.add_argument("--world-size", type=int, default=2)
@@ -260,9 +333,11 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--global-batch", type=int, default=128)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--no-memory", action="store_true", help="skip the extra tables (same as --tables without names)")
-    p.add_argument("--tables", nargs="*", default=[t for t in TABLES if t != "layouts"], choices=list(TABLES),
-                   help="extra tables after the throughput rows (default: all but 'layouts', W=4 runs of "
-                        "the wide MLP, a few minutes)")
+    p.add_argument("--tables", nargs="*", default=[t for t in TABLES if t not in ("layouts", "breakdown")],
+                   choices=list(TABLES),
+                   help="extra tables after the throughput rows (default: all but 'layouts' -- W=4 runs of "
+                        "the wide MLP -- and 'breakdown' -- pipeline steps split by where the time goes; "
+                        "a few minutes each)")
     p.add_argument("--no-throughput", action="store_true", help="only the extra tables")
     p.add_argument("--rows", nargs="+", default=None, help="only these rows (by name prefix, e.g. shm_ddp "
                    "ddp_spawn); 'single' and 'ceiling' are always measured since the ratios refer to them")
@@ -272,6 +347,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     args = p.parse_args(argv)
     if args.run_one:
         print(json.dumps(run_one(RunSpec(**json.loads(args.run_one)))))
+        return
+    if args.breakdown_one:
+        model, M, schedule, gb = args.breakdown_one
+        print(json.dumps(breakdown_one(model, int(M), schedule, int(gb))))
         return
     if args.fixed_cost_one:
         print(json.dumps(fixed_cost_one(args.fixed_cost_one[0], int(args.fixed_cost_one[1]))))
@@ -323,6 +402,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         lines.append(fixed_cost_table(fixed_costs(1 if args.quick else 3)))
     if "layouts" in tables:
         lines.append(layouts_table("wide", args.global_batch, repeats, args.quick))
+    if "breakdown" in tables:
+        lines.append(breakdown_table(args.global_batch))
     text = "\n".join(lines)
     (args.out_dir / f"strategies_w{args.world_size}.md").write_text(text)
     if plot_data:
@@ -644,11 +725,13 @@ def plot(path: Path, data: dict[str, dict[str, float]], world: int) -> None:
 
 
 # ---------------------------------------------------------------------- --summary
-SUMMARY_STEPS = {"reference": (30, 300), "wide": (2, 8)}  # (warm-up, measured): short windows, several repeats
+SUMMARY_STEPS = {"reference": (20, 200), "wide": (2, 6)}  # (warm-up, measured): short windows, several repeats
 
 
 def summary(global_batch: int, repeats: int) -> None:
-    """The rows the performance targets name, medians of ``repeats`` interleaved runs, and one line."""
+    """The rows the performance targets name, medians of ``repeats`` interleaved runs, and one line.
+    With one thread per worker (cores // 2 == 1) forked workers are the same workers as the default
+    fork server's, and start in a fraction of a second: the rows use them to stay under 5 minutes."""
     import statistics
 
     from lightning_shm.parallel.pipeline import PipelineSchedule, Schedule
@@ -656,32 +739,38 @@ def summary(global_batch: int, repeats: int) -> None:
     t_start = time.time()
     M = 4
     bubble = PipelineSchedule(Schedule.ONE_F_ONE_B, 2, M, 1).formula_bubble()
-    wanted = {"reference": ("shm_ddp", "shm_tp", "ceiling"),
-              "wide": ("shm_ddp", "shm_fsdp", "shm_tp", f"shm_pipeline (1f1b, P=2, M={M})", "ceiling")}
+    key = {"shm_ddp": "ddp", "shm_fsdp": "fsdp", "shm_tp (tp=2)": "tp", f"shm_pipeline (1f1b, P=2, M={M})": "pp",
+           "ceiling (no comm)": "ceiling"}
+    wanted = {"reference": ("ddp", "tp", "ceiling"), "wide": ("ddp", "fsdp", "tp", "pp", "ceiling")}
+    fork = {"start_method": "fork"} if (os.cpu_count() or 1) // 2 <= 1 else {}
     ratios: dict[str, dict[str, float]] = {}
     lines = [f"# Summary: W=2, global batch {global_batch}, {os.cpu_count()} cores, median of {repeats}\n",
              "| model | row | samples/s | vs ceiling |", "|---|---|---:|---:|"]
     for model, rows in wanted.items():
         warmup, steps = SUMMARY_STEPS[model]
-        specs = [s for s in rows_for(model, 2, global_batch, warmup, steps)
-                 if s.row.startswith(rows) and s.row != "shm_fsdp, prefetch"]
+        specs = [s for s in rows_for(model, 2, global_batch, warmup, steps) if key.get(s.row) in rows]
+        for s in specs:
+            if s.strategy != "ceiling":
+                s.strategy_kwargs = {**s.strategy_kwargs, **fork}
         runs: dict[str, list[float]] = {s.row: [] for s in specs}
         for _ in range(repeats):
             for s in specs:
                 runs[s.row].append(measure(s)["samples_per_s"])
         med = {row: statistics.median(v) for row, v in runs.items()}
         ceiling = med["ceiling (no comm)"]
-        ratios[model] = {row.split(" ")[0].split(",")[0]: v / ceiling for row, v in med.items()}
+        ratios[model] = {key[row]: v / ceiling for row, v in med.items()}
         lines += [f"| {model} | {row} | {v:,.0f} | {v / ceiling:.2f}x |" for row, v in med.items()]
-    fixed = fixed_costs(repeats, fits=1)["shm_ddp (spawn)"][0]
+    spawn, server = "shm_ddp (spawn)", "shm_ddp (forkserver, the default)"
+    fixed = fixed_costs(repeats, fits=2, rows=[spawn, server])
     ref, wide = ratios["reference"], ratios["wide"]
     print("\n".join(lines))
     print(f"\n(pipeline theory: 1 - bubble = {1 - bubble:.2f} of the ceiling at P=2, M={M}; "
           f"{time.time() - t_start:.0f} s)")
-    print(f"summary: ddp_ref={ref['shm_ddp']:.2f} ddp_wide={wide['shm_ddp']:.2f} fsdp_wide={wide['shm_fsdp']:.2f} "
-          f"fsdp_vs_ddp_wide={wide['shm_fsdp'] / wide['shm_ddp']:.2f} tp_ref={ref['shm_tp']:.2f} "
-          f"tp_wide={wide['shm_tp']:.2f} pp_wide_vs_theory={wide['shm_pipeline'] / (1 - bubble):.2f} "
-          f"start_s={fixed['start_s']:.2f} stop_s={fixed['stop_s']:.2f}")
+    print(f"summary: ddp_ref={ref['ddp']:.2f} ddp_wide={wide['ddp']:.2f} fsdp_wide={wide['fsdp']:.2f} "
+          f"fsdp_vs_ddp_wide={wide['fsdp'] / wide['ddp']:.2f} tp_ref={ref['tp']:.2f} "
+          f"tp_wide={wide['tp']:.2f} pp_wide_vs_theory={wide['pp'] / (1 - bubble):.2f} "
+          f"start_s={fixed[spawn][0]['start_s']:.2f} stop_s={fixed[spawn][0]['stop_s']:.2f} "
+          f"start_s_later_fits={fixed[server][1]['start_s']:.2f}")
 
 
 if __name__ == "__main__":
