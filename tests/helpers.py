@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import lightning.pytorch as pl
 import torch
@@ -54,15 +54,18 @@ PRECISION = {"sgd": "32-true", "adam": "64-true"}
 
 
 def train_mnist(strategy: Any, devices: int, optimizer: str, *, batch: int, model_cls: Any = None, ref: bool = False,
-                accumulate: int = 1, samples: Optional[int] = None, buffers: bool = False, **kw: Any) -> torch.Tensor:
+                accumulate: int = 1, samples: Optional[int] = None, buffers: bool = False,
+                data: Optional[Callable[[TensorDataset], Any]] = None, **kw: Any) -> torch.Tensor:
     """Train the MNIST module on GLOBAL_BATCH * STEPS synthetic samples (or ``samples``); return its flat weights
     (float64), followed by its buffers (BatchNorm statistics) with ``buffers=True``.
 
-    ``ref=True`` makes one process iterate the distributed sampler's permutation in batches of ``batch``.
+    ``ref=True`` makes one process iterate the distributed sampler's permutation in batches of ``batch``;
+    ``data`` wraps the synthetic dataset (e.g. an augmentation).
     """
     pl.seed_everything(SEED)
     model = (model_cls or MNISTClassifier)(optimizer=optimizer, lr=0.01 if optimizer != "sgd" else 0.1)
     ds = mnist_like(samples or GLOBAL_BATCH * STEPS * accumulate, seed=1)
+    ds = data(ds) if data is not None else ds
     dl = reference_loader(ds, batch, SEED) if ref else loader(ds, batch)
     t = trainer(strategy=strategy, devices=devices, max_epochs=1, precision=PRECISION[optimizer],
                 accumulate_grad_batches=accumulate, **kw)

@@ -24,7 +24,8 @@ class SHMTensorParallel(SHMModelParallel):
             (``*`` matches one path component); default: the module's ``tp_plan`` attribute, else
             derived for its Sequential (Linear / Conv2d layers paired column -> row).
         sequential: attribute path of the ``nn.Sequential`` a plan is derived from (default: the first one).
-        **kwargs: see :class:`~lightning_shm.strategies.base.SHMStrategyBase`.
+        **kwargs: ``tp_batch`` (every rank of a tp group computes on its first member's batch) and the
+            rest of :class:`~lightning_shm.strategies.model_parallel.SHMModelParallel`.
     """
 
     def __init__(self, *args: Any, tensor_parallel_size: int = 2, plan: Optional[Mapping[str, Any]] = None,

@@ -52,6 +52,37 @@ def test_tensor_parallel_equals_one_process(references, devices, size, optimizer
     torch.testing.assert_close(got, references[optimizer], rtol=0, atol=1e-5)
 
 
+class RankAugmented(torch.utils.data.Dataset):
+    """Noise drawn per sample from a per-rank seed -- what loader workers seeded by
+    ``seed_everything(workers=True)`` (seed, worker id *and* global rank) draw for random augmentations."""
+
+    def __init__(self, ds):
+        self.ds = ds
+
+    def __len__(self):
+        return len(self.ds)
+
+    def __getitem__(self, i):
+        from lightning.pytorch.utilities import rank_zero_only
+
+        x, y = self.ds[i]
+        g = torch.Generator().manual_seed(1000 * rank_zero_only.rank + i)
+        return x + 0.5 * torch.randn(x.shape, generator=g), y
+
+
+def test_tp_ranks_fed_different_batches_are_stopped_or_given_the_first_members():
+    ref = train_mnist("auto", 1, "sgd", batch=GLOBAL_BATCH, ref=True, data=RankAugmented)  # rank 0's augmentation
+    got = train_mnist(tp(2), 2, "sgd", batch=GLOBAL_BATCH, data=RankAugmented)  # default: tp_batch="broadcast"
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match=r"tensor-parallel group received different batches: member 1's"):
+        train_mnist(tp(2, tp_batch="check"), 2, "sgd", batch=GLOBAL_BATCH, data=RankAugmented)
+    # what the two prevent: the halves of each layer computed on different inputs, silently
+    off = train_mnist(tp(2, tp_batch="off"), 2, "sgd", batch=GLOBAL_BATCH, data=RankAugmented)
+    assert (off - ref).abs().max() > 1e-3
+    with pytest.raises(ValueError, match=r"tp_batch must be one of \('check', 'broadcast', 'off'\), got 'x'"):
+        tp(2, tp_batch="x")
+
+
 def test_user_plan_as_data_and_global_norm_clipping():
     plan = {"net.1": "column", "net.4": "row", "net.7": "replicate"}
     kw = dict(model_cls=SchedClassifier, gradient_clip_val=0.05)

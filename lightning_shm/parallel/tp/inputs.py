@@ -1,0 +1,52 @@
+"""The ranks of a tensor-parallel group must compute on the same input.
+
+Each rank of a tp group holds a slice of every planned layer and loads the group's batch itself
+(the sampler gives every rank of the group the same indices). If the data pipeline draws its
+randomness per rank -- Lightning's ``seed_everything(workers=True)`` seeds each rank's loader
+workers with its global rank -- the two halves of a column layer see differently augmented
+images and the row layer adds up their partial sums: training goes on, silently wrong. Two ways
+to hold the rule, as ``SHMTensorParallel(tp_batch=...)`` chooses (default: broadcast):
+
+* ``check_same(tensors, group)``: every member all-gathers a fingerprint of its batch (two float64
+  sums per tensor, ``[W, 2k]``) and all members raise together if they differ -- a few
+  microseconds per step;
+* ``broadcast_from_first(tensors, group)``: every member gets member 0's tensors (Megatron's
+  ``broadcast_data``): one copy of the batch through shared memory per step.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from lightning_shm.runtime import Group
+
+MODES = ("check", "broadcast", "off")
+
+
+def _fingerprint(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    parts = []
+    for t in tensors:
+        flat = t.detach().reshape(-1)
+        parts += [flat.sum(dtype=torch.float64), flat[::7].sum(dtype=torch.float64)]  # order-sensitive enough
+    return torch.stack(parts) if parts else torch.zeros(0, dtype=torch.float64)
+
+
+def check_same(tensors: Sequence[torch.Tensor], group: Group, what: str = "batch") -> None:
+    """Raise ``ValueError`` on every member if the members' ``tensors`` differ (by fingerprint)."""
+    prints = group.all_gather(_fingerprint(tensors))  # [W, 2 * len(tensors)]
+    ref = prints[0]
+    for member in range(1, prints.shape[0]):
+        if not torch.allclose(prints[member], ref, rtol=1e-9, atol=1e-9):
+            raise ValueError(
+                f"the ranks of a tensor-parallel group received different {what}es: member {member}'s "
+                f"tensor sums {prints[member].tolist()} vs member 0's {ref.tolist()}. A data pipeline seeded "
+                "per rank (seed_everything(workers=True) seeds loader workers by global rank) gives them "
+                "different random augmentations. Pass tp_batch='broadcast' to compute on member 0's "
+                "batch on every rank, or make the pipeline rank-independent.")
+
+
+def broadcast_from_first(tensors: Sequence[torch.Tensor], group: Group) -> list[torch.Tensor]:
+    """Member 0's ``tensors`` on every member, as new tensors (a loader may hand out views of its dataset)."""
+    return [group.broadcast(t if group.index == 0 else t.clone(), src_member=0) for t in tensors]
