@@ -286,7 +286,8 @@ class Launcher:
 
     def _where(self, done: set[int]) -> dict[int, list[tuple[str, int, str]]]:
         """Stacks of the workers still running, taken before the abort flag moves them."""
-        live = {r: p.pid for r, p in enumerate(self.procs) if r not in done and p.pid is not None and p.is_alive()}
+        live = {r: p.pid for r, p in enumerate(self.procs)
+                if r not in done and p.pid is not None and p.is_alive() and stacks.ready(self._stack_paths[r])}
         if not live:
             return {}
         stacks.request(live)

@@ -31,15 +31,24 @@ _file: Optional[IO[bytes]] = None  # kept open for the worker's lifetime: faulth
 
 
 def register(path: str) -> None:
-    """Worker side: dump every thread's stack into ``path`` on ``SIGUSR2``."""
+    """Worker side: dump every thread's stack into ``path`` on ``SIGUSR2``.
+
+    The handler is installed *before* the header is written: the main process signals only workers
+    whose header it can read (:func:`ready`), since SIGUSR2's default action kills a process -- a
+    worker still starting (a fork server forks the ranks one after another) must never get it."""
     global _file
     _file = open(path, "r+b", buffering=0)  # noqa: SIM115 - must outlive this call
-    _file.write(f"main 0x{threading.main_thread().ident:016x}\n".encode())
     faulthandler.register(DUMP_SIGNAL, file=_file, all_threads=True, chain=False)
+    _file.write(f"main 0x{threading.main_thread().ident:016x}\n".encode())
+
+
+def ready(path: str) -> bool:
+    """Main side: has the worker dumping into ``path`` installed its handler?"""
+    return _read(path).startswith(b"main 0x")
 
 
 def request(pids: dict[int, int]) -> None:
-    """Main side: ask the workers ``{rank: pid}`` to dump their stacks."""
+    """Main side: ask the workers ``{rank: pid}`` to dump their stacks (only those that are :func:`ready`)."""
     for pid in pids.values():
         try:
             os.kill(pid, DUMP_SIGNAL)

@@ -28,6 +28,7 @@ from lightning_shm.runtime import (
     SharedMemoryFullError,
     WorkerDiedError,
     launch,
+    stacks,
 )
 from lightning_shm.runtime.segment import PREFIX, SHM_DIR, Segment, check_free_space, list_owned, sweep_stale
 
@@ -98,6 +99,38 @@ def test_timeout_names_the_missing_rank_and_where_it_was():
     assert where, info.value.__notes__
     first_frame = where[0].splitlines()[1]
     assert "test_faults.py" in first_frame and "in _stuck_in_user_code" in first_frame, where[0]
+
+
+def _sleep_with_stack_handler(path: str, w: int) -> None:
+    stacks.register(path)
+    os.write(w, b"x")
+    time.sleep(30)
+
+
+def test_a_worker_is_asked_for_its_stack_only_once_it_can_answer(tmp_path):
+    """SIGUSR2's default action kills: the main process signals a worker only after reading the header
+    the worker writes once its handler is installed (a fork server's ranks start one after another;
+    a stop request used to kill the one still starting)."""
+    path = tmp_path / "stack"
+    path.write_bytes(b"\0" * 65536)
+    assert not stacks.ready(str(path))
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            _sleep_with_stack_handler(str(path), w)
+        finally:
+            os._exit(0)
+    try:
+        os.read(r, 1)
+        assert stacks.ready(str(path))
+        stacks.request({1: pid})
+        frames = stacks.collect({1: str(path)})[1]
+        assert frames and frames[0][2] == "_sleep_with_stack_handler", frames
+        assert os.waitpid(pid, os.WNOHANG) == (0, 0), "the dump request killed the worker"
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
 
 
 def _mismatch(world):
