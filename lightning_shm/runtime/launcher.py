@@ -286,12 +286,10 @@ class Launcher:
 
     def _where(self, done: set[int]) -> dict[int, list[tuple[str, int, str]]]:
         """Stacks of the workers still running, taken before the abort flag moves them."""
-        live = {r: p.pid for r, p in enumerate(self.procs)
-                if r not in done and p.pid is not None and p.is_alive() and stacks.ready(self._stack_paths[r])}
+        live = {r: p.pid for r, p in enumerate(self.procs) if r not in done and p.pid is not None and p.is_alive()}
         if not live:
             return {}
-        stacks.request(live)
-        return stacks.collect({r: self._stack_paths[r] for r in live})
+        return stacks.collect(stacks.request(live, self._stack_paths))
 
     def _drain(self, rank: int, conn: Connection, open_conns: dict[int, Connection], results: dict[int, Any],
                failures: list[_Failure]) -> None:

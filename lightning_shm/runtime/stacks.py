@@ -47,13 +47,19 @@ def ready(path: str) -> bool:
     return _read(path).startswith(b"main 0x")
 
 
-def request(pids: dict[int, int]) -> None:
-    """Main side: ask the workers ``{rank: pid}`` to dump their stacks (only those that are :func:`ready`)."""
-    for pid in pids.values():
+def request(pids: dict[int, int], paths: dict[int, str]) -> dict[int, str]:
+    """Main side: ask the workers ``{rank: pid}`` that are :func:`ready` to dump their stacks into
+    ``paths[rank]``; returns ``{rank: path}`` of those asked (what :func:`collect` should read)."""
+    asked = {}
+    for rank, pid in pids.items():
+        if not ready(paths[rank]):
+            continue
         try:
             os.kill(pid, DUMP_SIGNAL)
+            asked[rank] = paths[rank]
         except ProcessLookupError:
             pass
+    return asked
 
 
 def collect(paths: dict[int, str], timeout_s: float = 0.5) -> dict[int, list[tuple[str, int, str]]]:

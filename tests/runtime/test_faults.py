@@ -114,6 +114,14 @@ def test_a_worker_is_asked_for_its_stack_only_once_it_can_answer(tmp_path):
     path = tmp_path / "stack"
     path.write_bytes(b"\0" * 65536)
     assert not stacks.ready(str(path))
+    starting = subprocess.Popen(["sleep", "30"])  # no handler yet: SIGUSR2 would kill it
+    try:
+        assert stacks.request({1: starting.pid}, {1: str(path)}) == {}
+        time.sleep(0.1)
+        assert starting.poll() is None, "a worker without its handler was signalled"
+    finally:
+        starting.kill()
+        starting.wait()
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:
@@ -124,8 +132,9 @@ def test_a_worker_is_asked_for_its_stack_only_once_it_can_answer(tmp_path):
     try:
         os.read(r, 1)
         assert stacks.ready(str(path))
-        stacks.request({1: pid})
-        frames = stacks.collect({1: str(path)})[1]
+        asked = stacks.request({1: pid}, {1: str(path)})
+        assert asked == {1: str(path)}
+        frames = stacks.collect(asked)[1]
         assert frames and frames[0][2] == "_sleep_with_stack_handler", frames
         assert os.waitpid(pid, os.WNOHANG) == (0, 0), "the dump request killed the worker"
     finally:
