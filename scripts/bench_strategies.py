@@ -309,6 +309,8 @@ def rows_for(model: str, world: int, gb: int, warmup: int, steps: int) -> list[R
         RunSpec("shm_fsdp, prefetch", "shm_fsdp", world, strategy_kwargs={"prefetch": True}, **common),
         RunSpec(f"shm_tp (tp={world})", "shm_tp", world, strategy_kwargs={"tensor_parallel_size": world},
                 data_parallel=1, **common),
+        RunSpec(f"shm_tp (tp={world}), tp_batch broadcast", "shm_tp", world, data_parallel=1,
+                strategy_kwargs={"tensor_parallel_size": world, "tp_batch": "broadcast"}, **common),
         RunSpec(f"shm_tp (tp={world}), tp_batch off", "shm_tp", world, data_parallel=1,
                 strategy_kwargs={"tensor_parallel_size": world, "tp_batch": "off"}, **common),
         RunSpec(f"shm_pipeline (1f1b, P={world}, M=4)", "shm_pipeline", world, data_parallel=1,

@@ -42,6 +42,7 @@ from lightning_shm.parallel.fsdp import UnitPolicy
 from lightning_shm.parallel.fsdp.policy import PolicyFn
 from lightning_shm.parallel.pipeline import PipelineEngine
 from lightning_shm.parallel.tp.inputs import MODES, broadcast_from_first, check_same
+from lightning_shm.parallel.tp.loading import is_group_batch, split_loader, why_not_splittable
 from lightning_shm.runtime import Group, ParallelGroups, Topology, World
 from lightning_shm.strategies.base import SHMStrategyBase
 from lightning_shm.strategies.pipeline_steps import PipelineSteps
@@ -71,11 +72,13 @@ class SHMModelParallel(SHMStrategyBase):
         broadcast_buffers: rank 0's buffers (BatchNorm running statistics) to every data-parallel
             replica before every training step and at the start of evaluation, as torch DDP does.
         tp_batch: with tp > 1 the ranks of a tp group must compute on the same batch (see
-            :mod:`lightning_shm.parallel.tp.inputs`): ``"broadcast"`` (default, as Megatron does) gives
-            every rank the first member's batch; ``"check"`` compares fingerprints every step and
-            raises if they differ (a data pipeline seeded per rank); ``"off"`` trusts the data. Both
-            cost a synchronisation per batch: 0.3-0.5 ms of a ~5 ms reference-MLP step here, nothing
-            measurable on the 20M-parameter MLP.
+            :mod:`lightning_shm.parallel.tp.inputs`): ``"split"`` has each rank load only its share of
+            every batch's rows and all-gathers them (needs a plain ``DataLoader`` over a map-style
+            dataset); ``"broadcast"`` has every rank load the whole batch and use the first member's
+            (as Megatron does); ``"auto"`` (default) splits where that is exact -- a plain DataLoader
+            with a ``BatchSampler`` and torch's ``default_collate`` -- and broadcasts otherwise;
+            ``"check"`` compares fingerprints every step and raises if they differ (a data pipeline
+            seeded per rank); ``"off"`` trusts the data.
         **kwargs: see :class:`~lightning_shm.strategies.base.SHMStrategyBase` (start_method, timeout, ...).
     """
 
@@ -87,7 +90,7 @@ class SHMModelParallel(SHMStrategyBase):
                  activation_checkpointing: bool = False, sample_input: Optional[Tensor] = None,
                  unit_policy: Union[None, int, PolicyFn, UnitPolicy] = None, reshard_after_forward: bool = True,
                  prefetch: bool = False, bucket_cap_mb: float = 25.0, find_unused_parameters: bool = False,
-                 broadcast_buffers: bool = True, tp_batch: str = "broadcast", **kwargs: Any) -> None:
+                 broadcast_buffers: bool = True, tp_batch: str = "auto", **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.parallel_config = ParallelConfig(
             data_parallel_size, tensor_parallel_size, pipeline_parallel_size, data_parallel,
@@ -210,6 +213,19 @@ class SHMModelParallel(SHMStrategyBase):
         self.precision_plugin.clip_grad_by_norm = clip_grad_by_norm  # instance attribute: this strategy's plugin
 
     # ------------------------------------------------------------------ steps
+    def process_dataloader(self, dataloader: object) -> object:
+        """With ``tp_batch`` "split" (or "auto" where exact), each tp member loads only its rows."""
+        tp = self._groups.tp if self._groups is not None else None
+        if self.tp_batch not in ("auto", "split") or tp is None or tp.size == 1:
+            return dataloader
+        reason = why_not_splittable(dataloader, auto=self.tp_batch == "auto")
+        if reason is None:
+            return split_loader(dataloader, tp)  # type: ignore[arg-type]
+        if self.tp_batch == "split":
+            raise ValueError(f"tp_batch='split' cannot split this loader's batches over the tp group: {reason}. "
+                             "Use tp_batch='broadcast'.")
+        return dataloader  # auto: batch_to_device broadcasts member 0's batch
+
     def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
         batch = super().batch_to_device(batch, device, dataloader_idx)
         tp = self._groups.tp if self._groups is not None else None
@@ -219,6 +235,8 @@ class SHMModelParallel(SHMStrategyBase):
         apply_to_collection(batch, Tensor, tensors.append)
         if self.tp_batch == "check":
             check_same(tensors, tp)
+            return batch
+        if is_group_batch(tensors):  # gathered by a split loader: already the same on every member
             return batch
         replaced = iter(broadcast_from_first(tensors, tp))
         return apply_to_collection(batch, Tensor, lambda _: next(replaced))

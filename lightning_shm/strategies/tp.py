@@ -24,7 +24,7 @@ class SHMTensorParallel(SHMModelParallel):
             (``*`` matches one path component); default: the module's ``tp_plan`` attribute, else
             derived for its Sequential (Linear / Conv2d layers paired column -> row).
         sequential: attribute path of the ``nn.Sequential`` a plan is derived from (default: the first one).
-        **kwargs: ``tp_batch`` (every rank of a tp group computes on its first member's batch) and the
+        **kwargs: ``tp_batch`` (how the ranks of a tp group come to compute on the same batch) and the
             rest of :class:`~lightning_shm.strategies.model_parallel.SHMModelParallel`.
     """
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -12,6 +14,7 @@ import lightning_shm  # noqa: F401
 from lightning_shm import SHMTensorParallel
 from lightning_shm.models import MNISTClassifier, build_mlp
 from lightning_shm.parallel.tp import TensorParallelState, check_plan, derive_plan, plan_for
+from lightning_shm.parallel.tp.loading import gather_rows
 from lightning_shm.runtime import launch
 from tests.helpers import (
     GLOBAL_BATCH,
@@ -72,15 +75,89 @@ class RankAugmented(torch.utils.data.Dataset):
 
 def test_tp_ranks_fed_different_batches_are_stopped_or_given_the_first_members():
     ref = train_mnist("auto", 1, "sgd", batch=GLOBAL_BATCH, ref=True, data=RankAugmented)  # rank 0's augmentation
-    got = train_mnist(tp(2), 2, "sgd", batch=GLOBAL_BATCH, data=RankAugmented)  # default: tp_batch="broadcast"
+    got = train_mnist(tp(2, tp_batch="broadcast"), 2, "sgd", batch=GLOBAL_BATCH, data=RankAugmented)
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
     with pytest.raises(ValueError, match=r"tensor-parallel group received different batches: member 1's"):
         train_mnist(tp(2, tp_batch="check"), 2, "sgd", batch=GLOBAL_BATCH, data=RankAugmented)
     # what the two prevent: the halves of each layer computed on different inputs, silently
     off = train_mnist(tp(2, tp_batch="off"), 2, "sgd", batch=GLOBAL_BATCH, data=RankAugmented)
     assert (off - ref).abs().max() > 1e-3
-    with pytest.raises(ValueError, match=r"tp_batch must be one of \('check', 'broadcast', 'off'\), got 'x'"):
+    with pytest.raises(ValueError, match=r"tp_batch must be one of \('auto', 'split', 'broadcast', 'check', 'off'\), "
+                                         r"got 'x'"):
         tp(2, tp_batch="x")
+
+
+class SameInputs(MNISTClassifier):
+    """Fails a training step whose inputs differ between the ranks (all of one tp group here)."""
+
+    def training_step(self, batch, batch_idx):
+        if self.trainer.world_size > 1:
+            x, y = batch
+            sums = self.all_gather(torch.stack([x.double().sum(), y.double().sum()]))  # [W, 2]
+            assert torch.equal(sums, sums[:1].expand_as(sums)), f"ranks computed on different inputs: {sums.tolist()}"
+        return super().training_step(batch, batch_idx)
+
+
+class Served(torch.utils.data.Dataset):
+    """Appends every index it loads to ``log_dir/rank<global rank>``."""
+
+    def __init__(self, ds, log_dir):
+        self.ds, self.log_dir = ds, log_dir
+
+    def __len__(self):
+        return len(self.ds)
+
+    def __getitem__(self, i):
+        from lightning.pytorch.utilities import rank_zero_only
+
+        with open(self.log_dir / f"rank{rank_zero_only.rank}", "a") as f:
+            f.write(f"{i}\n")
+        return self.ds[i]
+
+
+def test_split_loading_each_rank_loads_its_rows_and_every_rank_computes_on_the_whole_batch(tmp_path):
+    # 47 samples in batches of 23: member 0 loads 12 rows and member 1 11 (unequal shares: all_gather_v),
+    # then a last batch of 1 sample, too small to split: both load it, member 0's copy is used
+    kw = dict(batch=23, samples=47, model_cls=SameInputs)
+    ref = train_mnist("auto", 1, "sgd", ref=True, **kw)
+    got = train_mnist(tp(2), 2, "sgd", data=partial(Served, log_dir=tmp_path), **kw)  # default tp_batch="auto"
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
+    served = [[int(i) for i in (tmp_path / f"rank{r}").read_text().split()] for r in (0, 1)]
+    assert (len(served[0]), len(served[1])) == (12 + 12 + 1, 11 + 11 + 1)
+    assert set(served[0]) | set(served[1]) == set(range(47)) and len(set(served[0]) & set(served[1])) == 1
+    # a pipeline seeded per rank: each sample is augmented once, by the rank that loads it, and every
+    # rank computes on the same gathered batch -- which SameInputs fails when the ranks load by themselves;
+    # the last batch (1 sample) is loaded by both ranks with different noise: member 0's is used
+    train_mnist(tp(2), 2, "sgd", batch=GLOBAL_BATCH, samples=GLOBAL_BATCH * 2 + 1, data=RankAugmented,
+                model_cls=SameInputs)
+    with pytest.raises(AssertionError, match="ranks computed on different inputs"):
+        train_mnist(tp(2, tp_batch="off"), 2, "sgd", batch=GLOBAL_BATCH, data=RankAugmented, model_cls=SameInputs)
+
+
+def _gather_rows(world):
+    g, rows = world.group(), (3, 2)
+    r = g.index
+    part = {"x": torch.arange(rows[r] * 2.0).view(rows[r], 2) + 100 * r, "name": [f"s{r}{i}" for i in range(rows[r])]}
+    out = gather_rows(part, rows, g)
+    with pytest.raises(ValueError, match=r"a batch tensor of shape \(\) does not have this rank's \d rows"):
+        gather_rows({"n": torch.tensor(1.0)}, rows, g)  # a per-batch value: not rows, nothing to gather
+    return out
+
+
+def test_gathered_rows_are_the_members_shares_in_member_order():
+    for out in launch(_gather_rows, 2, start_method="fork"):
+        assert torch.equal(out["x"], torch.cat([torch.arange(6.0).view(3, 2), torch.arange(4.0).view(2, 2) + 100]))
+        assert out["name"] == ["s00", "s01", "s02", "s10", "s11"]
+
+
+def test_split_refuses_loaders_it_cannot_split():
+    class OwnLoader(DataLoader):
+        pass
+
+    with pytest.raises(ValueError, match=r"tp_batch='split' cannot split this loader's batches over the tp group: "
+                                         r"the loader is a OwnLoader, not a torch DataLoader"):
+        trainer(strategy=tp(2, tp_batch="split"), devices=2, max_steps=1).fit(
+            MNISTClassifier(), OwnLoader(mnist_like(8), batch_size=4))
 
 
 def test_user_plan_as_data_and_global_norm_clipping():

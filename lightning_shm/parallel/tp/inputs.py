@@ -1,19 +1,23 @@
 """The ranks of a tensor-parallel group must compute on the same input.
 
-Each rank of a tp group holds a slice of every planned layer and loads the group's batch itself
-(the sampler gives every rank of the group the same indices). If the data pipeline draws its
+Each rank of a tp group holds a slice of every planned layer, and the sampler gives every rank of
+the group the same indices. If each rank loaded its batch itself and the data pipeline draws its
 randomness per rank -- Lightning's ``seed_everything(workers=True)`` seeds each rank's loader
-workers with its global rank -- the two halves of a column layer see differently augmented
-images and the row layer adds up their partial sums: training goes on, silently wrong. Two ways
-to hold the rule, as ``SHMTensorParallel(tp_batch=...)`` chooses (default: broadcast):
+workers with its global rank -- the two halves of a column layer would see differently augmented
+images and the row layer would add up their partial sums: training goes on, silently wrong.
+``SHMTensorParallel(tp_batch=...)`` chooses how the rule is held:
 
-* ``check_same(tensors, group)``: every member all-gathers a fingerprint of its batch (two float64
-  sums per tensor, ``[W, 2k]``) and all members raise together if they differ;
-* ``broadcast_from_first(tensors, group)``: every member gets member 0's tensors (Megatron's
-  ``broadcast_data``): one copy of the batch through shared memory per step.
+* ``"auto"`` (default): ``"split"`` for loaders where that is exact, else ``"broadcast"``;
+* ``"split"``: each member loads only its share of the rows and the shares are all-gathered
+  (:mod:`lightning_shm.parallel.tp.loading`): every sample is loaded once, by one member;
+* ``"broadcast"``: every member loads the whole batch, then gets member 0's tensors
+  (:func:`broadcast_from_first`, Megatron's ``broadcast_data``);
+* ``"check"``: every member all-gathers a fingerprint of its batch (two float64 sums per tensor,
+  ``[W, 2k]``) and all members raise together if they differ (:func:`check_same`);
+* ``"off"``: trust the data.
 
-Either is a synchronisation per batch -- the faster rank waits for the slower one's loading --,
-which is most of their cost: 0.3-0.5 ms of a ~5 ms reference-MLP step on 2 cores.
+Each is a synchronisation per batch (the faster rank waits for the slower one's loading);
+``"split"`` also divides the loading work by the group size.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import torch
 
 from lightning_shm.runtime import Group
 
-MODES = ("check", "broadcast", "off")
+MODES = ("auto", "split", "broadcast", "check", "off")
 
 
 def _fingerprint(tensors: Sequence[torch.Tensor]) -> torch.Tensor:

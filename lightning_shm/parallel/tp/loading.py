@@ -1,0 +1,170 @@
+"""Each rank of a tensor-parallel group loads its share of the group's batch; the shares are gathered.
+
+Every rank of a tp group computes on the *same* batch. Loading it on every rank (what the sampler
+alone gives) does the data pipeline's work ``tp`` times over; broadcasting the first member's batch
+(:mod:`lightning_shm.parallel.tp.inputs`) keeps that duplicated work on the critical path. Here the
+group's batch of ``L`` indices is cut like :func:`~lightning_shm.runtime.ops.even_split`, member
+``r`` loads and collates only its rows, and the members all-gather them::
+
+    batch sampler (same on every member)   [i0 ... i(L-1)]
+    member r's loader                      rows even_split(L, T)[r] .. [r+1]   -> collate -> [L_r, ...]
+    all_gather(_v) over the tp group       [L_0 | L_1 | ... | L_(T-1)]         -> [L, ...] on every member
+
+The result equals loading the whole batch on one rank as long as the collate function works sample
+by sample (torch's ``default_collate`` does: it stacks), and each sample is produced once, so a
+pipeline that draws random augmentations per rank cannot give the members different inputs.
+A batch with fewer samples than members (a short last batch) is loaded by every member and the
+first member's copy is broadcast.
+
+The gather runs inside the loader's iteration, so Lightning's hooks (``on_before_batch_transfer``
+on) already see the whole batch. Members call it at the same points of the same loop, in order.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Mapping
+from typing import Any, Iterator, Optional, Sequence
+
+import torch
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, default_collate
+
+from lightning_shm.parallel.tp.inputs import broadcast_from_first
+from lightning_shm.runtime import Group
+from lightning_shm.runtime.ops import even_split
+
+
+class MemberBatches:
+    """A batch sampler yielding member ``index``'s rows of each batch of ``batches``.
+
+    ``pending`` holds, in order, the row counts of every batch handed out and not yet gathered: a
+    loader with workers draws indices ahead of the batches it returns.
+    """
+
+    def __init__(self, batches: Any, size: int, index: int) -> None:
+        self.batches, self.size, self.index = batches, size, index
+        self.pending: deque[tuple[int, ...]] = deque()
+
+    @property
+    def sampler(self) -> Any:  # Lightning calls set_epoch on it (a DistributedSampler)
+        return getattr(self.batches, "sampler", None)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for indices in self.batches:
+            indices = list(indices)
+            if len(indices) < self.size:  # too few to split: everyone loads them, member 0's copy wins
+                self.pending.append((len(indices),) + (0,) * (self.size - 1))
+                yield indices
+                continue
+            b = even_split(len(indices), self.size)
+            self.pending.append(tuple(b[k + 1] - b[k] for k in range(self.size)))
+            yield indices[b[self.index]:b[self.index + 1]]
+
+
+class SplitLoader(DataLoader):
+    """A DataLoader whose batches are the tp group's, each member having loaded only its rows."""
+
+    def __init__(self, *args: Any, group: Group, member_batches: MemberBatches, **kwargs: Any) -> None:
+        super().__init__(*args, batch_sampler=member_batches, **kwargs)
+        self.tp_group = group
+        self.member_batches = member_batches
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        pending = self.member_batches.pending
+        pending.clear()  # rows drawn ahead by an iteration that was stopped early
+        for part in super().__iter__():
+            yield gather_rows(part, pending.popleft(), self.tp_group)
+
+
+_TAG = "_lightning_shm_group_batch"
+
+
+def is_group_batch(tensors: Sequence[torch.Tensor]) -> bool:
+    """True if every tensor is one :func:`gather_rows` produced (the same on every member already);
+    a tensor a hook made from it afterwards is not, and gets broadcast."""
+    return bool(tensors) and all(getattr(t, _TAG, False) for t in tensors)
+
+
+def why_not_splittable(loader: Any, auto: bool) -> Optional[str]:
+    """None if ``loader`` can be split row by row, else the reason (for the error or the fallback)."""
+    if type(loader) is not DataLoader:
+        return f"the loader is a {type(loader).__name__}, not a torch DataLoader"
+    if isinstance(loader.dataset, IterableDataset):
+        return "the dataset is iterable (no indices to split)"
+    if type(loader.batch_sampler) is not BatchSampler:
+        return f"its batch sampler is a {type(loader.batch_sampler).__name__}, not a BatchSampler"
+    if not getattr(loader, "in_order", True):
+        return "it returns batches out of order (in_order=False)"
+    if auto and loader.collate_fn is not default_collate:
+        return "its collate_fn is not torch's default_collate (a batch-level collate needs the whole batch)"
+    return None
+
+
+def split_loader(loader: DataLoader, group: Group) -> SplitLoader:
+    """``loader`` rebuilt so that this member loads only its rows of each batch (see the module doc)."""
+    return SplitLoader(
+        loader.dataset, group=group, member_batches=MemberBatches(loader.batch_sampler, group.size, group.index),
+        num_workers=loader.num_workers, collate_fn=loader.collate_fn, pin_memory=loader.pin_memory,
+        timeout=loader.timeout, worker_init_fn=loader.worker_init_fn,
+        multiprocessing_context=loader.multiprocessing_context, generator=loader.generator,
+        prefetch_factor=loader.prefetch_factor, persistent_workers=loader.persistent_workers,
+        pin_memory_device=loader.pin_memory_device)
+
+
+def gather_rows(part: Any, rows: Sequence[int], group: Group) -> Any:
+    """The group's batch from every member's ``part`` (``rows[m]`` rows on member ``m``), on every member."""
+    if not any(rows[1:]):  # a batch too small to split: every member loaded it all
+        tensors: list[torch.Tensor] = []
+        _leaves(part, tensors)
+        replaced = iter(broadcast_from_first(tensors, group))
+        return _rebuild(part, lambda _: _tagged(next(replaced)))
+    return _rebuild(part, lambda t: _tagged(_gather_tensor(t, rows, group)), lambda xs: _gather_list(xs, rows, group))
+
+
+def _tagged(t: torch.Tensor) -> torch.Tensor:
+    setattr(t, _TAG, True)
+    return t
+
+
+def _gather_tensor(t: torch.Tensor, rows: Sequence[int], group: Group) -> torch.Tensor:
+    mine = rows[group.index]
+    if t.dim() == 0 or t.shape[0] != mine:
+        raise ValueError(
+            f"tp_batch='split': a batch tensor of shape {tuple(t.shape)} does not have this rank's {mine} rows "
+            f"(rows per member {list(rows)}); its collate_fn does not batch along dim 0. Use tp_batch='broadcast'.")
+    if len(set(rows)) == 1:  # equal shares: gather straight into the [T, rows, ...] result
+        return group.all_gather(t.contiguous()).view(-1, *t.shape[1:])
+    return torch.cat(group.all_gather_v(t.reshape(-1))).view(-1, *t.shape[1:])
+
+
+def _gather_list(xs: list, rows: Sequence[int], group: Group) -> list:
+    if len(xs) != rows[group.index]:
+        raise ValueError(f"tp_batch='split': a list of {len(xs)} items in the batch is not this rank's "
+                         f"{rows[group.index]} rows (rows per member {list(rows)}). Use tp_batch='broadcast'.")
+    return [x for member in group.all_gather_object(xs) for x in member]
+
+
+def _leaves(obj: Any, out: list[torch.Tensor]) -> None:
+    _rebuild(obj, lambda t: out.append(t) or t, lambda xs: xs)
+
+
+def _rebuild(obj: Any, on_tensor: Any, on_values: Any = None) -> Any:
+    """``obj`` (what default_collate returns: tensors in dicts, lists, tuples, namedtuples, and lists of
+    per-sample values such as strings) with ``on_tensor`` applied to tensors, ``on_values`` to lists of
+    non-tensors. Members traverse equal structures in the same order, so their collectives match."""
+    if isinstance(obj, torch.Tensor):
+        return on_tensor(obj)
+    if isinstance(obj, Mapping):
+        return type(obj)({k: _rebuild(v, on_tensor, on_values) for k, v in obj.items()})
+    if isinstance(obj, (list, tuple)):
+        if obj and not any(isinstance(x, (torch.Tensor, Mapping, list, tuple)) for x in obj):
+            if on_values is None:
+                return obj
+            return type(obj)(on_values(list(obj))) if not hasattr(obj, "_fields") else obj
+        items = [_rebuild(x, on_tensor, on_values) for x in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    raise ValueError(f"tp_batch='split' cannot gather a batch holding a {type(obj).__name__}; "
+                     "use tp_batch='broadcast'")
