@@ -6,7 +6,7 @@ rank holds only ``H_r`` of the ``N = sum(H_r)`` features of every sample. Gather
 
 Forward, per sample (row)::
 
-    rank r:  n_r = H_r,  m_r = mean(x_r),  M2_r = sum((x_r - m_r)^2)      (float64)
+    rank r:  n_r = H_r,  m_r = mean(x_r),  M2_r = sum((x_r - m_r)^2)      (see below)
     all-gather (m_r, M2_r) over the group                                 [W, 2, rows]
     merge (Chan et al.):  mean = sum(n_r m_r) / N
                           M2   = sum(M2_r) + sum(n_r (m_r - mean)^2)
@@ -14,7 +14,11 @@ Forward, per sample (row)::
 
 Each rank's M2_r is taken around its own mean, and the merge only adds squared differences of
 means, so a large common offset (inputs around 1e4) never cancels catastrophically as
-``E[x^2] - E[x]^2`` would.
+``E[x^2] - E[x]^2`` would. Only the per-row statistics are float64 (m_r summed in float64, then
+``x_r - m_r`` taken in two float32 steps -- minus m_r rounded, minus the rounding --, so it is accurate
+to float32 at any offset); the [rows, H_r] work stays in float32 in a few fused ops (``vecdot``,
+``addcmul``): 0.36 ms instead of 0.41-0.45 ms forward + backward on [256, 128] with everything
+float64 (single-thread micro-benchmark, collectives stubbed).
 
 Backward, with x_hat the normalised input and g = dy * w (all local)::
 
@@ -30,6 +34,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import torch
+from torch.linalg import vecdot
 
 from lightning_shm.runtime import Group
 
@@ -39,35 +44,43 @@ class _DistributedLayerNorm(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float, group: Group,
                 sizes: Sequence[int]) -> torch.Tensor:  # type: ignore[override]
         shape = x.shape
-        rows = x.reshape(-1, shape[-1]).double()
-        m_r = rows.mean(dim=-1)
-        m2_r = (rows - m_r[:, None]).pow(2).sum(dim=-1)
-        stats = group.all_gather(torch.stack([m_r, m2_r]))  # [W, 2, rows]
+        ct = x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32  # compute dtype
+        rows = x.reshape(-1, shape[-1]).to(ct)
+        m_r = rows.sum(-1, dtype=torch.float64).div_(sizes[group.index])  # float64: exact at any offset
+        hi = m_r.to(ct)
+        d = rows - hi[:, None]  # x - m_r in two steps: the rounding of m_r to ct is subtracted too
+        d.sub_((m_r - hi.double()).to(ct)[:, None])
+        stats = group.all_gather(torch.stack([m_r, vecdot(d, d).double()]))  # [W, 2, rows]
         n = torch.tensor(list(sizes), dtype=torch.float64)[:, None]
         total = float(sum(sizes))
-        mean = (n * stats[:, 0]).sum(0) / total
+        mean = (n * stats[:, 0]).sum(0).div_(total)
         m2 = stats[:, 1].sum(0) + (n * (stats[:, 0] - mean).pow(2)).sum(0)
-        rstd = torch.rsqrt(m2 / total + eps)
-        x_hat = (rows - mean[:, None]) * rstd[:, None]
-        y = x_hat * weight.double() + bias.double()
-        ctx.save_for_backward(x_hat, rstd, weight)
-        ctx.group, ctx.total, ctx.shape = group, total, shape
+        rstd = torch.rsqrt(m2.div_(total).add_(eps))
+        shift = ((m_r - mean) * rstd).to(ct)[:, None]  # x_hat = (x - m_r) * rstd + (m_r - mean) * rstd
+        rstd = rstd.to(ct)[:, None]
+        x_hat = torch.addcmul(shift, d, rstd)
+        w = weight.to(ct)
+        y = torch.addcmul(bias.to(ct), x_hat, w)
+        ctx.save_for_backward(x_hat, rstd, w)
+        ctx.group, ctx.total, ctx.shape, ctx.wdtype = group, total, shape, weight.dtype
         return y.to(x.dtype).view(shape)
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        x_hat, rstd, weight = ctx.saved_tensors
-        dy_rows = dy.reshape(-1, ctx.shape[-1]).double()
+        x_hat, rstd, w = ctx.saved_tensors
+        dy_rows = dy.reshape(-1, ctx.shape[-1]).to(x_hat.dtype)
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
-            g = dy_rows * weight.double()
-            sums = ctx.group.all_reduce(torch.stack([g.sum(-1), (g * x_hat).sum(-1)]), "sum")  # [2, rows]
-            dx = rstd[:, None] * (g - sums[0][:, None] / ctx.total - x_hat * sums[1][:, None] / ctx.total)
+            g = dy_rows * w
+            sums = ctx.group.all_reduce(torch.stack([g.sum(-1, dtype=torch.float64),
+                                                     vecdot(g, x_hat).double()]), "sum")  # [2, rows]
+            c = sums.div_(ctx.total).to(x_hat.dtype)
+            dx = torch.addcmul(g.sub_(c[0][:, None]), x_hat, c[1][:, None], value=-1).mul_(rstd)
             dx = dx.to(dy.dtype).view(ctx.shape)
         if ctx.needs_input_grad[1]:
-            dw = (dy_rows * x_hat).sum(0).to(weight.dtype)
+            dw = (dy_rows * x_hat).sum(0, dtype=torch.float64).to(ctx.wdtype)
         if ctx.needs_input_grad[2]:
-            db = dy_rows.sum(0).to(weight.dtype)
+            db = dy_rows.sum(0, dtype=torch.float64).to(ctx.wdtype)
         return dx, dw, db, None, None, None
 
 
