@@ -12,9 +12,9 @@ Columns (per message size N, float32, in-place sum):
 * ``bound``: the memory-traffic lower bound -- every rank must at least read its N input bytes and
   write its N result bytes, i.e. one memcpy of N bytes at the single-core copy bandwidth measured
   here for that size; ``of bound`` = bound / shm time (1.0 = at the bound), for the private tensor
-  and for the zero-copy path. A private tensor must be copied into shared memory and its result
-  copied out, which caps that path near 0.5; the zero-copy path can pass 1.0, because each of the W
-  ranks reads and writes only its 1/W of every member's buffer, on its own core.
+  and for the zero-copy path. A private tensor must also be copied into shared memory and its
+  result copied out, twice the traffic of the zero-copy path. Either can pass 1.0 where the W ranks'
+  cores together copy faster than one: each rank handles only its 1/W of the data.
 
 Ours and gloo are measured in alternating rounds and the medians are reported, so a shared noisy
 machine affects both alike. The last line is machine-readable::

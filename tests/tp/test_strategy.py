@@ -14,7 +14,7 @@ import lightning_shm  # noqa: F401
 from lightning_shm import SHMTensorParallel
 from lightning_shm.models import MNISTClassifier, build_mlp
 from lightning_shm.parallel.tp import TensorParallelState, check_plan, derive_plan, plan_for
-from lightning_shm.parallel.tp.loading import gather_rows
+from lightning_shm.parallel.tp.loading import gather_rows, is_group_batch
 from lightning_shm.runtime import launch
 from tests.helpers import (
     GLOBAL_BATCH,
@@ -139,13 +139,19 @@ def _gather_rows(world):
     r = g.index
     part = {"x": torch.arange(rows[r] * 2.0).view(rows[r], 2) + 100 * r, "name": [f"s{r}{i}" for i in range(rows[r])]}
     out = gather_rows(part, rows, g)
+    # gathered tensors are marked as the group's batch (the strategy does not broadcast them again);
+    # a tensor made from one afterwards, or a batch too small to split (left to the broadcast), is not
+    small = {"x": torch.zeros(1, 2) + r}
+    marks = [is_group_batch([out["x"]]), is_group_batch([out["x"] * 1]),
+             gather_rows(small, (1, 0), g) is small and not is_group_batch([small["x"]])]
     with pytest.raises(ValueError, match=r"a batch tensor of shape \(\) does not have this rank's \d rows"):
         gather_rows({"n": torch.tensor(1.0)}, rows, g)  # a per-batch value: not rows, nothing to gather
-    return out
+    return out, marks
 
 
 def test_gathered_rows_are_the_members_shares_in_member_order():
-    for out in launch(_gather_rows, 2, start_method="fork"):
+    for out, marks in launch(_gather_rows, 2, start_method="fork"):
+        assert marks == [True, False, True]
         assert torch.equal(out["x"], torch.cat([torch.arange(6.0).view(3, 2), torch.arange(4.0).view(2, 2) + 100]))
         assert out["name"] == ["s00", "s01", "s02", "s10", "s11"]
 

@@ -14,7 +14,7 @@ The result equals loading the whole batch on one rank as long as the collate fun
 by sample (torch's ``default_collate`` does: it stacks), and each sample is produced once, so a
 pipeline that draws random augmentations per rank cannot give the members different inputs.
 A batch with fewer samples than members (a short last batch) is loaded by every member and the
-first member's copy is broadcast.
+strategy broadcasts the first member's copy, as it does for loaders it cannot split.
 
 The gather runs inside the loader's iteration, so Lightning's hooks (``on_before_batch_transfer``
 on) already see the whole batch. Members call it at the same points of the same loop, in order.
@@ -29,7 +29,6 @@ from typing import Any, Iterator, Optional, Sequence
 import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, default_collate
 
-from lightning_shm.parallel.tp.inputs import broadcast_from_first
 from lightning_shm.runtime import Group
 from lightning_shm.runtime.ops import even_split
 
@@ -115,18 +114,33 @@ def split_loader(loader: DataLoader, group: Group) -> SplitLoader:
 
 
 def gather_rows(part: Any, rows: Sequence[int], group: Group) -> Any:
-    """The group's batch from every member's ``part`` (``rows[m]`` rows on member ``m``), on every member."""
-    if not any(rows[1:]):  # a batch too small to split: every member loaded it all
-        tensors: list[torch.Tensor] = []
-        _leaves(part, tensors)
-        replaced = iter(broadcast_from_first(tensors, group))
-        return _rebuild(part, lambda _: _tagged(next(replaced)))
-    return _rebuild(part, lambda t: _tagged(_gather_tensor(t, rows, group)), lambda xs: _gather_list(xs, rows, group))
+    """The group's batch from every member's ``part`` (``rows[m]`` rows on member ``m``), on every member.
+
+    A batch too small to split (every member loaded all of it) is returned as loaded and untagged:
+    the strategy's ``batch_to_device`` broadcasts member 0's copy, as for any batch not gathered here.
+    """
+    if not any(rows[1:]):
+        return part
+    return _gather(part, rows, group)
 
 
-def _tagged(t: torch.Tensor) -> torch.Tensor:
-    setattr(t, _TAG, True)
-    return t
+def _gather(obj: Any, rows: Sequence[int], group: Group) -> Any:
+    """``obj`` (what default_collate returns: tensors in dicts, lists, tuples, namedtuples, and lists of
+    per-sample values such as strings) with every member's rows. Members traverse equal structures in
+    the same order, so their collectives match."""
+    if isinstance(obj, torch.Tensor):
+        out = _gather_tensor(obj, rows, group)
+        setattr(out, _TAG, True)
+        return out
+    if isinstance(obj, Mapping):
+        return type(obj)({k: _gather(v, rows, group) for k, v in obj.items()})
+    if isinstance(obj, list) and obj and not any(isinstance(x, (torch.Tensor, Mapping, list, tuple)) for x in obj):
+        return _gather_list(obj, rows, group)  # per-sample values (file names, ids)
+    if isinstance(obj, (list, tuple)):
+        items = [_gather(x, rows, group) for x in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    raise ValueError(f"tp_batch='split' cannot gather a batch holding a {type(obj).__name__}; "
+                     "use tp_batch='broadcast'")
 
 
 def _gather_tensor(t: torch.Tensor, rows: Sequence[int], group: Group) -> torch.Tensor:
@@ -145,26 +159,3 @@ def _gather_list(xs: list, rows: Sequence[int], group: Group) -> list:
         raise ValueError(f"tp_batch='split': a list of {len(xs)} items in the batch is not this rank's "
                          f"{rows[group.index]} rows (rows per member {list(rows)}). Use tp_batch='broadcast'.")
     return [x for member in group.all_gather_object(xs) for x in member]
-
-
-def _leaves(obj: Any, out: list[torch.Tensor]) -> None:
-    _rebuild(obj, lambda t: out.append(t) or t, lambda xs: xs)
-
-
-def _rebuild(obj: Any, on_tensor: Any, on_values: Any = None) -> Any:
-    """``obj`` (what default_collate returns: tensors in dicts, lists, tuples, namedtuples, and lists of
-    per-sample values such as strings) with ``on_tensor`` applied to tensors, ``on_values`` to lists of
-    non-tensors. Members traverse equal structures in the same order, so their collectives match."""
-    if isinstance(obj, torch.Tensor):
-        return on_tensor(obj)
-    if isinstance(obj, Mapping):
-        return type(obj)({k: _rebuild(v, on_tensor, on_values) for k, v in obj.items()})
-    if isinstance(obj, (list, tuple)):
-        if obj and not any(isinstance(x, (torch.Tensor, Mapping, list, tuple)) for x in obj):
-            if on_values is None:
-                return obj
-            return type(obj)(on_values(list(obj))) if not hasattr(obj, "_fields") else obj
-        items = [_rebuild(x, on_tensor, on_values) for x in obj]
-        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
-    raise ValueError(f"tp_batch='split' cannot gather a batch holding a {type(obj).__name__}; "
-                     "use tp_batch='broadcast'")
