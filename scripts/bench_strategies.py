@@ -43,7 +43,7 @@ MODELS: dict[str, dict[str, Any]] = {  # MNISTClassifier arguments
 }
 STEPS = {"reference": (50, 1000), "wide": (3, 12), "cnn": (5, 60), "transformer": (5, 60)}  # (warm-up, measured)
 DATASET_SAMPLES = 60_000
-TABLES = ("memory", "prefetch", "tp", "pipeline", "fixed", "layouts", "breakdown")
+TABLES = ("memory", "prefetch", "tp", "pipeline", "fixed", "layouts", "breakdown", "phases")
 
 
 @dataclass
@@ -62,6 +62,7 @@ class RunSpec:
     barrier_dir: Optional[str] = None
     index: int = 0
     count: int = 1
+    phases: bool = False  # also split each step by phase (PhaseTimer)
 
 
 # ---------------------------------------------------------------------- child process
@@ -84,6 +85,84 @@ class StepTimer(Callback):
         if trainer.global_step == self.spec.warmup + self.spec.steps and trainer.is_global_zero:
             self.out_path.write_text(json.dumps({"seconds": time.perf_counter() - self.t0,
                                                  "threads": torch.get_num_threads()}))
+
+
+class PhaseTimer(Callback):
+    """Every rank: each measured step split by Lightning's hooks, plus the time the runtime spent in
+    collectives and, inside them, waiting for a peer -- medians written to ``out_dir/rank<r>.json``.
+
+    ``load``: previous step's end to this step's start (fetching the batch -- for split tp loading
+    also its gather -- and moving it to the device); ``forward``: the training_step up to the loss;
+    ``backward``; ``sync``: after backward until the optimizer step (shm_ddp's gradient all-reduce);
+    ``optimizer``: the step and zero_grad. ``collectives`` / ``waiting`` overlap the phases above.
+    """
+
+    _HOOKS = ("on_train_batch_start", "on_before_backward", "on_after_backward", "on_before_optimizer_step",
+              "on_train_batch_end")
+    PHASES = ("load", "forward", "backward", "sync", "optimizer")  # between consecutive hooks
+
+    def __init__(self, warmup: int, out_dir: Path) -> None:
+        self.warmup, self.out_dir, self.rows = warmup, out_dir, []
+        self.acc = {"collectives": 0.0, "waiting": 0.0}
+        self.marks: dict[str, tuple[float, dict[str, float]]] = {}
+        self.prev: tuple[float, dict[str, float]] = (0.0, dict(self.acc))
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        """Wrap the runtime's blocking points in this worker (a benchmark may look inside; the adapter does not)."""
+        from lightning_shm.runtime.group import Group
+        from lightning_shm.runtime.wait import Waiter
+
+        depth = dict.fromkeys(self.acc, 0)
+
+        def timed(fn: Any, key: str) -> Any:
+            def wrapper(*args: Any, **kwargs: Any) -> Any:
+                depth[key] += 1
+                t0 = time.perf_counter()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    depth[key] -= 1
+                    if depth[key] == 0:  # a collective built on another one counts once
+                        self.acc[key] += time.perf_counter() - t0
+            return wrapper
+
+        Waiter.wait_ge = timed(Waiter.wait_ge, "waiting")  # type: ignore[method-assign]
+        for name in ("barrier", "all_reduce", "reduce_scatter", "all_gather", "all_gather_v", "broadcast",
+                     "broadcast_object", "all_gather_object", "vote_max"):
+            setattr(Group, name, timed(getattr(Group, name), "collectives"))
+
+    def _mark(self, hook: str) -> None:
+        self.marks[hook] = (time.perf_counter(), dict(self.acc))
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self._mark("on_train_batch_start")
+
+    def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
+        self._mark("on_before_backward")
+
+    def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
+        self._mark("on_after_backward")
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        self._mark("on_before_optimizer_step")
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self._mark("on_train_batch_end")
+        marks = [self.prev] + [self.marks[h] for h in self._HOOKS]
+        if trainer.global_step > self.warmup and self.prev[0]:
+            row = {"step": marks[-1][0] - marks[0][0],
+                   **{k: marks[-1][1][k] - marks[0][1][k] for k in self.acc}}
+            for name, (t0, a0), (t1, a1) in zip(self.PHASES, marks, marks[1:]):
+                row[name] = t1 - t0
+                row[f"{name} in collectives"] = a1["collectives"] - a0["collectives"]
+            self.rows.append(row)
+        self.prev = marks[-1]
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        import statistics
+
+        med = {k: statistics.median(r[k] for r in self.rows) * 1e3 for k in self.rows[0]}
+        (self.out_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(med))
 
 
 def run_one(spec: RunSpec) -> dict[str, Any]:
@@ -115,14 +194,18 @@ def run_one(spec: RunSpec) -> dict[str, Any]:
         devices = spec.devices
     else:
         strategy, devices = spec.strategy, spec.devices
+    callbacks: list[Callback] = [StepTimer(spec, out_path)]
+    if spec.phases:
+        callbacks.append(PhaseTimer(spec.warmup, out_path.parent))
     trainer = pl.Trainer(accelerator="cpu", strategy=strategy, devices=devices, max_steps=spec.warmup + spec.steps,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, callbacks=[StepTimer(spec, out_path)], num_sanity_val_steps=0)
+                         enable_model_summary=False, callbacks=callbacks, num_sanity_val_steps=0)
     trainer.fit(model, DataLoader(data, batch_size=per_rank, shuffle=True, drop_last=True))
     timing = json.loads(out_path.read_text())
     samples = spec.global_batch // (spec.count if spec.strategy == "ceiling" else 1) * spec.steps
+    phases = [json.loads(f.read_text()) for f in sorted(out_path.parent.glob("rank*.json"))]
     return {"samples_per_s": samples / timing["seconds"], "step_ms": timing["seconds"] / spec.steps * 1e3,
-            "threads": timing["threads"]}
+            "threads": timing["threads"], "phases": phases}
 
 
 # ---------------------------------------------------------------------- where a pipeline step goes
@@ -296,7 +379,8 @@ def measure(spec: RunSpec) -> dict[str, Any]:
                               env) for i in range(spec.devices)]
         results = [collect(p) for p in procs]
     return {"samples_per_s": sum(r["samples_per_s"] for r in results),
-            "step_ms": max(r["step_ms"] for r in results), "threads": results[0]["threads"]}
+            "step_ms": max(r["step_ms"] for r in results), "threads": results[0]["threads"],
+            "phases": [ph for r in results for ph in r["phases"]]}
 
 
 def rows_for(model: str, world: int, gb: int, warmup: int, steps: int) -> list[RunSpec]:
@@ -337,10 +421,11 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--global-batch", type=int, default=128)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--no-memory", action="store_true", help="skip the extra tables (same as --tables without names)")
-    p.add_argument("--tables", nargs="*", default=[t for t in TABLES if t not in ("layouts", "breakdown")],
+    p.add_argument("--tables", nargs="*", default=[t for t in TABLES if t not in ("layouts", "breakdown", "phases")],
                    choices=list(TABLES),
                    help="extra tables after the throughput rows (default: all but 'layouts' -- W=4 runs of "
-                        "the wide MLP -- and 'breakdown' -- pipeline steps split by where the time goes; "
+                        "the wide MLP --, 'breakdown' -- pipeline steps split by where the time goes -- and "
+                        "'phases' -- ddp / fsdp / tp / ceiling steps split the same way; "
                         "a few minutes each)")
     p.add_argument("--no-throughput", action="store_true", help="only the extra tables")
     p.add_argument("--rows", nargs="+", default=None, help="only these rows (by name prefix, e.g. shm_ddp "
@@ -408,6 +493,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         lines.append(layouts_table("wide", args.global_batch, repeats, args.quick))
     if "breakdown" in tables:
         lines.append(breakdown_table(args.global_batch))
+    if "phases" in tables:
+        lines.append(phases_table(args.models, args.world_size, args.global_batch, repeats, args.steps))
     text = "\n".join(lines)
     (args.out_dir / f"strategies_w{args.world_size}.md").write_text(text)
     if plot_data:
@@ -659,6 +746,42 @@ def tp_table(worlds: list[int], models: list[str], global_batch: int) -> str:
     return "\n".join(lines) + "\n"
 
 
+def phases_table(models: list[str], world: int, global_batch: int, repeats: int, steps: Optional[int] = None) -> str:
+    """Where a training step goes, per strategy and the ceiling (PhaseTimer): ms per step, mean over ranks."""
+    import statistics
+
+    lines = [f"## Where a step goes (W={world}, global batch {global_batch}; ms per step, median step, mean "
+             f"over ranks; in parentheses: time inside the runtime's collectives)\n",
+             "| model | row | step | load | forward | backward | sync | optimizer | collectives | waiting for a "
+             "peer (least / most of the ranks) |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for model in models:
+        warmup, default_steps = STEPS[model]
+        common = dict(model=model, global_batch=global_batch, warmup=warmup, steps=steps or default_steps, phases=True)
+        specs = [RunSpec("ceiling (no comm)", "ceiling", world, **common),
+                 RunSpec("shm_ddp", "shm_ddp", world, **common),
+                 RunSpec("shm_fsdp", "shm_fsdp", world, **common),
+                 RunSpec(f"shm_tp (tp={world})", "shm_tp", world, strategy_kwargs={"tensor_parallel_size": world},
+                         data_parallel=1, **common)]
+        runs: dict[str, list[dict[str, Any]]] = {s.row: [] for s in specs}
+        for _ in range(repeats):
+            for s in specs:
+                runs[s.row].append(measure(s))
+        for s in specs:
+            r = sorted(runs[s.row], key=lambda x: x["step_ms"])[len(runs[s.row]) // 2]
+            ph = r["phases"]
+
+            def mean(k: str) -> float:
+                return statistics.fmean(p[k] for p in ph)
+
+            cells = [f"{mean(k):.2f}" + (f" ({mean(k + ' in collectives'):.2f})"
+                                         if mean(k + " in collectives") >= 0.005 else "")
+                     for k in PhaseTimer.PHASES]
+            waits = sorted((p["waiting"] for p in ph), reverse=True)
+            lines.append(f"| {model} | {s.row} | {mean('step'):.2f} | {' | '.join(cells)} | "
+                         f"{mean('collectives'):.2f} | {waits[-1]:.2f} / {waits[0]:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
 PIPE_HIDDEN = [512] * 8  # 9 Linear layers: every chunk of P=4 x 2 virtual stages gets one
 
 
@@ -667,14 +790,14 @@ def pipeline_table(stages: list[int], microbatches: list[int], batch: int, steps
     import statistics
 
     sys.path.insert(0, str(ROOT))
-    from lightning_shm.parallel.pipeline import PipelineSchedule, Schedule
+    from lightning_shm.parallel.pipeline import PipelineSchedule, Schedule, bubble_fraction, measured_costs, simulate
     from lightning_shm.parallel.pipeline.driver import train_pipeline
     from lightning_shm.runtime import launch
 
     lines = [f"## Pipeline schedules (runtime only; MLP {PIPE_HIDDEN[0]}x{len(PIPE_HIDDEN)}, batch {batch}, "
              f"{os.cpu_count()} cores)\n",
-             "| schedule | P | M | samples/s | measured bubble | ideal bubble | textbook | peak activations per "
-             "stage (MiB) |", "|---|---:|---:|---:|---:|---:|---:|---|"]
+             "| schedule | P | M | samples/s | measured bubble | ideal at the measured stage times | ideal bubble "
+             "| textbook | peak activations per stage (MiB) |", "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for P in stages:
         for M in microbatches:
             for kind in Schedule:
@@ -688,8 +811,9 @@ def pipeline_table(stages: list[int], microbatches: list[int], batch: int, steps
                 recs = [rec for r in res for rec in r.timeline]
                 t0, t1 = min(x.start for x in recs), max(x.end for x in recs)
                 bubble = 1 - sum(x.end - x.start for x in recs) / (P * (t1 - t0))
+                at_costs = bubble_fraction(simulate(sched, measured_costs(recs)))  # this run's stage (im)balance
                 mem = " / ".join(f"{r.peak_activation_bytes / 2**20:.1f}" for r in res)
-                lines.append(f"| {kind.value} | {P} | {M} | {batch / step:,.0f} | {bubble:.1%} | "
+                lines.append(f"| {kind.value} | {P} | {M} | {batch / step:,.0f} | {bubble:.1%} | {at_costs:.1%} | "
                              f"{sched.ideal_bubble():.1%} | {sched.formula_bubble():.1%} | {mem} |")
     return "\n".join(lines) + "\n"
 

@@ -38,6 +38,32 @@ def test_bench_strategies_runs_the_rows(tmp_path):
     assert (tmp_path / "strategies_w2.png").exists()
 
 
+def test_bench_strategies_splits_steps_into_phases(tmp_path):
+    out = run(["scripts/bench_strategies.py", "--no-throughput", "--tables", "phases", "--models", "reference",
+               "--steps", "20", "--repeats", "1", "--out-dir", str(tmp_path)])
+    rows = {}
+    for line in out.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) == 10 and cells[0] == "reference":
+            rows[cells[1]] = cells[2:]
+    assert set(rows) == {"ceiling (no comm)", "shm_ddp", "shm_fsdp", "shm_tp (tp=2)"}, out
+
+    def ms(cell: str) -> float:
+        return float(cell.split()[0])
+
+    for row, cells in rows.items():
+        step, phases = ms(cells[0]), [ms(c) for c in cells[1:6]]
+        assert step > 0 and all(p >= 0 for p in phases), (row, cells)
+        # the phases partition the step (medians of each: their sum is close to the median step, not equal)
+        assert abs(sum(phases) - step) <= 0.1 * step, (row, cells)
+    # the runtime's collectives are timed where they run: none in independent processes, some in every strategy
+    assert ms(rows["ceiling (no comm)"][6]) == 0.0
+    for row in ("shm_ddp", "shm_fsdp", "shm_tp (tp=2)"):
+        assert ms(rows[row][6]) > 0.0, (row, rows[row])
+    assert "(" in rows["shm_ddp"][3]  # the gradient all-reduce runs inside backward
+    assert "(" in rows["shm_tp (tp=2)"][1]  # split loading gathers the members' shares while loading
+
+
 def test_plot_pipeline_draws_a_gantt_chart_per_schedule(tmp_path):
     out = run(["scripts/plot_pipeline.py", "--stages", "2", "--microbatches", "4", "--batch", "64",
                "--out-dir", str(tmp_path)])

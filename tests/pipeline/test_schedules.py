@@ -8,7 +8,16 @@ import pytest
 from torch import nn
 
 from lightning_shm.models import build_mlp
-from lightning_shm.parallel.pipeline import PipelineSchedule, Schedule, balanced_split, plan_chunks, simulate
+from lightning_shm.parallel.pipeline import (
+    PipelineSchedule,
+    Schedule,
+    Timed,
+    balanced_split,
+    bubble_fraction,
+    measured_costs,
+    plan_chunks,
+    simulate,
+)
 
 CASES = [(k, P, M, 2 if k == Schedule.INTERLEAVED_1F1B else 1)
          for k, P, M in itertools.product(Schedule, (1, 2, 3, 4), (4, 6, 8))
@@ -118,3 +127,19 @@ def test_reference_mlp_split_by_measured_time_gives_every_rank_parameters():
         plan_chunks(seq, 3, split_points=[4, 2])
     with pytest.raises(ValueError, match="need 1 split points"):
         plan_chunks(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), 2, split_points=[1, 1])
+
+
+def test_simulate_takes_measured_per_chunk_costs():
+    """The ideal of a schedule on unequal stages: GPipe P=2 with stage 1 three times stage 0
+    (F 1 / 3, B 2 / 6). Stage 1 runs back to back once stage 0's first F is done, then stage 0's
+    last B follows: makespan f0 + M (f1 + b1) + b0 = 39 for M=4, busy 48 of 2 x 39."""
+    s = PipelineSchedule(Schedule.GPIPE, 2, 4)
+    costs = {(0, "F"): 1.0, (0, "B"): 2.0, (1, "F"): 3.0, (1, "B"): 6.0}
+    timeline = simulate(s, costs)
+    assert max(t.end for t in timeline) == pytest.approx(39.0)
+    assert bubble_fraction(timeline) == pytest.approx(1 - 48 / 78)
+    assert s.ideal_bubble() == pytest.approx(0.2)  # uniform costs: the textbook 1/5
+    # measured_costs: median per (chunk, kind) of a timeline -- here the simulated one gives back its costs
+    assert measured_costs(timeline) == costs
+    jittered = [Timed(t.rank, t.action, t.start, t.end + (0.5 if t.action.mb == 0 else 0.0)) for t in timeline]
+    assert measured_costs(jittered) == costs  # one slow microbatch does not move the median

@@ -5,6 +5,7 @@ from lightning_shm.parallel.pipeline.schedules import (
     Schedule,
     Timed,
     bubble_fraction,
+    measured_costs,
     simulate,
 )
 from lightning_shm.parallel.pipeline.split import balanced_split, layer_costs_by_time, plan_chunks
@@ -12,6 +13,6 @@ from lightning_shm.parallel.pipeline.stage import CapturedInput, PipelineStage, 
 
 __all__ = [
     "Action", "CapturedInput", "PipelineEngine", "PipelineSchedule", "PipelineStage",
-    "Schedule", "StageIO", "Timed", "balanced_split", "bubble_fraction", "layer_costs_by_time", "plan_chunks",
-    "simulate", "split_batch",
+    "Schedule", "StageIO", "Timed", "balanced_split", "bubble_fraction", "layer_costs_by_time", "measured_costs",
+    "plan_chunks", "simulate", "split_batch",
 ]

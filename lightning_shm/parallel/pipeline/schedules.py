@@ -22,8 +22,9 @@ that the dependencies can be met (no deadlock) and gives the ideal bubble fracti
 from __future__ import annotations
 
 import enum
+import statistics
 from dataclasses import dataclass
-from typing import NamedTuple, Sequence
+from typing import Any, Mapping, NamedTuple, Sequence
 
 
 class Schedule(str, enum.Enum):
@@ -216,15 +217,17 @@ class Timed(NamedTuple):
         return self.action.chunk
 
 
-def simulate(schedule: PipelineSchedule, costs: dict[str, float]) -> list[Timed]:
-    """Play every rank's action list with the given costs; raise if the schedule deadlocks."""
+def simulate(schedule: PipelineSchedule, costs: Mapping[Any, float]) -> list[Timed]:
+    """Play every rank's action list with the given costs; raise if the schedule deadlocks.
+
+    ``costs`` maps a kind (``"F"``) to its cost, or ``(chunk, kind)`` to one chunk's cost (measured
+    per-stage times: the ideal of the schedule on *these* stages, whatever their imbalance)."""
     V = schedule.chunks
     queues = {r: schedule.actions(r) for r in range(schedule.stages)}
     pos = {r: 0 for r in queues}
     free = {r: 0.0 for r in queues}
     done: dict[tuple[str, int, int], float] = {}
     out: list[Timed] = []
-    zb = schedule.kind == Schedule.ZERO_BUBBLE
     while any(pos[r] < len(q) for r, q in queues.items()):
         progressed = False
         for r, q in queues.items():
@@ -234,7 +237,7 @@ def simulate(schedule: PipelineSchedule, costs: dict[str, float]) -> list[Timed]
             deps = _deps(a, V)
             if all(d in done for d in deps):
                 start = max([free[r]] + [done[d] for d in deps])
-                cost = costs[a.kind] if (a.kind != "B" or zb) else costs["B"]
+                cost = costs[(a.chunk, a.kind)] if (a.chunk, a.kind) in costs else costs[a.kind]
                 end = start + cost
                 done[(a.kind, a.mb, a.chunk)] = end
                 free[r] = end
@@ -267,3 +270,11 @@ def bubble_fraction(timeline: Sequence[Timed]) -> float:
     t1 = max(t.end for t in timeline)
     busy = sum(t.end - t.start for t in timeline)
     return 1.0 - busy / (len(ranks) * (t1 - t0)) if t1 > t0 else 0.0
+
+
+def measured_costs(timeline: Sequence[Timed]) -> dict[tuple[int, str], float]:
+    """Median duration of each chunk's F / B / W in a measured timeline, as :func:`simulate` takes them."""
+    durations: dict[tuple[int, str], list[float]] = {}
+    for t in timeline:
+        durations.setdefault((t.action.chunk, t.action.kind), []).append(t.end - t.start)
+    return {k: statistics.median(v) for k, v in durations.items()}
