@@ -301,62 +301,112 @@ class Group:
             across(out.view(-1))
         return out
 
+    def reduce_scatter_coalesced(self, tensors: Sequence[torch.Tensor], op: Any = "sum",
+                                 sizes: Optional[Sequence[Optional[Sequence[int]]]] = None,
+                                 across: Optional[Callable[[torch.Tensor], None]] = None) -> list[torch.Tensor]:
+        """Several reduce-scatters as one collective: this member's part of every tensor.
+
+        Same as ``[reduce_scatter(t, op, sizes=s) for t, s in zip(tensors, sizes)]`` (bit for bit),
+        but each round of the scratch buffer carries every tensor's parts -- one barrier per round
+        instead of one per tensor and round: what an FSDP unit of several small parameters needs.
+        Tensors must share a dtype. Through member k's slot go, in tensor order, the parts of every
+        tensor that member k reduces::
+
+            slot of member j, round c:  [ dest 0: t0 part 0 | t1 part 0 ...  | dest 1: t0 part 1 | t1 part 1 ... ]
+                                          (a window of cap/W elements of each destination's sequence)
+        """
+        if not tensors:
+            return []
+        sizes = sizes if sizes is not None else [None] * len(tensors)
+        if len(sizes) != len(tensors):
+            raise ValueError(f"reduce_scatter_coalesced: {len(tensors)} tensors but {len(sizes)} size lists")
+        if len({t.dtype for t in tensors}) > 1:
+            raise ValueError(f"reduce_scatter_coalesced: tensors must share a dtype, got "
+                             f"{sorted(str(t.dtype) for t in tensors)}")
+        outs = self._reduce_scatter_many(list(tensors), op, [None] * len(tensors), list(sizes))
+        if across is not None:
+            for out in outs:
+                across(out.view(-1))
+        return outs
+
     def _reduce_scatter(self, tensor: torch.Tensor, op: Any, out: Optional[torch.Tensor],
                         sizes: Optional[Sequence[int]]) -> torch.Tensor:
+        return self._reduce_scatter_many([tensor], op, [out], [sizes])[0]
+
+    def _reduce_scatter_many(self, tensors: list[torch.Tensor], op: Any, outs: list[Optional[torch.Tensor]],
+                             sizes: list[Optional[Sequence[int]]]) -> list[torch.Tensor]:
         op = ReduceOp.parse(op)
-        check_reducible(tensor.dtype, op)
-        flat, contiguous = _flat(tensor)
-        W, r, n = self.size, self.index, flat.numel()
-        if sizes is None:
-            bounds = even_split(n, W)
-        else:
-            if len(sizes) != W or sum(sizes) != n or min(sizes) < 0:
-                raise ValueError(f"reduce_scatter: sizes {list(sizes)} must be {W} counts >= 0 summing to {n}")
-            bounds = [0]
-            for k in sizes:
-                bounds.append(bounds[-1] + k)
-        mine_n = bounds[r + 1] - bounds[r]
-        if out is None:
-            out = torch.empty(mine_n, dtype=flat.dtype)
-        elif out.numel() != mine_n or out.dtype != flat.dtype or not out.is_contiguous():
-            raise ValueError(
-                f"reduce_scatter: out must be a contiguous {flat.dtype} tensor of {mine_n} elements "
-                f"(member {r} of {W}, input numel {n}), got {tuple(out.shape)} {out.dtype}"
-            )
-        o = out.view(-1)
+        check_reducible(tensors[0].dtype, op)
+        W, r = self.size, self.index
+        flats, bounds, results = [], [], []
+        for tensor, out, sz in zip(tensors, outs, sizes):
+            flat, contiguous = _flat(tensor)
+            n = flat.numel()
+            if sz is None:
+                b = even_split(n, W)
+            else:
+                if len(sz) != W or sum(sz) != n or min(sz) < 0:
+                    raise ValueError(f"reduce_scatter: sizes {list(sz)} must be {W} counts >= 0 summing to {n}")
+                b = [0]
+                for k in sz:
+                    b.append(b[-1] + k)
+            mine_n = b[r + 1] - b[r]
+            if out is None:
+                out = torch.empty(mine_n, dtype=flat.dtype)
+            elif out.numel() != mine_n or out.dtype != flat.dtype or not out.is_contiguous():
+                raise ValueError(
+                    f"reduce_scatter: out must be a contiguous {flat.dtype} tensor of {mine_n} elements "
+                    f"(member {r} of {W}, input numel {n}), got {tuple(out.shape)} {out.dtype}"
+                )
+            flats.append((flat, contiguous))
+            bounds.append(b)
+            results.append(out)
         if W == 1:
-            o.copy_(flat)
-            return out
+            for (flat, _), out in zip(flats, results):
+                out.view(-1).copy_(flat)
+            return results
         self._seq += 1
-        self._count("reduce_scatter", flat)
-        dc = dtype_code(flat.dtype)
-        hit = self._find_shared(flat) if contiguous else None
+        for flat, _ in flats:
+            self._count("reduce_scatter", flat)
+        dc, total = dtype_code(tensors[0].dtype), sum(f.numel() for f, _ in flats)
+        hit = self._find_shared(flats[0][0]) if len(flats) == 1 and flats[0][1] else None
         if hit is not None:
             buf, off = hit
-            self._sync(Coll.REDUCE_SCATTER, dc, n, int(op) + _SHARED_FLAG, check=True)
-            if mine_n:
-                lo, hi = off + bounds[r], off + bounds[r + 1]
-                fold(op, [buf.region(j)[lo:hi] for j in range(W)], o, W)
+            b, o = bounds[0], results[0].view(-1)
+            self._sync(Coll.REDUCE_SCATTER, dc, total, int(op) + _SHARED_FLAG, check=True)
+            if b[r + 1] > b[r]:
+                fold(op, [buf.region(j)[off + b[r]:off + b[r + 1]] for j in range(W)], o, W)
             # nobody may overwrite its input while others still read it
-            self._sync(Coll.REDUCE_SCATTER, dc, n, int(op) + _SHARED_FLAG, check=False)
-            return out
-        cp = max(self._cap(flat.dtype) // W, 1)  # elements of each destination per round
-        rounds = max(1, math.ceil(max(b - a for a, b in zip(bounds, bounds[1:])) / cp))
-        for c in range(rounds):
-            slots = self._slots(flat.dtype)
+            self._sync(Coll.REDUCE_SCATTER, dc, total, int(op) + _SHARED_FLAG, check=False)
+            return results
+        # destination k's sequence: tensor 0's part k, tensor 1's part k, ...; start[i][k] = where tensor i's begins
+        start = [[0] * W for _ in flats]
+        for k in range(W):
+            acc = 0
+            for i, b in enumerate(bounds):
+                start[i][k] = acc
+                acc += b[k + 1] - b[k]
+        length = [sum(b[k + 1] - b[k] for b in bounds) for k in range(W)]
+        cp = max(self._cap(tensors[0].dtype) // W, 1)  # elements of each destination per round
+        for c in range(max(1, math.ceil(max(length) / cp))):
+            w0, w1 = c * cp, (c + 1) * cp  # this round's window of every destination's sequence
+            slots = self._slots(tensors[0].dtype)
             mine = slots[r]
             for k in range(W):
-                a = bounds[k] + c * cp
-                e = min(bounds[k + 1], a + cp)
-                if k != r and e > a:
-                    mine[k * cp:k * cp + (e - a)].copy_(flat[a:e])
-            self._sync(Coll.REDUCE_SCATTER, dc, n, int(op), check=c == 0)
-            a = bounds[r] + c * cp
-            m = min(bounds[r + 1], a + cp) - a
-            if m > 0:
-                srcs = [flat[a:a + m] if j == r else slots[j][r * cp:r * cp + m] for j in range(W)]
-                fold(op, srcs, o[c * cp:c * cp + m], W)
-        return out
+                if k == r:
+                    continue
+                for (flat, _), b, st in zip(flats, bounds, start):
+                    a, e = max(w0, st[k]), min(w1, st[k] + b[k + 1] - b[k])
+                    if e > a:
+                        mine[k * cp + a - w0:k * cp + e - w0].copy_(flat[b[k] + a - st[k]:b[k] + e - st[k]])
+            self._sync(Coll.REDUCE_SCATTER, dc, total, int(op), check=c == 0)
+            for (flat, _), b, st, out in zip(flats, bounds, start, results):
+                a, e = max(w0, st[r]), min(w1, st[r] + b[r + 1] - b[r])
+                if e > a:
+                    srcs = [flat[b[r] + a - st[r]:b[r] + e - st[r]] if j == r else
+                            slots[j][r * cp + a - w0:r * cp + e - w0] for j in range(W)]
+                    fold(op, srcs, out.view(-1)[a - st[r]:e - st[r]], W)
+        return results
 
     # ------------------------------------------------------------------ all-gather
     def all_gather(self, tensor: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:

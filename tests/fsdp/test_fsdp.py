@@ -80,7 +80,9 @@ def _shard_and_step(world, reshard):
     sharded.stats.reset_peak()
     loss = nn.functional.cross_entropy(model(x), torch.zeros(16, dtype=torch.long))
     live_before_backward = sharded.stats.live
+    gen = world.group()._barrier.gen
     loss.backward()
+    backward_barriers = world.group()._barrier.gen - gen  # the group's barriers passed during backward
     opt.step()  # ends with the barrier (watch): every shard written before anyone gathers
     with torch.no_grad():
         sharded.stats.reset_peak()
@@ -90,7 +92,7 @@ def _shard_and_step(world, reshard):
     return (shapes, sharded.persistent_bytes(opt), sharded.stats.live, forward_only_peak,
             [u.numel * 4 for u in sharded.units], [n for n, p in model.named_parameters()
                                                   if any(p is q for q in opt.param_groups[0]["params"])],
-            live_before_backward)
+            live_before_backward, backward_barriers)
 
 
 FULL = {"net.1.weight": (256, 784), "net.1.bias": (256,), "net.2.weight": (256,), "net.2.bias": (256,),
@@ -100,7 +102,7 @@ FULL = {"net.1.weight": (256, 784), "net.1.bias": (256,), "net.2.weight": (256,)
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_each_rank_holds_its_rows_of_every_parameter_under_its_own_name(world_size):
-    for rank, (shapes, persistent, live, fwd_peak, unit_bytes, opt_names, _) in enumerate(
+    for rank, (shapes, persistent, live, fwd_peak, unit_bytes, opt_names, _, barriers) in enumerate(
             launch(_shard_and_step, world_size, True, start_method="fork")):
         assert list(shapes) == list(FULL)  # the module's own names, in its order
         for name, full in FULL.items():  # rows split like even_split: the first rows % W ranks get one more
@@ -114,14 +116,16 @@ def test_each_rank_holds_its_rows_of_every_parameter_under_its_own_name(world_si
         assert live == 0  # nothing unsharded survives a step
         assert fwd_peak == max(unit_bytes)  # forward holds one unit's full parameters at a time
         assert opt_names == list(FULL)  # configure_optimizers saw the module's own parameters
+        # backward: one reduce-scatter per unit (weight and bias together, one round each), nothing else
+        assert barriers == len(unit_bytes) == 5
 
 
 @pytest.mark.parametrize("reshard", [True, False])
 def test_units_are_freed_after_forward_or_kept_until_backward(reshard):
     """ZeRO-3 frees every unit after its forward and gathers it again for backward; without resharding the
     units stay gathered from forward to backward. Either way nothing full survives the step."""
-    (_, _, live, fwd_peak, unit_bytes, _, before_backward), _ = launch(_shard_and_step, 2, reshard,
-                                                                       start_method="fork")
+    (_, _, live, fwd_peak, unit_bytes, _, before_backward, _), _ = launch(_shard_and_step, 2, reshard,
+                                                                          start_method="fork")
     assert before_backward == (0 if reshard else sum(unit_bytes))
     assert live == 0 and fwd_peak == max(unit_bytes)  # a no-grad forward frees each unit at once either way
 

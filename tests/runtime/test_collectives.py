@@ -92,6 +92,45 @@ def check_reduce_scatter(world) -> list[str]:
     return errors
 
 
+def check_reduce_scatter_coalesced(world) -> list[str]:
+    """Several tensors in one collective: bit for bit what one reduce_scatter per tensor gives, with
+    parts of any sizes (zeros included), and one barrier per round of the scratch buffer in all."""
+    import math
+
+    g, errors, W = world.group(), [], world.size
+    ns = [n for n in sizes_for(W) if n < 60_000]  # 0 .. several rounds of the 64 KiB slot
+
+    def parts_of(i: int, n: int) -> list[int]:
+        """Tensor i's elements per member: even_split, all to the last member, or whole rows of 3."""
+        if i % 3 == 1:
+            return [0] * (W - 1) + [n]
+        b = even_split(n // 3, W) if i % 3 == 2 and n % 3 == 0 else even_split(n, W)
+        scale = 3 if i % 3 == 2 and n % 3 == 0 else 1
+        return [scale * (b[k + 1] - b[k]) for k in range(W)]
+
+    parts = [parts_of(i, n) for i, n in enumerate(ns)]
+    sizes = [None if i % 3 == 0 else p for i, p in enumerate(parts)]  # None: the default even_split
+    per_member = [sum(p[k] for p in parts) for k in range(W)]
+    for dtype in DTYPES:
+        for op in (("sum", "mean", "max") if dtype.is_floating_point else ("sum", "max")):
+            xs = [make(world.rank, n, dtype) for n in ns]
+            gen = g._barrier.gen
+            got = g.reduce_scatter_coalesced([x.clone() for x in xs], op, sizes=sizes)
+            barriers = g._barrier.gen - gen
+            singles = [g.reduce_scatter(x.clone(), op, sizes=sz) for x, sz in zip(xs, sizes)]
+            if not all(torch.equal(a, b) for a, b in zip(got, singles)):
+                errors.append(f"reduce_scatter_coalesced {op} {dtype}: differs from one call per tensor")
+            for n, p, out in zip(ns, parts, got):
+                lo = sum(p[:g.index])
+                ref = reference(op, [make(r, n, dtype) for r in range(W)]).to(dtype)
+                if not close(out, ref[lo:lo + p[g.index]], dtype):
+                    errors.append(f"reduce_scatter_coalesced {op} {dtype} n={n}")
+            cp = (64 << 10) // torch.empty((), dtype=dtype).element_size() // W  # elements per member per round
+            if W > 1 and barriers != max(1, math.ceil(max(per_member) / cp)):
+                errors.append(f"reduce_scatter_coalesced {dtype}: {barriers} barriers for {per_member} per member")
+    return errors
+
+
 def check_all_gather(world) -> list[str]:
     g, errors = world.group(), []
     for dtype in DTYPES:
@@ -134,6 +173,7 @@ CHECKS = {
     "all_reduce": check_all_reduce,
     "all_reduce_shared": check_all_reduce_shared,
     "reduce_scatter": check_reduce_scatter,
+    "reduce_scatter_coalesced": check_reduce_scatter_coalesced,
     "all_gather": check_all_gather,
     "broadcast": check_broadcast,
 }

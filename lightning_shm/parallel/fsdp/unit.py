@@ -22,8 +22,9 @@ Per training step::
     forward post-hook   free (reshard_after_forward): the flat tensor's storage is resized to 0;
                         autograd keeps the (now empty) views it saved for backward
     output-grad hook    re-gather into the same storage just before the unit's backward runs
-    backward of gather  per parameter, reduce-scatter (mean) of its full gradient by rows: each
-                        block's gradient arrives on the block, through autograd; free again
+    backward of gather  reduce-scatter (mean) of every parameter's full gradient by rows, all the
+                        unit's parameters in one collective: each block's gradient arrives on the
+                        block, through autograd; free again
 
 ``_GatherUnit`` is the autograd edge between blocks and full tensor. In a pipeline
 (:meth:`FSDPUnit.hold`), a unit is gathered once per step instead: it stays gathered over all
@@ -218,14 +219,13 @@ class FSDPUnit:
 
     # ------------------------------------------------------------------ reduce-scatter
     def reduce_scatter(self, grad_full: torch.Tensor) -> list[torch.Tensor]:
-        """Each parameter's full gradient -> the mean over ranks of this rank's rows."""
-        out = []
+        """Each parameter's full gradient -> the mean over ranks of this rank's rows: one collective for
+        the whole unit (a Linear's weight and bias: one barrier per round, not two)."""
         r = self.group.index
-        for b in self.blocks:
-            g = grad_full[b.full_offset:b.full_offset + b.numel]
-            part = self.group.reduce_scatter(g, "mean", sizes=[k * b.row_numel for k in b.rows], across=self.across)
-            out.append(part.view(b.rows[r], *b.shape[1:]))
-        return out
+        parts = self.group.reduce_scatter_coalesced(
+            [grad_full[b.full_offset:b.full_offset + b.numel] for b in self.blocks], "mean",
+            sizes=[[k * b.row_numel for k in b.rows] for b in self.blocks], across=self.across)
+        return [part.view(b.rows[r], *b.shape[1:]) for b, part in zip(self.blocks, parts)]
 
     # ------------------------------------------------------------------ a whole pipeline step
     def hold(self) -> None:
