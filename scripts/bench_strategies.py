@@ -127,8 +127,8 @@ class PhaseTimer(Callback):
             return wrapper
 
         Waiter.wait_ge = timed(Waiter.wait_ge, "waiting")  # type: ignore[method-assign]
-        for name in ("barrier", "all_reduce", "reduce_scatter", "all_gather", "all_gather_v", "broadcast",
-                     "broadcast_object", "all_gather_object", "vote_max"):
+        for name in ("barrier", "all_reduce", "reduce_scatter", "reduce_scatter_coalesced", "all_gather",
+                     "all_gather_v", "broadcast", "broadcast_object", "all_gather_object", "vote_max"):
             setattr(Group, name, timed(getattr(Group, name), "collectives"))
 
     def _mark(self, hook: str) -> None:

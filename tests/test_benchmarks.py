@@ -61,6 +61,7 @@ def test_bench_strategies_splits_steps_into_phases(tmp_path):
     for row in ("shm_ddp", "shm_fsdp", "shm_tp (tp=2)"):
         assert ms(rows[row][6]) > 0.0, (row, rows[row])
     assert "(" in rows["shm_ddp"][3]  # the gradient all-reduce runs inside backward
+    assert "(" in rows["shm_fsdp"][3]  # so do the reduce-scatters
     assert "(" in rows["shm_tp (tp=2)"][1]  # split loading gathers the members' shares while loading
 
 
