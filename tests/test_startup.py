@@ -51,3 +51,20 @@ def test_script_from_stdin_is_refused_before_any_worker_starts(strategy):
     assert out.returncode != 0
     assert "has no file ('<stdin>'" in out.stderr and "start_method='fork'" in out.stderr, out.stderr[-3000:]
     assert "WorkerDiedError" not in out.stderr
+
+
+def test_fork_server_output_holds_what_a_dead_worker_wrote_last():
+    """A worker's last lines reach the fork server's pipe before it exits, but the thread forwarding
+    them may not have read them when the main process sees the exit: reading the tail drains the pipe
+    first (this once cut a worker's message off in CI)."""
+    import os
+
+    from lightning_shm.runtime.forkserver import _ServerOutput
+
+    out = _ServerOutput()
+    for i in range(200):  # the forwarding thread gets no chance to run between write and read
+        mark = out.mark()
+        line = f"worker line {i}\n".encode()
+        os.write(out.write_fd, line)
+        assert out.since(mark) == line.decode(), i
+    os.close(out.write_fd)  # end of file: the forwarding thread stops

@@ -22,6 +22,7 @@ What a fork-server child does not get from the main process, and where it comes 
 from __future__ import annotations
 
 import os
+import select
 import threading
 from multiprocessing import forkserver
 from typing import Any, Optional, Sequence
@@ -31,10 +32,16 @@ TAIL_BYTES = 16384
 
 class _ServerOutput:
     """The fork server's stderr: forwarded to ours by a daemon thread; the tail kept, with a count of
-    every byte so far (a launch marks where it started)."""
+    every byte so far (a launch marks where it started).
+
+    A worker that dies writes its last lines and exits; the main process may notice the exit before
+    the thread has read them. So :meth:`since` first drains the pipe itself: reads happen only under
+    the lock, on a non-blocking fd, whoever does them -- what a dead worker wrote is in the tail.
+    """
 
     def __init__(self) -> None:
         self._read, self.write_fd = os.pipe()
+        os.set_blocking(self._read, False)
         self._terminal = os.dup(2)  # our stderr now (the relay swaps fd 2 while it starts workers)
         self._tail = bytearray()
         self._total = 0
@@ -44,19 +51,31 @@ class _ServerOutput:
     def _pump(self) -> None:
         while True:
             try:
+                select.select([self._read], [], [])
+            except (OSError, ValueError):
+                return
+            with self._lock:
+                if not self._take():
+                    return
+
+    def _take(self) -> bool:
+        """Forward and keep what the pipe holds now (lock held); False at end of file."""
+        while True:
+            try:
                 data = os.read(self._read, 65536)
+            except BlockingIOError:  # empty (or drained by since())
+                return True
             except OSError:
-                return
+                return False
             if not data:
-                return
+                return False
             try:
                 os.write(self._terminal, data)
             except OSError:
                 pass
-            with self._lock:
-                self._tail += data
-                del self._tail[:-TAIL_BYTES]
-                self._total += len(data)
+            self._tail += data
+            del self._tail[:-TAIL_BYTES]
+            self._total += len(data)
 
     def mark(self) -> int:
         with self._lock:
@@ -64,6 +83,7 @@ class _ServerOutput:
 
     def since(self, mark: int) -> str:
         with self._lock:
+            self._take()
             new = min(self._total - mark, len(self._tail))
             return bytes(self._tail[len(self._tail) - new:]).decode(errors="replace") if new > 0 else ""
 
