@@ -93,8 +93,9 @@ class PhaseTimer(Callback):
 
     ``load``: previous step's end to this step's start (fetching the batch -- for split tp loading
     also its gather -- and moving it to the device); ``forward``: the training_step up to the loss;
-    ``backward``; ``sync``: after backward until the optimizer step (shm_ddp's gradient all-reduce);
-    ``optimizer``: the step and zero_grad. ``collectives`` / ``waiting`` overlap the phases above.
+    ``backward`` (shm_ddp's bucket all-reduces run here, in autograd hooks); ``sync``: after backward
+    until the optimizer step (the strategy's post-backward); ``optimizer``: the step and zero_grad.
+    ``collectives`` / ``waiting`` overlap the phases above.
     """
 
     _HOOKS = ("on_train_batch_start", "on_before_backward", "on_after_backward", "on_before_optimizer_step",
@@ -809,8 +810,7 @@ def pipeline_table(stages: list[int], microbatches: list[int], batch: int, steps
                 res = launch(train_pipeline, P, PIPE_HIDDEN, kind.value, M, v, steps, batch, start_method="fork")
                 step = statistics.median(max(r.step_seconds[i] for r in res) for i in range(1, steps))
                 recs = [rec for r in res for rec in r.timeline]
-                t0, t1 = min(x.start for x in recs), max(x.end for x in recs)
-                bubble = 1 - sum(x.end - x.start for x in recs) / (P * (t1 - t0))
+                bubble = bubble_fraction(recs)
                 at_costs = bubble_fraction(simulate(sched, measured_costs(recs)))  # this run's stage (im)balance
                 mem = " / ".join(f"{r.peak_activation_bytes / 2**20:.1f}" for r in res)
                 lines.append(f"| {kind.value} | {P} | {M} | {batch / step:,.0f} | {bubble:.1%} | {at_costs:.1%} | "

@@ -296,7 +296,7 @@ class Group:
         default :func:`even_split` (the first ``n % W`` members get one element more).
         ``out`` must not overlap ``tensor``. ``across(part)`` is then applied to the part in place.
         """
-        out = self._reduce_scatter(tensor, op, out, sizes)
+        out = self._reduce_scatter_many([tensor], op, [out], [sizes])[0]
         if across is not None:  # e.g. HSDP: this member's part, combined with the other nodes' replicas
             across(out.view(-1))
         return out
@@ -328,10 +328,6 @@ class Group:
             for out in outs:
                 across(out.view(-1))
         return outs
-
-    def _reduce_scatter(self, tensor: torch.Tensor, op: Any, out: Optional[torch.Tensor],
-                        sizes: Optional[Sequence[int]]) -> torch.Tensor:
-        return self._reduce_scatter_many([tensor], op, [out], [sizes])[0]
 
     def _reduce_scatter_many(self, tensors: list[torch.Tensor], op: Any, outs: list[Optional[torch.Tensor]],
                              sizes: list[Optional[Sequence[int]]]) -> list[torch.Tensor]:
