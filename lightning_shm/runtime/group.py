@@ -127,8 +127,12 @@ class Group:
         sb = config.slot_bytes
         self._raw = [[segment.tensor(torch.uint8, scratch0 + (b * self.size + j) * sb, sb) for j in range(self.size)]
                      for b in (0, 1)]
+        # the W slots of a buffer lie back to back: one [W, slot_bytes] view reads them all in one op
+        self._blocks = [segment.tensor(torch.uint8, scratch0 + b * self.size * sb, self.size * sb).view(self.size, sb)
+                        for b in (0, 1)]
         self._typed: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
         self._oneshot: dict[tuple[int, torch.dtype, int], list[torch.Tensor]] = {}  # slot views cut to n
+        self._gather1: dict[tuple[int, torch.dtype, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (mine, [W, n])
         self._shared: list[SharedBuffer] = []
         self.traffic: dict[str, int] = {}  # bytes this member contributed, per collective (for benchmarks)
 
@@ -153,7 +157,7 @@ class Group:
         return views
 
     def _cap(self, dtype: torch.dtype) -> int:
-        return self.config.slot_bytes // torch.empty((), dtype=dtype).element_size()
+        return self.config.slot_bytes // dtype.itemsize
 
     def _sync(self, coll: int, dtype: int, numel: int, arg: int, check: bool, check_numel: bool = True) -> int:
         """The barrier of collective ``coll``; ``arg`` is its own argument (the reduce op, the source member)."""
@@ -421,7 +425,10 @@ class Group:
         self._seq += 1
         self._count("all_gather", flat)
         dc, cap = dtype_code(flat.dtype), self._cap(flat.dtype)
-        for c0 in range(0, max(n, 1), cap):
+        if n <= cap:  # one round (statistics, batch shares): two copies around the barrier, views cut once
+            self._all_gather_one_round(flat, o, dc)
+            return out
+        for c0 in range(0, n, cap):
             L = min(cap, n - c0)
             slots = self._slots(flat.dtype)
             slots[r][:L].copy_(flat[c0:c0 + L])
@@ -429,6 +436,18 @@ class Group:
             for j in range(W):
                 o[j, c0:c0 + L].copy_(flat[c0:c0 + L] if j == r else slots[j][:L])
         return out
+
+    def _all_gather_one_round(self, flat: torch.Tensor, o: torch.Tensor, dc: int) -> None:
+        n, b = flat.numel(), self._buf
+        self._buf ^= 1
+        key = (b, flat.dtype, n)
+        views = self._gather1.get(key)
+        if views is None:
+            views = self._gather1[key] = (self._typed_slots(b, flat.dtype)[self.index][:n],
+                                          self._blocks[b].view(flat.dtype)[:, :n])
+        views[0].copy_(flat)
+        self._sync(Coll.ALL_GATHER, dc, n, 0, check=True)
+        o.copy_(views[1])  # every member's slot, own included (it holds what flat holds)
 
     def all_gather_v(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Gather 1-D tensors of *different* lengths: returns one tensor per member.

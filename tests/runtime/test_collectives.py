@@ -145,6 +145,15 @@ def check_all_gather(world) -> list[str]:
                 torch.equal(p, make(r, n + r, dtype)) for r, p in enumerate(parts)
             ):
                 errors.append(f"all_gather_v {dtype} n={n}")
+    # the same small gather every step (a LayerNorm's statistics): the one-round path reuses views of
+    # the two alternating scratch buffers -- each call must return its own data, never an earlier call's
+    out = torch.empty(world.size, 3, 5)
+    for step in range(5):
+        x = torch.full((3, 5), float(10 * step + world.rank))
+        got = g.all_gather(x, out=out) if step % 2 else g.all_gather(x)
+        ref = torch.stack([torch.full((3, 5), float(10 * step + r)) for r in range(world.size)])
+        if not torch.equal(got, ref):
+            errors.append(f"all_gather step {step}: {got[:, 0, 0].tolist()}")
     return errors
 
 

@@ -2,35 +2,36 @@
 
 In the reference network a LayerNorm sits between a column- and a row-parallel Linear, so each
 rank holds only ``H_r`` of the ``N = sum(H_r)`` features of every sample. Gathering the activation
-(what DTensor does) would move ``N`` floats per sample; the statistics need 2.
+(what DTensor does) would move ``N`` floats per sample; the statistics need 3.
 
 Forward, per sample (row)::
 
-    rank r:  n_r = H_r,  m_r = mean(x_r),  M2_r = sum((x_r - m_r)^2)      (see below)
-    all-gather (m_r, M2_r) over the group                                 [W, 2, rows]
-    merge (Chan et al.):  mean = sum(n_r m_r) / N
-                          M2   = sum(M2_r) + sum(n_r (m_r - mean)^2)
-    y_r = (x_r - mean) / sqrt(M2 / N + eps) * w_r + b_r                   (w, b sharded like x)
+    rank r, [rows, H_r] in the compute dtype (float32 for float32 / bf16 / fp16 input):
+        s_r = mean(x_r)   (rounded to float32: used only as a shift)
+        d_r = x_r - s_r,  e_r = mean(d_r),  v_r = mean(d_r^2) - e_r^2   (local mean s_r + e_r, variance v_r)
+    all-gather (s_r, e_r, v_r) over the group                         [W, 3, rows], merged in float64:
+        m_j = s_j + e_j,  mean = sum(n_j m_j) / N,  var = sum(n_j (v_j + (m_j - mean)^2)) / N   (Chan et al.)
+    y_r = (d_r + (m_r - mean) - e_r) * rsqrt(var + eps) * w_r + b_r    (w, b sharded like x)
 
-Each rank's M2_r is taken around its own mean, and the merge only adds squared differences of
-means, so a large common offset (inputs around 1e4) never cancels catastrophically as
-``E[x^2] - E[x]^2`` would. Only the per-row statistics are float64 (m_r summed in float64, then
-``x_r - m_r`` taken in two float32 steps -- minus m_r rounded, minus the rounding --, so it is accurate
-to float32 at any offset); the [rows, H_r] work stays in float32 in a few fused ops (``vecdot``,
-``addcmul``): 0.36 ms instead of 0.41-0.45 ms forward + backward on [256, 128] with everything
-float64 (single-thread micro-benchmark, collectives stubbed).
+Why it is accurate at any offset: ``d`` is taken around the rank's own (rounded) mean, so it is
+data-scale and ``mean(d^2) - e^2`` cannot cancel (``e`` is only the rounding of ``s``); the large
+values ``s_j`` meet each other only in the float64 merge of ``[W, 3, rows]`` numbers. A float32 mean
+subtracted directly would be off by its rounding (5e-4 at inputs around 1e4), and ``E[x^2] - E[x]^2``
+would cancel catastrophically. The [rows, H_r] work is a few whole-tensor float32 ops, ~3-7 us each
+at [256, 128]; no row-broadcast ``addcmul`` (3-4x slower there than ``add_`` then ``mul_``).
 
 Backward, with x_hat the normalised input and g = dy * w (all local)::
 
     dx_r = rstd * (g_r - mean_N(g) - x_hat_r * mean_N(g * x_hat))
 
 needs the two per-sample sums over *all* features -> one all-reduce of ``[2, rows]``; the weight
-and bias gradients are local (they are sharded with the features). No all-reduce is issued when
-the input needs no gradient.
+and bias gradients are local (they are sharded with the features) and summed over the rows in
+float64. No all-reduce is issued when the input needs no gradient.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Sequence
 
 import torch
@@ -39,30 +40,34 @@ from torch.linalg import vecdot
 from lightning_shm.runtime import Group
 
 
+@functools.lru_cache(maxsize=None)
+def _weights(sizes: tuple[int, ...]) -> torch.Tensor:
+    """``n_j / N`` per member, float64 (read-only; cached: a tensor built every call costs as much as an op)."""
+    return torch.tensor(sizes, dtype=torch.float64) / sum(sizes)
+
+
 class _DistributedLayerNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float, group: Group,
-                sizes: Sequence[int]) -> torch.Tensor:  # type: ignore[override]
-        shape = x.shape
+                sizes: tuple[int, ...]) -> torch.Tensor:  # type: ignore[override]
+        shape, i = x.shape, group.index
         ct = x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32  # compute dtype
         rows = x.reshape(-1, shape[-1]).to(ct)
-        m_r = rows.sum(-1, dtype=torch.float64).div_(sizes[group.index])  # float64: exact at any offset
-        hi = m_r.to(ct)
-        d = rows - hi[:, None]  # x - m_r in two steps: the rounding of m_r to ct is subtracted too
-        d.sub_((m_r - hi.double()).to(ct)[:, None])
-        stats = group.all_gather(torch.stack([m_r, vecdot(d, d).double()]))  # [W, 2, rows]
-        n = torch.tensor(list(sizes), dtype=torch.float64)[:, None]
-        total = float(sum(sizes))
-        mean = (n * stats[:, 0]).sum(0).div_(total)
-        m2 = stats[:, 1].sum(0) + (n * (stats[:, 0] - mean).pow(2)).sum(0)
-        rstd = torch.rsqrt(m2.div_(total).add_(eps))
-        shift = ((m_r - mean) * rstd).to(ct)[:, None]  # x_hat = (x - m_r) * rstd + (m_r - mean) * rstd
-        rstd = rstd.to(ct)[:, None]
-        x_hat = torch.addcmul(shift, d, rstd)
+        s = rows.mean(-1)
+        d = rows - s[:, None]
+        e = d.mean(-1)
+        v = torch.addcmul(vecdot(d, d).div_(shape[-1]), e, e, value=-1)
+        stats = group.all_gather(torch.stack([s, e, v])).double()  # [W, 3, rows]
+        m = stats[:, 0] + stats[:, 1]  # [W, rows]: every member's mean, exact in float64
+        wts = _weights(sizes)
+        mean = wts @ m
+        dm = m.sub_(mean)
+        rstd = (wts @ torch.addcmul(stats[:, 2], dm, dm)).add_(eps).rsqrt_().to(ct)
+        x_hat = d.add_(dm[i].sub_(stats[i, 1]).to(ct)[:, None]).mul_(rstd[:, None])  # (x - mean) * rstd, in d
         w = weight.to(ct)
         y = torch.addcmul(bias.to(ct), x_hat, w)
         ctx.save_for_backward(x_hat, rstd, w)
-        ctx.group, ctx.total, ctx.shape, ctx.wdtype = group, total, shape, weight.dtype
+        ctx.group, ctx.total, ctx.shape, ctx.wdtype = group, float(sum(sizes)), shape, weight.dtype
         return y.to(x.dtype).view(shape)
 
     @staticmethod
@@ -72,10 +77,8 @@ class _DistributedLayerNorm(torch.autograd.Function):
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
             g = dy_rows * w
-            sums = ctx.group.all_reduce(torch.stack([g.sum(-1, dtype=torch.float64),
-                                                     vecdot(g, x_hat).double()]), "sum")  # [2, rows]
-            c = sums.div_(ctx.total).to(x_hat.dtype)
-            dx = torch.addcmul(g.sub_(c[0][:, None]), x_hat, c[1][:, None], value=-1).mul_(rstd)
+            c = ctx.group.all_reduce(torch.stack([g.sum(-1), vecdot(g, x_hat)]), "sum").div_(ctx.total)  # [2, rows]
+            dx = g.sub_(c[0][:, None]).sub_(x_hat * c[1][:, None]).mul_(rstd[:, None])
             dx = dx.to(dy.dtype).view(ctx.shape)
         if ctx.needs_input_grad[1]:
             dw = (dy_rows * x_hat).sum(0, dtype=torch.float64).to(ctx.wdtype)
@@ -90,4 +93,4 @@ def distributed_layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     if x.shape[-1] != sizes[group.index]:
         raise ValueError(f"input has {x.shape[-1]} features, this rank's shard is {sizes[group.index]} "
                          f"(sizes {list(sizes)})")
-    return _DistributedLayerNorm.apply(x, weight, bias, eps, group, list(sizes))
+    return _DistributedLayerNorm.apply(x, weight, bias, eps, group, tuple(sizes))
