@@ -43,7 +43,7 @@ MODELS: dict[str, dict[str, Any]] = {  # MNISTClassifier arguments
 }
 STEPS = {"reference": (50, 1000), "wide": (3, 12), "cnn": (5, 60), "transformer": (5, 60)}  # (warm-up, measured)
 DATASET_SAMPLES = 60_000
-TABLES = ("memory", "prefetch", "tp", "pipeline", "fixed", "layouts", "breakdown", "phases")
+TABLES = ("memory", "prefetch", "tp", "pipeline", "fixed", "layouts", "breakdown", "phases", "tp_layers")
 
 
 @dataclass
@@ -422,11 +422,13 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--global-batch", type=int, default=128)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--no-memory", action="store_true", help="skip the extra tables (same as --tables without names)")
-    p.add_argument("--tables", nargs="*", default=[t for t in TABLES if t not in ("layouts", "breakdown", "phases")],
+    p.add_argument("--tables", nargs="*",
+                   default=[t for t in TABLES if t not in ("layouts", "breakdown", "phases", "tp_layers")],
                    choices=list(TABLES),
                    help="extra tables after the throughput rows (default: all but 'layouts' -- W=4 runs of "
                         "the wide MLP --, 'breakdown' -- pipeline steps split by where the time goes -- and "
-                        "'phases' -- ddp / fsdp / tp / ceiling steps split the same way; "
+                        "'phases' -- ddp / fsdp / tp / ceiling steps split the same way -- and 'tp_layers' -- "
+                        "shm_tp's mechanics without Lightning, layer by layer; "
                         "a few minutes each)")
     p.add_argument("--no-throughput", action="store_true", help="only the extra tables")
     p.add_argument("--rows", nargs="+", default=None, help="only these rows (by name prefix, e.g. shm_ddp "
@@ -496,6 +498,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         lines.append(breakdown_table(args.global_batch))
     if "phases" in tables:
         lines.append(phases_table(args.models, args.world_size, args.global_batch, repeats, args.steps))
+    if "tp_layers" in tables:
+        lines.append(tp_layers_table(args.world_size, args.global_batch, repeats, args.steps or 300))
     text = "\n".join(lines)
     (args.out_dir / f"strategies_w{args.world_size}.md").write_text(text)
     if plot_data:
@@ -780,6 +784,78 @@ def phases_table(models: list[str], world: int, global_batch: int, repeats: int,
             waits = sorted((p["waiting"] for p in ph), reverse=True)
             lines.append(f"| {model} | {s.row} | {mean('step'):.2f} | {' | '.join(cells)} | "
                          f"{mean('collectives'):.2f} | {waits[-1]:.2f} / {waits[0]:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def tp_layers_worker(world: Any, tp: bool, global_batch: int, steps: int) -> dict[str, Any]:
+    """Runtime only (no Lightning): median microseconds of each layer's forward, the loss, and the step's
+    forward / backward / optimizer, for one rank of shm_tp (tp = W, the whole batch) or of the ceiling
+    (the whole model, an independent process with its 1/W of the batch)."""
+    from torch import nn
+
+    sys.path.insert(0, str(ROOT))
+    from lightning_shm.models import MNISTClassifier
+    from lightning_shm.parallel.sequential import find_sequential
+    from lightning_shm.parallel.tp import TensorParallelState, check_plan, plan_for
+
+    torch.manual_seed(0)
+    model = MNISTClassifier(**MODELS["reference"])
+    rows = global_batch
+    if tp:
+        TensorParallelState(model, world.group(), check_plan(model, plan_for(model, None), world.size))
+    else:
+        rows = global_batch // world.size
+    _, seq = find_sequential(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(rows, 1, 28, 28), torch.randint(0, 10, (rows,))
+    names = [f"{i}" for i in range(len(seq))] + ["loss", "forward", "backward", "optimizer", "step"]
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for step in range(steps + 20):  # the first 20 warm up
+        h, t0 = x, time.perf_counter()
+        laps = []
+        for layer in seq:
+            h = layer(h)
+            laps.append(time.perf_counter())
+        loss = nn.functional.cross_entropy(h, y)
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        opt.step()
+        opt.zero_grad()
+        t3 = time.perf_counter()
+        if step >= 20:
+            for n, a, b in zip(names, [t0, *laps], [*laps, t1]):
+                times[n].append(b - a)
+            for n, a, b in (("forward", t0, t1), ("backward", t1, t2), ("optimizer", t2, t3), ("step", t0, t3)):
+                times[n].append(b - a)
+    import statistics
+
+    return {"times": {n: statistics.median(v) * 1e6 for n, v in times.items()},
+            "labels": {f"{i}": type(m).__name__ for i, m in enumerate(seq)}}
+
+
+def tp_layers_table(world: int, global_batch: int, repeats: int, steps: int) -> str:
+    """shm_tp's mechanics against the ceiling without Lightning: which layer costs what on one rank."""
+    import statistics
+
+    from lightning_shm.runtime import launch
+
+    runs: dict[bool, list[list[dict[str, Any]]]] = {True: [], False: []}
+    for _ in range(repeats):  # interleaved; each run's rank medians, then the median over runs
+        for tp in (True, False):
+            runs[tp].append(launch(tp_layers_worker, world, tp, global_batch, steps, start_method="fork"))
+    med = {tp: {k: statistics.median(statistics.fmean(rank["times"][k] for rank in run) for run in runs[tp])
+                for k in runs[tp][0][0]["times"]} for tp in runs}
+    labels = {k: (runs[False][0][0]["labels"][k], runs[True][0][0]["labels"][k]) for k in runs[True][0][0]["labels"]}
+    lines = [f"## shm_tp's mechanics without Lightning (reference MLP, tp={world}, global batch {global_batch}; "
+             f"us per step, median step, mean over ranks, median of {repeats})\n",
+             f"| part | ceiling rank ({global_batch // world} rows, whole model) | shm_tp rank ({global_batch} rows, "
+             f"1/{world} of the split layers) | difference |", "|---|---:|---:|---:|"]
+    for k in med[True]:
+        a, b = med[False][k], med[True][k]
+        name = k if k not in labels else f"layer {k}: {labels[k][0]}" + (
+            f" -> {labels[k][1]}" if labels[k][1] != labels[k][0] else "")
+        lines.append(f"| {name} | {a:,.0f} | {b:,.0f} | {b - a:+,.0f} |")
     return "\n".join(lines) + "\n"
 
 

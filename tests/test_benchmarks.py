@@ -72,3 +72,23 @@ def test_plot_pipeline_draws_a_gantt_chart_per_schedule(tmp_path):
         png = tmp_path / f"pipeline_{schedule}_p2.png"
         assert png.stat().st_size > 5000, png
         assert f"pipeline_{schedule}_p2.png: measured bubble" in out
+
+
+def test_bench_strategies_times_tp_layer_by_layer(tmp_path):
+    out = run(["scripts/bench_strategies.py", "--no-throughput", "--tables", "tp_layers", "--steps", "20",
+               "--repeats", "1", "--out-dir", str(tmp_path)])
+    rows = {}
+    for line in out.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) == 4 and cells[1].replace(",", "").isdigit():
+            rows[cells[0]] = [float(c.replace(",", "")) for c in cells[1:]]
+    # the plan's layers, named as the ceiling's and as shm_tp's
+    assert {"layer 1: Linear -> ColumnParallelLinear", "layer 2: LayerNorm -> ShardedLayerNorm",
+            "layer 4: Linear -> RowParallelLinear", "layer 5: LayerNorm", "loss", "forward", "step"} <= set(rows), out
+    for ceiling, tp, diff in rows.values():
+        assert ceiling > 0 and tp > 0 and abs(tp - ceiling - diff) <= 1, out
+    for col in (0, 1):  # medians: the parts add up to their whole within 10%
+        layers = sum(v[col] for k, v in rows.items() if k.startswith("layer ") or k == "loss")
+        assert abs(layers - rows["forward"][col]) <= 0.1 * rows["forward"][col], out
+        phases = sum(rows[k][col] for k in ("forward", "backward", "optimizer"))
+        assert abs(phases - rows["step"][col]) <= 0.1 * rows["step"][col], out
