@@ -443,6 +443,8 @@ class Group:
         key = (b, flat.dtype, n)
         views = self._gather1.get(key)
         if views is None:
+            if len(self._gather1) >= 64:  # many distinct sizes (a user's variable-length gathers): start over
+                self._gather1.clear()
             views = self._gather1[key] = (self._typed_slots(b, flat.dtype)[self.index][:n],
                                           self._blocks[b].view(flat.dtype)[:, :n])
         views[0].copy_(flat)

@@ -7,7 +7,7 @@ rank holds only ``H_r`` of the ``N = sum(H_r)`` features of every sample. Gather
 Forward, per sample (row)::
 
     rank r, [rows, H_r] in the compute dtype (float32 for float32 / bf16 / fp16 input):
-        s_r = mean(x_r)   (rounded to float32: used only as a shift)
+        s_r = mean(x_r)   (rounded to the compute dtype: used only as a shift)
         d_r = x_r - s_r,  e_r = mean(d_r),  v_r = mean(d_r^2) - e_r^2   (local mean s_r + e_r, variance v_r)
     all-gather (s_r, e_r, v_r) over the group                         [W, 3, rows], merged in float64:
         m_j = s_j + e_j,  mean = sum(n_j m_j) / N,  var = sum(n_j (v_j + (m_j - mean)^2)) / N   (Chan et al.)
