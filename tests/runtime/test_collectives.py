@@ -154,6 +154,13 @@ def check_all_gather(world) -> list[str]:
         ref = torch.stack([torch.full((3, 5), float(10 * step + r)) for r in range(world.size)])
         if not torch.equal(got, ref):
             errors.append(f"all_gather step {step}: {got[:, 0, 0].tolist()}")
+    # many distinct sizes (variable-length gathers): results stay right, the cache of cut views stays bounded
+    for n in range(1, 100):
+        got = g.all_gather(make(world.rank, n, torch.float32))
+        if not torch.equal(got, torch.stack([make(r, n, torch.float32) for r in range(world.size)])):
+            errors.append(f"all_gather of {n} after many sizes")
+    if len(g._gather1) > 64:
+        errors.append(f"{len(g._gather1)} cached gather views")
     return errors
 
 
