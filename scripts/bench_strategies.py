@@ -426,7 +426,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                    default=[t for t in TABLES if t not in ("layouts", "breakdown", "phases", "tp_layers")],
                    choices=list(TABLES),
                    help="extra tables after the throughput rows (default: all but 'layouts' -- W=4 runs of "
-                        "the wide MLP --, 'breakdown' -- pipeline steps split by where the time goes -- and "
+                        "the wide MLP --, 'breakdown' -- pipeline steps split by where the time goes --, "
                         "'phases' -- ddp / fsdp / tp / ceiling steps split the same way -- and 'tp_layers' -- "
                         "shm_tp's mechanics without Lightning, layer by layer; "
                         "a few minutes each)")

@@ -125,14 +125,12 @@ class Group:
         self._buf = 0
         scratch0 = align_up(self.size * ROW_WORDS * 8, _PAGE)
         sb = config.slot_bytes
-        self._raw = [[segment.tensor(torch.uint8, scratch0 + (b * self.size + j) * sb, sb) for j in range(self.size)]
-                     for b in (0, 1)]
-        # the W slots of a buffer lie back to back: one [W, slot_bytes] view reads them all in one op
+        # buffer b: the W members' slots back to back, [W, slot_bytes] (one view reads every slot in one op)
         self._blocks = [segment.tensor(torch.uint8, scratch0 + b * self.size * sb, self.size * sb).view(self.size, sb)
                         for b in (0, 1)]
+        self._raw = [list(block.unbind(0)) for block in self._blocks]
         self._typed: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
-        self._oneshot: dict[tuple[int, torch.dtype, int], list[torch.Tensor]] = {}  # slot views cut to n
-        self._gather1: dict[tuple[int, torch.dtype, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (mine, [W, n])
+        self._cuts: dict[tuple[int, torch.dtype, int], tuple[list[torch.Tensor], torch.Tensor]] = {}
         self._shared: list[SharedBuffer] = []
         self.traffic: dict[str, int] = {}  # bytes this member contributed, per collective (for benchmarks)
 
@@ -155,6 +153,18 @@ class Group:
             views = [raw.view(dtype) for raw in self._raw[b]]
             self._typed[(b, dtype)] = views
         return views
+
+    def _cut(self, b: int, dtype: torch.dtype, n: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """Buffer ``b``'s slots cut to ``n`` elements: one per member, and all of them as ``[W, n]``.
+        The same small collectives repeat every step, so the views are cut once (bounded: a user's
+        variable-length gathers would otherwise add an entry per size)."""
+        key = (b, dtype, n)
+        cut = self._cuts.get(key)
+        if cut is None:
+            if len(self._cuts) >= 64:
+                self._cuts.clear()
+            cut = self._cuts[key] = ([s[:n] for s in self._typed_slots(b, dtype)], self._blocks[b].view(dtype)[:, :n])
+        return cut
 
     def _cap(self, dtype: torch.dtype) -> int:
         return self.config.slot_bytes // dtype.itemsize
@@ -239,10 +249,7 @@ class Group:
     def _all_reduce_oneshot(self, flat: torch.Tensor, op: ReduceOp) -> None:
         n, b = flat.numel(), self._buf
         self._buf ^= 1
-        key = (b, flat.dtype, n)
-        views = self._oneshot.get(key)  # the same small collectives repeat every step: cut the views once
-        if views is None:
-            views = self._oneshot[key] = [s[:n] for s in self._typed_slots(b, flat.dtype)]
+        views = self._cut(b, flat.dtype, n)[0]
         views[self.index].copy_(flat)
         self._sync(Coll.ALL_REDUCE, dtype_code(flat.dtype), n, int(op), check=True)
         fold(op, views, flat, self.size)
@@ -438,18 +445,12 @@ class Group:
         return out
 
     def _all_gather_one_round(self, flat: torch.Tensor, o: torch.Tensor, dc: int) -> None:
-        n, b = flat.numel(), self._buf
+        b = self._buf
         self._buf ^= 1
-        key = (b, flat.dtype, n)
-        views = self._gather1.get(key)
-        if views is None:
-            if len(self._gather1) >= 64:  # many distinct sizes (a user's variable-length gathers): start over
-                self._gather1.clear()
-            views = self._gather1[key] = (self._typed_slots(b, flat.dtype)[self.index][:n],
-                                          self._blocks[b].view(flat.dtype)[:, :n])
-        views[0].copy_(flat)
-        self._sync(Coll.ALL_GATHER, dc, n, 0, check=True)
-        o.copy_(views[1])  # every member's slot, own included (it holds what flat holds)
+        slots, block = self._cut(b, flat.dtype, flat.numel())
+        slots[self.index].copy_(flat)
+        self._sync(Coll.ALL_GATHER, dc, flat.numel(), 0, check=True)
+        o.copy_(block)  # every member's slot, own included (it holds what flat holds)
 
     def all_gather_v(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Gather 1-D tensors of *different* lengths: returns one tensor per member.

@@ -159,8 +159,8 @@ def check_all_gather(world) -> list[str]:
         got = g.all_gather(make(world.rank, n, torch.float32))
         if not torch.equal(got, torch.stack([make(r, n, torch.float32) for r in range(world.size)])):
             errors.append(f"all_gather of {n} after many sizes")
-    if len(g._gather1) > 64:
-        errors.append(f"{len(g._gather1)} cached gather views")
+    if len(g._cuts) > 64:
+        errors.append(f"{len(g._cuts)} cached slot views")
     return errors
 
 
