@@ -10,7 +10,12 @@ Rows (same global batch everywhere, synthetic MNIST-shaped data held in memory):
 * ``ddp_spawn``: Lightning's own DDP over gloo, W processes;
 * ``shm_ddp``: this project, W processes;
 * ``ceiling``: W independent single-process trainings (batch = global / W, cores // W threads each)
-  running concurrently -- no communication at all: the limit for W ranks on this machine.
+  running concurrently -- no communication at all: the limit for W ranks on this machine;
+* ``ceiling, lock-step``: the same W trainings, made to wait for each other (a shared-memory barrier)
+  where shm_ddp's ranks do -- after the loss (the logged ``sync_dist`` value) and after backward (the
+  gradient all-reduce) --, still without moving any data: the limit for a *synchronous* strategy
+  with shm_ddp's sync points. On a VM whose vCPUs do not run at the same speed at every moment, each
+  step runs at the slower rank's pace; this row measures what that costs in the same run.
 
 Every process iterates over the same MNIST-sized synthetic array (60,000 samples; epochs repeat).
 Each configuration runs in its own fresh process; throughput is measured over steady-state steps
@@ -43,6 +48,7 @@ MODELS: dict[str, dict[str, Any]] = {  # MNISTClassifier arguments
 }
 STEPS = {"reference": (50, 1000), "wide": (3, 12), "cnn": (5, 60), "transformer": (5, 60)}  # (warm-up, measured)
 DATASET_SAMPLES = 60_000
+LOCKSTEP_ROW = "ceiling, lock-step (no comm)"
 TABLES = ("memory", "prefetch", "tp", "pipeline", "fixed", "layouts", "breakdown", "phases", "tp_layers")
 
 
@@ -62,6 +68,8 @@ class RunSpec:
     barrier_dir: Optional[str] = None
     index: int = 0
     count: int = 1
+    lockstep: bool = False  # ceiling only: the independent runs wait for each other where shm_ddp syncs
+    lockstep_segment: Optional[str] = None  # the barrier's shared memory (set by measure())
     phases: bool = False  # also split each step by phase (PhaseTimer)
 
 
@@ -85,6 +93,51 @@ class StepTimer(Callback):
         if trainer.global_step == self.spec.warmup + self.spec.steps and trainer.is_global_zero:
             self.out_path.write_text(json.dumps({"seconds": time.perf_counter() - self.t0,
                                                  "threads": torch.get_num_threads()}))
+
+
+class LockStep(Callback):
+    """The lock-step ceiling: rank ``spec.index`` of ``spec.count`` independent trainings enters a barrier
+    (the runtime's, over a segment the driver created) after each loss and after each backward -- the
+    two points where shm_ddp's ranks synchronise. Counts the barriers and the time spent in them
+    during the measured steps."""
+
+    def __init__(self, spec: RunSpec) -> None:
+        from lightning_shm.runtime.barrier import Barrier
+        from lightning_shm.runtime.ops import Coll
+        from lightning_shm.runtime.segment import Segment
+        from lightning_shm.runtime.wait import Waiter, WaitPolicy
+
+        assert spec.lockstep_segment is not None
+        self.spec, self.coll = spec, int(Coll.BARRIER)
+        self.segment = Segment.attach(spec.lockstep_segment)
+        words = self.segment.words()
+        policy = WaitPolicy.for_world(spec.count, os.cpu_count() or 1, timeout_s=120.0)
+        waiter = Waiter(words, lockstep_abort_word(spec.count), policy)
+        self.barrier = Barrier(words, 0, list(range(spec.count)), spec.index, waiter, "lock-step ceiling")
+        self.seq = 0
+        self.barriers = 0
+        self.waited = 0.0
+
+    def _sync(self, trainer: Any) -> None:
+        self.seq += 1
+        t0 = time.perf_counter()
+        self.barrier.wait(self.seq, self.coll, 0, 0, 0)
+        if self.spec.warmup <= trainer.global_step < self.spec.warmup + self.spec.steps:
+            self.barriers += 1
+            self.waited += time.perf_counter() - t0
+
+    def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
+        self._sync(trainer)
+
+    def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
+        self._sync(trainer)
+
+
+def lockstep_abort_word(count: int) -> int:
+    """Layout of the lock-step segment: ``count`` barrier rows, then one abort word (never set)."""
+    from lightning_shm.runtime.barrier import ROW_WORDS
+
+    return count * ROW_WORDS
 
 
 class PhaseTimer(Callback):
@@ -196,6 +249,9 @@ def run_one(spec: RunSpec) -> dict[str, Any]:
     else:
         strategy, devices = spec.strategy, spec.devices
     callbacks: list[Callback] = [StepTimer(spec, out_path)]
+    lockstep = LockStep(spec) if spec.lockstep else None
+    if lockstep is not None:
+        callbacks.append(lockstep)
     if spec.phases:
         callbacks.append(PhaseTimer(spec.warmup, out_path.parent))
     trainer = pl.Trainer(accelerator="cpu", strategy=strategy, devices=devices, max_steps=spec.warmup + spec.steps,
@@ -206,7 +262,9 @@ def run_one(spec: RunSpec) -> dict[str, Any]:
     samples = spec.global_batch // (spec.count if spec.strategy == "ceiling" else 1) * spec.steps
     phases = [json.loads(f.read_text()) for f in sorted(out_path.parent.glob("rank*.json"))]
     return {"samples_per_s": samples / timing["seconds"], "step_ms": timing["seconds"] / spec.steps * 1e3,
-            "threads": timing["threads"], "phases": phases}
+            "threads": timing["threads"], "phases": phases,
+            "barriers_per_step": lockstep.barriers / spec.steps if lockstep else 0.0,
+            "waited_ms_per_step": lockstep.waited / spec.steps * 1e3 if lockstep else 0.0}
 
 
 # ---------------------------------------------------------------------- where a pipeline step goes
@@ -374,14 +432,35 @@ def collect(proc: subprocess.Popen) -> dict[str, Any]:
 def measure(spec: RunSpec) -> dict[str, Any]:
     if spec.strategy != "ceiling":
         return collect(launch_child(spec))
-    with tempfile.TemporaryDirectory() as barrier:
-        env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // spec.devices))}
-        procs = [launch_child(RunSpec(**{**asdict(spec), "barrier_dir": barrier, "index": i, "count": spec.devices}),
-                              env) for i in range(spec.devices)]
-        results = [collect(p) for p in procs]
+    from lightning_shm.runtime.segment import Segment
+
+    segment = Segment.create(8 * (lockstep_abort_word(spec.devices) + 1), tag="bench-lockstep") if spec.lockstep \
+        else None
+    try:
+        with tempfile.TemporaryDirectory() as barrier:
+            env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // spec.devices))}
+            procs = [launch_child(RunSpec(**{**asdict(spec), "barrier_dir": barrier, "index": i, "count": spec.devices,
+                                             "lockstep_segment": segment.name if segment else None}), env)
+                     for i in range(spec.devices)]
+            results = [collect(p) for p in procs]
+    finally:
+        if segment is not None:
+            segment.close()
+            segment.unlink()
     return {"samples_per_s": sum(r["samples_per_s"] for r in results),
             "step_ms": max(r["step_ms"] for r in results), "threads": results[0]["threads"],
-            "phases": [ph for r in results for ph in r["phases"]]}
+            "phases": [ph for r in results for ph in r["phases"]],
+            **({"barriers_per_step": min(r["barriers_per_step"] for r in results),
+                "waited_ms_per_step": [r["waited_ms_per_step"] for r in results]} if spec.lockstep else {})}
+
+
+def lockstep_note(result: dict[str, Any]) -> str:
+    """What the lock-step ceiling's barriers did: how many per step, and each rank's wait in them."""
+    waited = result.get("waited_ms_per_step")
+    if not isinstance(waited, list):
+        return ""
+    return (f" [{result['barriers_per_step']:g} barriers per step; each rank waited "
+            f"{' / '.join(f'{w:.2f}' for w in waited)} ms per step]")
 
 
 def rows_for(model: str, world: int, gb: int, warmup: int, steps: int) -> list[RunSpec]:
@@ -403,6 +482,7 @@ def rows_for(model: str, world: int, gb: int, warmup: int, steps: int) -> list[R
         RunSpec(f"shm_pipeline (1f1b, P={world}, M=8)", "shm_pipeline", world, data_parallel=1,
                 strategy_kwargs={"pipeline_parallel_size": world, "microbatches": 8, "schedule": "1f1b"}, **common),
         RunSpec("ceiling (no comm)", "ceiling", world, **common),
+        RunSpec(LOCKSTEP_ROW, "ceiling", world, lockstep=True, **common),
     ]
     if model == "wide":
         rows.insert(3, RunSpec("shm_ddp, 4 MB buckets", "shm_ddp", world,
@@ -476,8 +556,8 @@ def main(argv: Optional[list[str]] = None) -> None:
             r = res[s.row]
             sps = r["samples_per_s"]
             vs_gloo = f"{sps / gloo:.2f}x" if gloo == gloo else "n/a"
-            lines.append(f"| {s.row} | {sps:,.0f} | {r['step_ms']:.2f} | {sps / single:.2f}x | {vs_gloo} | "
-                         f"{sps / ceiling:.2f}x |")
+            lines.append(f"| {s.row}{lockstep_note(r)} | {sps:,.0f} | {r['step_ms']:.2f} | {sps / single:.2f}x | "
+                         f"{vs_gloo} | {sps / ceiling:.2f}x |")
         lines.append("")
         plot_data[model] = {s.row: res[s.row]["samples_per_s"] for s in specs}
     tables = [] if args.no_memory else args.tables
@@ -936,16 +1016,14 @@ def summary(global_batch: int, repeats: int) -> None:
     """The rows the performance targets name, medians of ``repeats`` interleaved runs, and one line.
     With one thread per worker (cores // 2 == 1) forked workers are the same workers as the default
     fork server's, and start in a fraction of a second: the rows use them to stay under 5 minutes."""
-    import statistics
-
     from lightning_shm.parallel.pipeline import PipelineSchedule, Schedule
 
     t_start = time.time()
     M = 4
     bubble = PipelineSchedule(Schedule.ONE_F_ONE_B, 2, M, 1).formula_bubble()
     key = {"shm_ddp": "ddp", "shm_fsdp": "fsdp", "shm_tp (tp=2)": "tp", f"shm_pipeline (1f1b, P=2, M={M})": "pp",
-           "ceiling (no comm)": "ceiling"}
-    wanted = {"reference": ("ddp", "tp", "ceiling"), "wide": ("ddp", "fsdp", "tp", "pp", "ceiling")}
+           "ceiling (no comm)": "ceiling", LOCKSTEP_ROW: "lockstep"}
+    wanted = {"reference": ("ddp", "tp", "ceiling", "lockstep"), "wide": ("ddp", "fsdp", "tp", "pp", "ceiling")}
     fork = {"start_method": "fork"} if (os.cpu_count() or 1) // 2 <= 1 else {}
     ratios: dict[str, dict[str, float]] = {}
     lines = [f"# Summary: W=2, global batch {global_batch}, {os.cpu_count()} cores, median of {repeats}\n",
@@ -956,14 +1034,15 @@ def summary(global_batch: int, repeats: int) -> None:
         for s in specs:
             if s.strategy != "ceiling":
                 s.strategy_kwargs = {**s.strategy_kwargs, **fork}
-        runs: dict[str, list[float]] = {s.row: [] for s in specs}
+        runs: dict[str, list[dict[str, Any]]] = {s.row: [] for s in specs}
         for _ in range(repeats):
             for s in specs:
-                runs[s.row].append(measure(s)["samples_per_s"])
-        med = {row: statistics.median(v) for row, v in runs.items()}
-        ceiling = med["ceiling (no comm)"]
-        ratios[model] = {key[row]: v / ceiling for row, v in med.items()}
-        lines += [f"| {model} | {row} | {v:,.0f} | {v / ceiling:.2f}x |" for row, v in med.items()]
+                runs[s.row].append(measure(s))
+        res = {row: sorted(r, key=lambda x: x["samples_per_s"])[len(r) // 2] for row, r in runs.items()}
+        ceiling = res["ceiling (no comm)"]["samples_per_s"]
+        ratios[model] = {key[row]: r["samples_per_s"] / ceiling for row, r in res.items()}
+        lines += [f"| {model} | {row}{lockstep_note(r)} | {r['samples_per_s']:,.0f} | "
+                  f"{r['samples_per_s'] / ceiling:.2f}x |" for row, r in res.items()]
     spawn, server = "shm_ddp (spawn)", "shm_ddp (forkserver, the default)"
     fixed = fixed_costs(repeats, fits=2, rows=[spawn, server])
     ref, wide = ratios["reference"], ratios["wide"]
@@ -974,7 +1053,7 @@ def summary(global_batch: int, repeats: int) -> None:
           f"fsdp_vs_ddp_wide={wide['fsdp'] / wide['ddp']:.2f} tp_ref={ref['tp']:.2f} "
           f"tp_wide={wide['tp']:.2f} pp_wide_vs_theory={wide['pp'] / (1 - bubble):.2f} "
           f"start_s={fixed[spawn][0]['start_s']:.2f} stop_s={fixed[spawn][0]['stop_s']:.2f} "
-          f"start_s_later_fits={fixed[server][1]['start_s']:.2f}")
+          f"start_s_later_fits={fixed[server][1]['start_s']:.2f} lockstep_ref={ref['lockstep']:.2f}")
 
 
 if __name__ == "__main__":

@@ -32,8 +32,13 @@ def test_bench_collectives_prints_table_plot_and_summary(tmp_path):
 def test_bench_strategies_runs_the_rows(tmp_path):
     out = run(["scripts/bench_strategies.py", "--quick", "--models", "reference", "--rows", "shm_ddp",
                "--steps", "20", "--repeats", "1", "--out-dir", str(tmp_path)])
-    for row in ("single", "shm_ddp", "ceiling"):
+    for row in ("single", "shm_ddp", "ceiling", "ceiling, lock-step"):
         assert re.search(rf"\| {re.escape(row)}[^|]* \| [\d,]+ \|", out), out
+    # the lock-step ceiling's ranks really met where shm_ddp's do: after each loss and each backward
+    note = re.search(r"lock-step \(no comm\) \[([\d.]+) barriers per step; each rank waited ([\d.]+) / ([\d.]+) ms",
+                     out)
+    assert note and float(note.group(1)) == 2.0, out
+    assert "(no comm) [" not in out.replace("lock-step (no comm) [", ""), out  # the plain ceiling has no barriers
     assert "## shm_fsdp prefetch" in out and "| reference | per layer | 2 x 1" in out
     assert (tmp_path / "strategies_w2.png").exists()
 
