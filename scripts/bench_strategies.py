@@ -442,7 +442,12 @@ def measure(spec: RunSpec) -> dict[str, Any]:
             procs = [launch_child(RunSpec(**{**asdict(spec), "barrier_dir": barrier, "index": i, "count": spec.devices,
                                              "lockstep_segment": segment.name if segment else None}), env)
                      for i in range(spec.devices)]
-            results = [collect(p) for p in procs]
+            try:
+                results = [collect(p) for p in procs]
+            except BaseException:
+                for p in procs:  # a failed child: the others would wait for it (at a barrier, or forever)
+                    p.kill()
+                raise
     finally:
         if segment is not None:
             segment.close()
