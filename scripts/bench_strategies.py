@@ -429,6 +429,22 @@ def collect(proc: subprocess.Popen) -> dict[str, Any]:
     return json.loads(out.strip().splitlines()[-1])
 
 
+def collect_all(procs: list[subprocess.Popen]) -> list[dict[str, Any]]:
+    """Every child's result, in order. The first child to fail stops the others -- whichever it is:
+    they would wait for it (the ceiling's start file, a lock-step barrier) -- and its error is raised."""
+    from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+
+    with ThreadPoolExecutor(len(procs)) as pool:
+        futures = [pool.submit(collect, p) for p in procs]
+        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+        failed = [f for f in futures if f in done and f.exception() is not None]
+        if failed:
+            for p in procs:
+                p.kill()
+            raise failed[0].exception()  # type: ignore[misc]
+        return [f.result() for f in futures]
+
+
 def measure(spec: RunSpec) -> dict[str, Any]:
     if spec.strategy != "ceiling":
         return collect(launch_child(spec))
@@ -442,12 +458,7 @@ def measure(spec: RunSpec) -> dict[str, Any]:
             procs = [launch_child(RunSpec(**{**asdict(spec), "barrier_dir": barrier, "index": i, "count": spec.devices,
                                              "lockstep_segment": segment.name if segment else None}), env)
                      for i in range(spec.devices)]
-            try:
-                results = [collect(p) for p in procs]
-            except BaseException:
-                for p in procs:  # a failed child: the others would wait for it (at a barrier, or forever)
-                    p.kill()
-                raise
+            results = collect_all(procs)
     finally:
         if segment is not None:
             segment.close()
@@ -457,6 +468,16 @@ def measure(spec: RunSpec) -> dict[str, Any]:
             "phases": [ph for r in results for ph in r["phases"]],
             **({"barriers_per_step": min(r["barriers_per_step"] for r in results),
                 "waited_ms_per_step": [r["waited_ms_per_step"] for r in results]} if spec.lockstep else {})}
+
+
+def measure_interleaved(specs: list[RunSpec], repeats: int, by: str = "samples_per_s") -> dict[str, dict[str, Any]]:
+    """Each row's median run (by ``by``) over ``repeats`` rounds; every round measures every row once, so
+    drift on a shared machine hits every row alike."""
+    runs: dict[str, list[dict[str, Any]]] = {s.row: [] for s in specs}
+    for _ in range(repeats):
+        for s in specs:
+            runs[s.row].append(measure(s))
+    return {row: sorted(r, key=lambda x: x[by])[len(r) // 2] for row, r in runs.items()}
 
 
 def lockstep_note(result: dict[str, Any]) -> str:
@@ -547,11 +568,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         n_steps = args.steps or n_steps
         specs = [s for s in rows_for(model, args.world_size, args.global_batch, warmup, n_steps)
                  if args.rows is None or s.row.startswith(("single", "ceiling", *args.rows))]
-        runs: dict[str, list[dict[str, Any]]] = {s.row: [] for s in specs}
-        for _ in range(repeats):  # interleave repeats so drift on a shared machine hits every row
-            for s in specs:
-                runs[s.row].append(measure(s))
-        res = {row: sorted(r, key=lambda x: x["samples_per_s"])[len(r) // 2] for row, r in runs.items()}
+        res = measure_interleaved(specs, repeats)
         single, ceiling = res["single"]["samples_per_s"], res["ceiling (no comm)"]["samples_per_s"]
         gloo = res.get("ddp_spawn (gloo)", {}).get("samples_per_s", float("nan"))
         lines += [f"## {describe(model)}\n",
@@ -640,11 +657,7 @@ def layouts_table(model: str, global_batch: int, repeats: int, quick: bool) -> s
         specs.append(RunSpec(layout_name(dp, tp, pp, how), "shm_model_parallel", 4, model, global_batch, warmup,
                              steps, strategy_kwargs=kw, data_parallel=dp))
     specs.append(RunSpec("ceiling (no comm)", "ceiling", 4, model, global_batch, warmup, steps))
-    runs: dict[str, list[float]] = {s.row: [] for s in specs}
-    for _ in range(repeats):
-        for s in specs:
-            runs[s.row].append(measure(s)["samples_per_s"])
-    med = {row: sorted(v)[len(v) // 2] for row, v in runs.items()}
+    med = {row: r["samples_per_s"] for row, r in measure_interleaved(specs, repeats).items()}
     ceiling = med["ceiling (no comm)"]
     lines = [f"## Composed layouts, W=4 ({describe(model)}, global batch {global_batch}, {os.cpu_count()} cores, "
              f"median of {repeats})\n",
@@ -852,12 +865,9 @@ def phases_table(models: list[str], world: int, global_batch: int, repeats: int,
                  RunSpec("shm_fsdp", "shm_fsdp", world, **common),
                  RunSpec(f"shm_tp (tp={world})", "shm_tp", world, strategy_kwargs={"tensor_parallel_size": world},
                          data_parallel=1, **common)]
-        runs: dict[str, list[dict[str, Any]]] = {s.row: [] for s in specs}
-        for _ in range(repeats):
-            for s in specs:
-                runs[s.row].append(measure(s))
+        res = measure_interleaved(specs, repeats, by="step_ms")
         for s in specs:
-            r = sorted(runs[s.row], key=lambda x: x["step_ms"])[len(runs[s.row]) // 2]
+            r = res[s.row]
             ph = r["phases"]
 
             def mean(k: str) -> float:
@@ -1039,11 +1049,7 @@ def summary(global_batch: int, repeats: int) -> None:
         for s in specs:
             if s.strategy != "ceiling":
                 s.strategy_kwargs = {**s.strategy_kwargs, **fork}
-        runs: dict[str, list[dict[str, Any]]] = {s.row: [] for s in specs}
-        for _ in range(repeats):
-            for s in specs:
-                runs[s.row].append(measure(s))
-        res = {row: sorted(r, key=lambda x: x["samples_per_s"])[len(r) // 2] for row, r in runs.items()}
+        res = measure_interleaved(specs, repeats)
         ceiling = res["ceiling (no comm)"]["samples_per_s"]
         ratios[model] = {key[row]: r["samples_per_s"] / ceiling for row, r in res.items()}
         lines += [f"| {model} | {row}{lockstep_note(r)} | {r['samples_per_s']:,.0f} | "

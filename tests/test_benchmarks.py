@@ -97,3 +97,26 @@ def test_bench_strategies_times_tp_layer_by_layer(tmp_path):
         assert abs(layers - rows["forward"][col]) <= 0.1 * rows["forward"][col], out
         phases = sum(rows[k][col] for k in ("forward", "backward", "optimizer"))
         assert abs(phases - rows["step"][col]) <= 0.1 * rows["step"][col], out
+
+
+def test_a_failing_ceiling_child_stops_the_others(monkeypatch):
+    """A ceiling child that fails must not leave the driver waiting for a peer that waits for it (at the
+    start file or a lock-step barrier): the peer is killed and the failure raised, whichever child fails."""
+    import pytest
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bench_strategies
+
+    started = []
+
+    def fake_child(spec, env=None):
+        code = "import time; time.sleep(300)" if spec.index == 0 else "import sys; sys.exit('child 1 broke')"
+        started.append(subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE, text=True))
+        return started[-1]
+
+    monkeypatch.setattr(bench_strategies, "launch_child", fake_child)
+    spec = bench_strategies.RunSpec("ceiling (no comm)", "ceiling", 2, "reference", 64, 1, 1)
+    with pytest.raises(RuntimeError, match="child 1 broke"):
+        bench_strategies.measure(spec)
+    assert started[0].returncode == -9  # the waiting child (collected first) was killed, not waited for
