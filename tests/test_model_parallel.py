@@ -67,6 +67,22 @@ def test_checkpoint_saved_under_3d_resumes_under_other_layouts(tmp_path):
         torch.testing.assert_close(resumed, straight, rtol=0, atol=1e-6)
 
 
+def test_fsdp_under_a_pipeline_cut_inside_a_linear(references, tmp_path):
+    """dp2 shard x pp2 with the first Linear's rows divided between the stages (by parameter count it
+    is always cut: it holds 92% of the MLP) and each stage's rows sharded again over dp: parity, and a
+    plain checkpoint that resumes under shm_ddp."""
+    cut = dict(split_linear=True, balance="params")
+    got = train_mnist(mp(2, 1, 2, "shard", **cut), 4, "adam", batch=GLOBAL_BATCH // 2)
+    torch.testing.assert_close(got, references["adam"], rtol=0, atol=2e-5)
+    ds = mnist_like(GLOBAL_BATCH * 4)
+    straight, _ = fit_adam64("shm_ddp_fork", 2, 3, GLOBAL_BATCH // 2, ds)
+    _, path = fit_adam64(mp(2, 1, 2, "shard", **cut), 4, 1, GLOBAL_BATCH // 2, ds, ckpt_dir=tmp_path)
+    _, plain, adam = check_plain_checkpoint(path)
+    assert adam.state[plain.net[1].weight]["exp_avg"].shape == (256, 784)
+    resumed, _ = fit_adam64("shm_ddp_fork", 2, 3, GLOBAL_BATCH // 2, ds, ckpt_path=path)
+    torch.testing.assert_close(resumed, straight, rtol=0, atol=1e-6)
+
+
 class _Blocks(torch.nn.Module):
     """Two column -> row pairs without biases: every parameter is split by tp, each stage holds one pair."""
 

@@ -32,7 +32,8 @@ from lightning_shm.parallel.ddp import GradReducer
 from lightning_shm.parallel.ddp.sync_batchnorm import convert_sync_batchnorm
 from lightning_shm.parallel.fsdp import FSDPState, UnitPolicy, find_units
 from lightning_shm.parallel.fsdp.policy import PolicyFn
-from lightning_shm.parallel.pipeline import PipelineEngine, PipelineSchedule, PipelineStage, Schedule, plan_chunks
+from lightning_shm.parallel.pipeline import PipelineEngine, PipelineSchedule, PipelineStage, Schedule
+from lightning_shm.parallel.pipeline.row_cut import apply_row_cuts, plan_cuts, stage_rows
 from lightning_shm.parallel.pipeline.split import validate_split_points
 from lightning_shm.parallel.placement import Placement
 from lightning_shm.parallel.sequential import find_sequential, replace_submodule
@@ -65,6 +66,7 @@ class ParallelConfig:
     bucket_cap_mb: float = 25.0
     find_unused_parameters: bool = False
     sync_batchnorm: bool = False
+    split_linear: bool = False
     pipeline: PipelineSchedule = field(init=False)
     policy: UnitPolicy = field(init=False)
 
@@ -82,6 +84,12 @@ class ParallelConfig:
             raise ValueError(f"microbatches must be a positive int, got {self.microbatches!r}")
         if self.balance not in ("time", "params"):
             raise ValueError(f"balance must be 'time' or 'params', got {self.balance!r}")
+        if self.split_linear and self.split_points is not None:
+            raise ValueError(f"split_linear=True chooses the pipeline cut itself; it cannot be combined with "
+                             f"split_points={self.split_points}")
+        if self.split_linear and self.tensor_parallel_size > 1:
+            raise ValueError(f"split_linear=True cuts a Linear between pipeline stages; with tensor_parallel_size="
+                             f"{self.tensor_parallel_size} the Linear layers are already tensor-parallel: use one")
         if self.bucket_cap_mb <= 0:
             raise ValueError(f"bucket_cap_mb must be > 0, got {self.bucket_cap_mb}")
         kind = Schedule.parse(self.schedule)
@@ -247,7 +255,8 @@ def parallelize(module: nn.Module, config: ParallelConfig, world: World, groups:
         engine.grad_sink = fsdp.grad_sink if fsdp is not None else None
     state = ModelState(module, plain_keys, plain_params, placements, stages=groups.pp if topo.pp > 1 else None,
                        before_load=fsdp.before_shards_written if fsdp is not None else None,
-                       after_load=fsdp.after_shards_written if fsdp is not None else None)
+                       after_load=fsdp.after_shards_written if fsdp is not None else None,
+                       stage_rows=stage_rows(module) if stage is not None else None)
     return ParallelState(module, groups, state, stage, engine, starts, tp, fsdp, reducer)
 
 
@@ -276,14 +285,15 @@ def _split_pipeline(module: nn.Module, config: ParallelConfig, world: World, gro
     forbidden = _pair_interiors(module, config, plan)
     if groups.world.index == 0:  # measure once (global rank 0), everyone uses the same cut
         sample = sample if config.balance == "time" else None
-        chosen: Any = plan_chunks(seq, sched.chunks, config.split_points, sample, stages=sched.stages,
-                                  forbidden=forbidden)
+        chosen: Any = plan_cuts(seq, sched.chunks, config.split_points, sample, stages=sched.stages,
+                                forbidden=forbidden, split_linear=config.split_linear)
     else:
         chosen = None
-    starts, how = groups.world.broadcast_object(chosen, src_member=0)
-    log(f"pipeline: {sched.chunks} chunks of {len(seq)} layers start at {starts} (split by {how}), schedule "
-        f"{sched.kind.value}, {sched.microbatches} microbatches")
+    cuts, how = groups.world.broadcast_object(chosen, src_member=0)
+    layers, starts = apply_row_cuts(list(seq.named_children()), cuts)
+    log(f"pipeline: {sched.chunks} chunks of {len(seq)} layers start at {[c[0] for c in cuts]} (split by {how}), "
+        f"schedule {sched.kind.value}, {sched.microbatches} microbatches")
     pp_index = groups.coords.pp
-    stage = PipelineStage(seq, starts, sched.chunks_of(pp_index))
+    stage = PipelineStage(layers, starts, sched.chunks_of(pp_index))
     replace_submodule(module, path, stage)
     return stage, starts

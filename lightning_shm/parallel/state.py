@@ -11,6 +11,10 @@ does the rest:
     save   piece --placement.gather--> full entries of this rank's stage --(pp group)--> all entries
     load   all entries --(keep this stage's)--> placement.cut --> piece
 
+A pipeline boundary inside a Linear (``split_linear``) gives two stages rows of the same entry
+(``stage_rows``: first row, rows, full rows): the stages' rows are joined by row offset when the
+stages' entries are merged, and cut again before the placement's cut on load.
+
 Optimizer state tensors shaped like their parameter's piece (momentum, Adam's moments) follow the
 parameter's placement; other state (Adam's scalar ``step``) is the same on every rank and copied.
 Parameters are numbered as one process's optimizer numbers them: group by group, and within a
@@ -22,6 +26,7 @@ the same order everywhere.
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
@@ -44,13 +49,20 @@ class ModelState:
         before_load, after_load: called (on every rank) before and after new values are written into
             the pieces, e.g. FSDP's barriers: nobody still reads the old values / nobody reads the new
             ones before all are written.
+        stage_rows: per state key, ``(first row, rows, full rows)`` when this stage holds only those rows
+            of the entry (a Linear cut by rows between two stages).
     """
 
     def __init__(self, module: nn.Module, plain_keys: Sequence[str], plain_params: Sequence[str],
                  placements: Mapping[str, Placement], stages: Optional[Group] = None,
                  before_load: Optional[Callable[[], None]] = None,
-                 after_load: Optional[Callable[[], None]] = None) -> None:
+                 after_load: Optional[Callable[[], None]] = None,
+                 stage_rows: Optional[Mapping[str, tuple[int, int, int]]] = None) -> None:
         self.module = module
+        self.stage_rows = dict(stage_rows or {})
+        if self.stage_rows and (stages is None or stages.size == 1):
+            raise ValueError(f"{sorted(self.stage_rows)} hold only some rows, but there is no pipeline stage to "
+                             "hold the rest")
         self.plain_keys, self.plain_params = list(plain_keys), list(plain_params)
         self.placements = dict(placements)
         self.stages = stages if stages is not None and stages.size > 1 else None
@@ -77,8 +89,8 @@ class ModelState:
         if unknown:
             raise ValueError(f"the optimizer holds {len(unknown)} tensor(s) that are not parameters of the module")
         groups = local
-        if self.stages is not None:
-            groups = [sum(g, []) for g in zip(*self.stages.all_gather_object(local))]
+        if self.stages is not None:  # a Linear cut by rows is named on two stages: count it once
+            groups = [list(dict.fromkeys(sum(g, []))) for g in zip(*self.stages.all_gather_object(local))]
         order = {n: i for i, n in enumerate(self.plain_params)}
         ids, offset = {}, 0
         for g in groups:
@@ -91,20 +103,36 @@ class ModelState:
     def consolidate(self, local: Mapping[str, Any]) -> dict[str, Any]:
         """Full entries from this rank's pieces ``local`` (keys as in ``module.state_dict()``), all stages
         merged, in plain key order."""
-        full = {k: (self.placement(k).gather(v) if torch.is_tensor(v) else v) for k, v in local.items()}
+        full = {k: (self._rows(k, self.placement(k).gather(v)) if torch.is_tensor(v) else v)
+                for k, v in local.items()}
         if self.stages is not None:
-            merged: dict[str, Any] = {}
-            for piece in self.stages.all_gather_object(full):
-                merged.update(piece)
-            full = merged
+            full = _merge_stages(self.stages.all_gather_object(full))
         out = OrderedDict((k, full[k]) for k in self.plain_keys if k in full)
         out.update((k, v) for k, v in full.items() if k not in out)
         return out
 
     def localize(self, full: Mapping[str, Any], keys: Sequence[str]) -> dict[str, Any]:
         """This rank's pieces of the ``keys`` it holds, cut from full entries."""
-        return {k: (self.placement(k).cut(full[k]) if torch.is_tensor(full[k]) else full[k])
+        return {k: (self.placement(k).cut(self._my_rows(k, full[k])) if torch.is_tensor(full[k]) else full[k])
                 for k in keys if k in full}
+
+    def _rows(self, key: str, entry: torch.Tensor) -> Any:
+        """``entry`` (this stage's part of ``key``), tagged with its row offset if it holds only some rows."""
+        rows = self.stage_rows.get(key)
+        return entry if rows is None else _Rows(rows[0], rows[2], entry)
+
+    def _my_rows(self, key: str, full: torch.Tensor) -> torch.Tensor:
+        rows = self.stage_rows.get(key)
+        if rows is None:
+            return full
+        if full.dim() == 0 or full.shape[0] != rows[2]:
+            raise ValueError(f"{key}: expected {rows[2]} rows, got shape {tuple(full.shape)}")
+        return full.narrow(0, rows[0], rows[1])
+
+    def full_shape(self, name: str, piece: torch.Tensor) -> torch.Size:
+        shape = self.placement(name).full_shape(piece.shape)
+        rows = self.stage_rows.get(name)
+        return shape if rows is None else torch.Size((rows[2], *shape[1:]))
 
     # ------------------------------------------------------------------ the module
     def full_state_dict(self) -> dict[str, Any]:
@@ -137,28 +165,29 @@ class ModelState:
                 st = optimizer.state.get(p, {})
                 if st:
                     place = self.placement(name)
-                    state[index[name]] = {k: (place.gather(v) if _follows(v, p) else
+                    state[index[name]] = {k: (self._rows(name, place.gather(v)) if _follows(v, p) else
                                               v.clone() if torch.is_tensor(v) else v) for k, v in sorted(st.items())}
             groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
         if self.stages is not None:  # each stage's optimizer has its own parameters: merge them
-            merged_state: dict[int, Any] = {}
             merged_groups: list[dict[str, Any]] = []
-            for st, grps in self.stages.all_gather_object((state, groups)):
-                merged_state.update(st)
+            gathered = self.stages.all_gather_object((state, groups))
+            for _, grps in gathered:
                 for gi, g in enumerate(grps):
                     if gi == len(merged_groups):
                         merged_groups.append({**g, "params": []})
-                    merged_groups[gi]["params"] = sorted(merged_groups[gi]["params"] + g["params"])
-            state, groups = merged_state, merged_groups
+                    merged_groups[gi]["params"] = sorted(set(merged_groups[gi]["params"] + g["params"]))
+            ids = sorted({i for st, _ in gathered for i in st})
+            state = {i: _merge_stages([st[i] for st, _ in gathered if i in st]) for i in ids}
+            groups = merged_groups
         return {"state": state, "param_groups": groups}
 
     def load_full_optimizer_state(self, optimizer: torch.optim.Optimizer, full: Mapping[str, Any]) -> None:
         """``full``: a plain optimizer state, as one process's optimizer of the same groups saves it."""
-        shapes = {n: self.placement(n).full_shape(p.shape) for n, p in self.module.named_parameters()}
+        shapes = {n: self.full_shape(n, p) for n, p in self.module.named_parameters()}
 
         def convert(name: str, key: str, v: Any) -> Any:
             if torch.is_tensor(v) and v.dim() > 0 and v.shape == shapes[name]:
-                return self.placement(name).cut(v)
+                return self.placement(name).cut(self._my_rows(name, v))
             return v.clone() if torch.is_tensor(v) else v
 
         load_plain_optimizer_state(optimizer, full, self.module, self._plain_ids(optimizer), convert)
@@ -167,3 +196,33 @@ class ModelState:
 def _follows(value: Any, param: torch.Tensor) -> bool:
     """Optimizer state shaped like its parameter's piece is cut like it."""
     return torch.is_tensor(value) and value.dim() > 0 and value.shape == param.shape
+
+
+@dataclass
+class _Rows:
+    """Rows ``[offset, offset + len(tensor))`` of an entry with ``total`` rows, as one stage holds them."""
+
+    offset: int
+    total: int
+    tensor: torch.Tensor
+
+
+def _merge_stages(pieces: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The stages' entries in one dict; rows that several stages hold of one entry joined in row order."""
+    merged: dict[str, Any] = {}
+    rows: dict[str, list[_Rows]] = {}
+    for piece in pieces:
+        for k, v in piece.items():
+            if isinstance(v, _Rows):
+                rows.setdefault(k, []).append(v)
+            else:
+                merged[k] = v
+    for k, parts in rows.items():
+        parts.sort(key=lambda r: r.offset)
+        covered = [r.offset for r in parts] + [parts[-1].offset + parts[-1].tensor.shape[0]]
+        expected = [0] + [r.offset + r.tensor.shape[0] for r in parts]
+        if covered != expected or covered[-1] != parts[0].total:
+            raise RuntimeError(f"{k}: the stages' rows {[(r.offset, r.tensor.shape[0]) for r in parts]} do not "
+                               f"cover its {parts[0].total} rows exactly once")
+        merged[k] = torch.cat([r.tensor for r in parts])
+    return merged

@@ -63,7 +63,7 @@ class SHMModelParallel(SHMStrategyBase):
         plan: tensor-parallel plan ``{module path pattern: "column" | "row" | "replicate" | {"style",
             "head_dim"}}``; default: the module's ``tp_plan`` attribute, else derived for its Sequential.
         sequential: attribute path of the ``nn.Sequential`` to pipeline / derive a plan from.
-        microbatches, schedule, virtual_stages, split_points, balance, activation_checkpointing,
+        microbatches, schedule, virtual_stages, split_points, balance, split_linear, activation_checkpointing,
             sample_input: the pipeline (see :class:`~lightning_shm.strategies.pipeline.SHMPipeline`).
         unit_policy, reshard_after_forward, prefetch: FSDP units (see
             :class:`~lightning_shm.strategies.fsdp.SHMFSDPStrategy`).
@@ -86,7 +86,7 @@ class SHMModelParallel(SHMStrategyBase):
                  pipeline_parallel_size: int = 1, data_parallel: str = "replicate",
                  plan: Optional[Mapping[str, Any]] = None, sequential: Optional[str] = None, microbatches: int = 4,
                  schedule: str = "1f1b", virtual_stages: Optional[int] = None,
-                 split_points: Optional[Sequence[int]] = None, balance: str = "time",
+                 split_points: Optional[Sequence[int]] = None, balance: str = "time", split_linear: bool = False,
                  activation_checkpointing: bool = False, sample_input: Optional[Tensor] = None,
                  unit_policy: Union[None, int, PolicyFn, UnitPolicy] = None, reshard_after_forward: bool = True,
                  prefetch: bool = False, bucket_cap_mb: float = 25.0, find_unused_parameters: bool = False,
@@ -96,7 +96,8 @@ class SHMModelParallel(SHMStrategyBase):
             data_parallel_size, tensor_parallel_size, pipeline_parallel_size, data_parallel,
             dict(plan) if plan is not None else None, sequential, microbatches, schedule, virtual_stages,
             list(split_points) if split_points is not None else None, balance, activation_checkpointing,
-            unit_policy, reshard_after_forward, prefetch, bucket_cap_mb, find_unused_parameters)
+            unit_policy, reshard_after_forward, prefetch, bucket_cap_mb, find_unused_parameters,
+            split_linear=split_linear)
         self.sample_input = sample_input
         self.broadcast_buffers = broadcast_buffers
         if tp_batch not in MODES:

@@ -26,6 +26,9 @@ class SHMPipeline(SHMModelParallel):
         virtual_stages: chunks per rank for interleaved_1f1b (default 2).
         split_points: explicit chunk start indices (P*v - 1 of them) into the Sequential.
         balance: "time" (measured forward+backward per layer) or "params" (parameter count).
+        split_linear: let a stage boundary fall inside an ``nn.Linear`` (its output rows divided between
+            two stages, :mod:`lightning_shm.parallel.pipeline.row_cut`) where no layer boundary balances
+            the stages -- a model dominated by one large Linear. Checkpoints stay plain.
         activation_checkpointing: keep only chunk inputs after forward and recompute in backward.
         sequential: attribute path of the nn.Sequential to split (default: the first top-level one).
         sample_input: an input of the Sequential for timing layers (default: ``example_input_array``,
@@ -35,12 +38,13 @@ class SHMPipeline(SHMModelParallel):
 
     def __init__(self, *args: Any, pipeline_parallel_size: int = 2, microbatches: int = 4,
                  schedule: str = "1f1b", virtual_stages: Optional[int] = None,
-                 split_points: Optional[Sequence[int]] = None, balance: str = "time",
+                 split_points: Optional[Sequence[int]] = None, balance: str = "time", split_linear: bool = False,
                  activation_checkpointing: bool = False, sequential: Optional[str] = None,
                  sample_input: Optional[Tensor] = None, **kwargs: Any) -> None:
         super().__init__(*args, pipeline_parallel_size=pipeline_parallel_size, microbatches=microbatches,
                          schedule=schedule, virtual_stages=virtual_stages, split_points=split_points,
-                         balance=balance, activation_checkpointing=activation_checkpointing, sequential=sequential,
+                         balance=balance, split_linear=split_linear,
+                         activation_checkpointing=activation_checkpointing, sequential=sequential,
                          sample_input=sample_input, **kwargs)
         self.pipeline_schedule = self.parallel_config.pipeline
         self.split_points = self.parallel_config.split_points

@@ -12,11 +12,14 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 import lightning_shm  # noqa: F401
-from lightning_shm import SHMPipeline
+from lightning_shm import SHMModelParallel, SHMPipeline
 from lightning_shm.models import MNISTClassifier
+from lightning_shm.parallel.pipeline.row_cut import LinearRows
 from tests.helpers import (
     GLOBAL_BATCH,
+    PRECISION,
     SEED,
+    STEPS,
     SchedClassifier,
     check_plain_checkpoint,
     fit_adam64,
@@ -187,6 +190,56 @@ def test_checkpoint_is_plain_resumable_and_monitors_work(tmp_path):
     for strategy, devices, batch in ((pp(2, "gpipe"), 2, GLOBAL_BATCH), ("shm_ddp_fork", 2, GLOBAL_BATCH // 2)):
         resumed, _ = fit_adam64(strategy, devices, 3, batch, ds, ckpt_path=path, monitor="val_loss")
         torch.testing.assert_close(resumed, straight, rtol=0, atol=1e-6)
+
+
+# ---------------------------------------------------------------------- a stage boundary inside a Linear
+class _CountsRowPieces(pl.Callback):
+    """Logs how many Linear pieces (heads or tails of a row cut) the stages hold, summed over ranks."""
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        pieces = torch.tensor([float(sum(isinstance(m, LinearRows) for m in pl_module.modules()))])
+        pl_module.log("row_pieces", pl_module.all_gather(pieces).sum())  # over every rank (sync_dist: dp only)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble", "interleaved_1f1b"])
+def test_split_linear_cuts_the_first_linear_and_equals_one_process(references, schedule):
+    """The reference MLP's first Linear holds 92% of its parameters: no layer boundary balances two
+    stages, so the cut falls inside it (both stages hold rows of ``net.1``)."""
+    pl.seed_everything(SEED)
+    model = MNISTClassifier(optimizer="adam", lr=0.01)
+    t = trainer(strategy=pp(2, schedule, split_linear=True, balance="params"), devices=2, max_epochs=1,
+                precision=PRECISION["adam"], callbacks=[_CountsRowPieces()])
+    t.fit(model, loader(mnist_like(GLOBAL_BATCH * STEPS, seed=1), GLOBAL_BATCH))
+    assert float(t.callback_metrics["row_pieces"]) == 2.0
+    torch.testing.assert_close(flat_params(model).double(), references["adam"], rtol=0, atol=2e-5)
+
+
+def test_split_linear_clipping_accumulation_and_scheduler():
+    """The global gradient norm counts the cut Linear's rows once, whichever stage holds them."""
+    kw = dict(model_cls=SchedClassifier, gradient_clip_val=0.05, accumulate=2)
+    ref = train_mnist("auto", 1, "sgd", batch=GLOBAL_BATCH, ref=True, **kw)
+    got = train_mnist(pp(2, "zero_bubble", split_linear=True, balance="params"), 2, "sgd", batch=GLOBAL_BATCH, **kw)
+    torch.testing.assert_close(got, ref, rtol=0, atol=2e-5)
+
+
+def test_split_linear_checkpoint_is_plain_and_resumes_under_other_layouts(tmp_path):
+    ds = mnist_like(GLOBAL_BATCH * 4)
+    straight, _ = fit_adam64("shm_ddp_fork", 2, 3, GLOBAL_BATCH // 2, ds, monitor="val_loss")
+    cut = pp(2, split_linear=True, balance="params")
+    _, path = fit_adam64(cut, 4, 1, GLOBAL_BATCH // 2, ds, ckpt_dir=tmp_path, monitor="val_loss")
+    ckpt, _, adam = check_plain_checkpoint(path)
+    assert adam.state_dict()["state"][0]["exp_avg"].shape == (256, 784)  # net.1.weight's moments, rows joined
+    for strategy, devices, batch in ((pp(2, "zero_bubble", split_linear=True, balance="params"), 2, GLOBAL_BATCH),
+                                     ("shm_ddp_fork", 2, GLOBAL_BATCH // 2)):
+        resumed, _ = fit_adam64(strategy, devices, 3, batch, ds, ckpt_path=path, monitor="val_loss")
+        torch.testing.assert_close(resumed, straight, rtol=0, atol=1e-6)
+
+
+def test_split_linear_refuses_explicit_points_and_tensor_parallel():
+    with pytest.raises(ValueError, match=r"split_linear=True chooses the pipeline cut itself.*split_points=\[4\]"):
+        pp(2, split_linear=True, split_points=[4])
+    with pytest.raises(ValueError, match="tensor_parallel_size=2"):
+        SHMModelParallel(pipeline_parallel_size=2, tensor_parallel_size=2, split_linear=True)
 
 
 # ---------------------------------------------------------------------- errors before any worker starts

@@ -18,8 +18,8 @@ from torch import nn
 
 from lightning_shm.models import build_mlp
 from lightning_shm.parallel.pipeline.engine import PipelineEngine
+from lightning_shm.parallel.pipeline.row_cut import apply_row_cuts, plan_cuts
 from lightning_shm.parallel.pipeline.schedules import PipelineSchedule, Schedule, Timed
-from lightning_shm.parallel.pipeline.split import plan_chunks
 from lightning_shm.parallel.pipeline.stage import PipelineStage
 from lightning_shm.runtime import World
 
@@ -53,20 +53,22 @@ class _PlainIO:
 def train_pipeline(world: World, hidden: list[int], schedule: str, microbatches: int, virtual: int = 1,
                    steps: int = 5, batch: int = 256, lr: float = 0.05, checkpointing: bool = False,
                    seed: int = 0, return_params: bool = False,
-                   split_points: Optional[list[int]] = None) -> DriverResult:
+                   split_points: Optional[list[int]] = None, split_linear: bool = False) -> DriverResult:
     """Train ``steps`` SGD steps of the MLP pipelined over all ranks of ``world`` (pp = world size).
 
     ``split_points``: fixed chunk starts; default: balanced by measured layer time, which varies
-    from run to run (use fixed points where a test compares per-stage measurements)."""
+    from run to run (use fixed points where a test compares per-stage measurements). ``split_linear``:
+    a boundary may fall inside a Linear (:mod:`.row_cut`)."""
     P = world.size
     sched = PipelineSchedule(Schedule.parse(schedule), P, microbatches, virtual)
     torch.manual_seed(seed)
     seq = build_mlp(hidden)
     g = world.group()
     sample = torch.randn(64, 784)
-    starts, _ = plan_chunks(seq, sched.chunks, split_points, sample if world.rank == 0 else None, stages=P)
-    starts = g.broadcast_object(starts if world.rank == 0 else None, src_member=0)
-    stage = PipelineStage(seq, starts, sched.chunks_of(world.rank))
+    cuts = plan_cuts(seq, sched.chunks, split_points, sample, stages=P, split_linear=split_linear)[0] \
+        if world.rank == 0 else None
+    layers, starts = apply_row_cuts(list(seq.named_children()), g.broadcast_object(cuts, src_member=0))
+    stage = PipelineStage(layers, starts, sched.chunks_of(world.rank))
     engine = PipelineEngine(stage.chunks, sched, world.rank, list(range(P)), world, tag=f"drv-{schedule}",
                             activation_checkpointing=checkpointing)
     opt = torch.optim.SGD(stage.parameters(), lr=lr)

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_shm.parallel.pipeline.row_cut import LinearRows
 from lightning_shm.parallel.pipeline.schedules import Action, PipelineSchedule, Schedule, Timed
 from lightning_shm.runtime import Channel, ChannelConfig, World
 
@@ -62,7 +63,7 @@ class _DeferredWeightLinear(torch.autograd.Function):
         return gx, None, gb, None, None
 
 
-def _deferred_linear_forward(module: nn.Linear, engine: "PipelineEngine", x: torch.Tensor) -> torch.Tensor:
+def _deferred_linear_forward(module: nn.Linear | LinearRows, engine: "PipelineEngine", x: torch.Tensor) -> torch.Tensor:
     if torch.is_grad_enabled() and module.weight.requires_grad:
         return _DeferredWeightLinear.apply(x, module.weight, module.bias, engine, module.weight)
     return F.linear(x, module.weight, module.bias)
@@ -97,6 +98,8 @@ class PipelineEngine:
                 for m in chunk.modules():
                     if isinstance(m, nn.Linear):
                         m.forward = functools.partial(_deferred_linear_forward, m, self)  # type: ignore[method-assign]
+                    elif isinstance(m, LinearRows):  # a Linear cut by rows: its product only
+                        m.linear = functools.partial(_deferred_linear_forward, m, self)  # type: ignore[method-assign]
         self._param_ptrs = {p.untyped_storage().data_ptr() for ch in chunks.values() for p in ch.parameters()}
         # where a deferred weight gradient goes when its weight is not a leaf (FSDP's gathered parameters):
         # ``grad_sink(weight, grad)`` takes it, or returns False
@@ -228,5 +231,6 @@ class PipelineEngine:
         """Restore the Linear modules patched for zero-bubble."""
         for chunk in self.chunks.values():
             for m in chunk.modules():
-                if isinstance(m, nn.Linear) and "forward" in m.__dict__:
-                    del m.forward
+                for attr in ("forward", "linear"):
+                    if isinstance(m, (nn.Linear, LinearRows)) and attr in m.__dict__:
+                        delattr(m, attr)

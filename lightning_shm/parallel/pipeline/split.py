@@ -109,13 +109,16 @@ def validate_split_points(points: Sequence[int], n_layers: int, parts: int,
 
 def plan_chunks(seq: nn.Sequential, parts: int, split_points: Optional[Sequence[int]] = None,
                 sample: Optional[torch.Tensor] = None, stages: Optional[int] = None,
-                forbidden: frozenset[int] = frozenset()) -> tuple[list[int], str]:
+                forbidden: frozenset[int] = frozenset(),
+                costs: Optional[Sequence[float]] = None) -> tuple[list[int], str]:
     """Chunk start indices and how they were chosen ("explicit" / "measured time" / "parameter count").
 
     Chunks hold at least one parameterised layer when there are enough of them; with ``stages``,
     every pipeline rank (chunks r, r + stages, ...) must end up with parameters. No chunk starts at
-    an index in ``forbidden``.
+    an index in ``forbidden``. ``costs``: the per-layer costs already measured on ``sample``.
     """
+    if costs is None and split_points is None and parts <= len(seq):
+        costs = layer_costs_by_time(seq, sample) if sample is not None else layer_costs_by_params(seq)
     has_params = [any(True for _ in m.parameters()) for m in seq]
     required = has_params if sum(has_params) >= parts else None
     if split_points is not None:
@@ -123,13 +126,11 @@ def plan_chunks(seq: nn.Sequential, parts: int, split_points: Optional[Sequence[
     elif parts > len(seq):
         balanced_split([1.0] * len(seq), parts)  # raises the standard error
         raise AssertionError("unreachable")
-    elif sample is not None:
-        starts, how = balanced_split(layer_costs_by_time(seq, sample), parts, required, forbidden), "measured time"
     else:
-        starts, how = balanced_split(layer_costs_by_params(seq), parts, required, forbidden), "parameter count"
+        starts = balanced_split(costs, parts, required, forbidden)
+        how = "measured time" if sample is not None else "parameter count"
     if stages and _empty_rank(starts, has_params, parts, stages) is not None:
         if how != "explicit":  # the DP balances chunks; search for a cut that gives every rank parameters
-            costs = layer_costs_by_time(seq, sample) if sample is not None else layer_costs_by_params(seq)
             best = _search_rank_feasible(costs, has_params, parts, stages, forbidden)
             if best is not None:
                 return best, how

@@ -35,16 +35,23 @@ class CapturedInput(BaseException):
 
 
 class PipelineStage(nn.Module):
-    """The layers of ``seq`` in this rank's chunks. ``starts`` are the V chunk start indices."""
+    """The layers of ``seq`` in this rank's chunks. ``starts`` are the V chunk start indices.
 
-    def __init__(self, seq: nn.Sequential, starts: Sequence[int], chunk_ids: Sequence[int]) -> None:
+    ``seq`` may also be a list of ``(name, layer)``: the Sequential's layers with a Linear cut by rows
+    (:mod:`.row_cut`), whose head and tail share the Linear's name and never sit on the same rank."""
+
+    def __init__(self, seq: nn.Sequential | Sequence[tuple[str, nn.Module]], starts: Sequence[int],
+                 chunk_ids: Sequence[int]) -> None:
         super().__init__()
-        children = list(seq.named_children())
+        children = list(seq.named_children()) if isinstance(seq, nn.Module) else list(seq)
         bounds = list(starts) + [len(children)]
         names: dict[int, list[str]] = {}
         for c in chunk_ids:
             named = children[bounds[c]:bounds[c + 1]]
             for name, module in named:
+                if name in self._modules:
+                    raise ValueError(f"pipeline stage holds two layers named {name!r}: both pieces of a cut "
+                                     f"Linear on one rank (chunk starts {list(starts)})")
                 self.add_module(name, module)
             names[c] = [name for name, _ in named]
         object.__setattr__(self, "chunk_names", names)
