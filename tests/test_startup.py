@@ -68,3 +68,16 @@ def test_fork_server_output_holds_what_a_dead_worker_wrote_last():
         os.write(out.write_fd, line)
         assert out.since(mark) == line.decode(), i
     os.close(out.write_fd)  # end of file: the forwarding thread stops
+
+
+def test_fork_server_note_keeps_the_dead_workers_message_after_a_killed_workers_partial_copy():
+    """Every worker of a script without a main guard prints the same traceback to the fork server's
+    stderr; the others are killed once the first dies, possibly half-way through theirs. The note must
+    still hold the first one's last line (25 lines once held only a cut-off copy: CI failed)."""
+    from lightning_shm.runtime.forkserver import NOTE_LINES, last_lines
+
+    frames = [f'  File "lib{i}.py", line {i}, in f{i}\n    call_{i}()' for i in range(14)]
+    dead = "\n".join(["Traceback (most recent call last):", *frames,
+                      "RuntimeError: ... a script that guards the main ...", "Alternatively, ..."])
+    killed = "\n".join(["Traceback (most recent call last):", *frames[:12]])  # stopped mid-way
+    assert "guards the main" in last_lines(f"{dead}\n{killed}", NOTE_LINES)

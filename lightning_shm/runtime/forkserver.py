@@ -28,6 +28,7 @@ from multiprocessing import forkserver
 from typing import Any, Optional, Sequence
 
 TAIL_BYTES = 16384
+NOTE_LINES = 80  # see output_since
 
 
 class _ServerOutput:
@@ -114,8 +115,16 @@ def mark() -> int:
     return _output.mark() if _output is not None else 0
 
 
-def output_since(mark: int, lines: int = 25) -> str:
+def output_since(mark: int, lines: int = NOTE_LINES) -> str:
+    """The last ``lines`` lines the workers wrote to the server's stderr since ``mark``.
+
+    Generous on purpose: workers failing the same way (a main script without a ``__main__`` guard)
+    all print the same traceback there, and the ones killed after the first died may stop half-way
+    -- 25 lines once held only such a cut-off copy, not the message of the worker that died."""
     if _output is None:
         return ""
-    text = _output.since(mark)
+    return last_lines(_output.since(mark), lines)
+
+
+def last_lines(text: str, lines: int) -> str:
     return "\n".join(text.replace("\r", "\n").rstrip().splitlines()[-lines:])

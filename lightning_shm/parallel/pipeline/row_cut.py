@@ -2,18 +2,20 @@
 
 Why: a Sequential dominated by one layer cannot be balanced at layer boundaries. In the wide MLP,
 ``Linear(4096, 4096)`` holds 84% of the parameters, so the best layer cut leaves one of two stages
-with ~84% of the work, and the pipeline runs at that stage's pace. The rows of a Linear's output
-are independent, so a boundary can fall between them (``split_linear=True``)::
+with that Linear and ~86% of the measured work, and the pipeline runs at that stage's pace. The
+rows of a Linear's output are independent, so a boundary can fall between them
+(``split_linear=True``)::
 
     head, rows [0, r)   on stage s:    x [B, in]  ->  z = cat(x, x @ W[:r]^T + b[:r])             [B, in + r]
     tail, rows [r, n)   on stage s+1:  z          ->  cat(z[:, in:], z[:, :in] @ W[r:]^T + b[r:])  [B, n]
 
 The activation crossing the boundary carries the layer's input next to the head's rows (``in + r``
-columns instead of ``n``: the wide MLP sends 5,8xx floats per sample instead of 4,096). Backward
-needs nothing new: the tail returns dL/dz, whose first ``in`` columns are its share of dL/dx, and
-autograd adds the head's share to it. Both pieces keep the plain parameter names (``net.4.weight``
-holds rows [0, r) on one stage and [r, n) on the other); :class:`~lightning_shm.parallel.state.ModelState`
-joins the rows for checkpoints (``stage_rows``) and cuts them again on load.
+columns instead of ``n``: the wide MLP cut by parameter count, r = 1,661, sends 5,757 floats per
+sample instead of 4,096). Backward needs nothing new: the tail returns dL/dz, whose first ``in``
+columns are its share of dL/dx, and autograd adds the head's share to it. Both pieces keep the
+plain parameter names (``net.4.weight`` holds rows [0, r) on one stage and [r, n) on the other);
+:class:`~lightning_shm.parallel.state.ModelState` joins the rows for checkpoints (``stage_rows``)
+and cuts them again on load.
 """
 
 from __future__ import annotations
