@@ -69,9 +69,12 @@ def test_head_and_tail_compute_the_linear():
     torch.testing.assert_close(torch.cat([head.bias.grad, tail.bias.grad]), g.sum(0))
 
 
-def test_only_a_linear_can_be_cut():
+def test_only_a_linear_can_be_cut_and_only_into_a_head_and_a_tail():
     with pytest.raises(ValueError, match=r"layer 0 \(0: ReLU\) is not an nn.Linear"):
         apply_row_cuts([("0", nn.ReLU()), ("1", nn.Linear(2, 2))], [(0, 0), (0, 1)])
+    for lo, hi in ((0, 4), (1, 3), (2, 2)):  # the whole layer, a middle slice, nothing
+        with pytest.raises(ValueError, match=rf"rows \[{lo}, {hi}\) are not the head or tail"):
+            LinearRows(nn.Linear(3, 4), lo, hi)
 
 
 @pytest.mark.parametrize("schedule, M, v, P", [("1f1b", 4, 1, 2), ("zero_bubble", 4, 1, 2),

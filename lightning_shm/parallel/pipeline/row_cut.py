@@ -27,8 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_shm.parallel.pipeline.split import (
-    _empty_rank,
     balanced_split,
+    empty_rank,
     layer_costs_by_params,
     layer_costs_by_time,
     plan_chunks,
@@ -42,7 +42,7 @@ class LinearRows(nn.Module):
 
     def __init__(self, linear: nn.Linear, lo: int, hi: int) -> None:
         super().__init__()
-        if not 0 <= lo < hi <= linear.out_features or (lo > 0 and hi < linear.out_features):
+        if not 0 <= lo < hi <= linear.out_features or (lo == 0) == (hi == linear.out_features):
             raise ValueError(f"rows [{lo}, {hi}) are not the head or tail of a Linear with "
                              f"{linear.out_features} outputs")
         self.in_features, self.out_features, self.lo, self.hi = linear.in_features, linear.out_features, lo, hi
@@ -106,7 +106,7 @@ def plan_row_cuts(layers: Sequence[nn.Module], costs: Sequence[float], parts: in
         starts = balanced_split([p[2] for p in pieces], parts, piece_required)
     except ValueError:
         return None
-    if stages and _empty_rank(starts, [p[3] for p in pieces], parts, stages) is not None:
+    if stages and empty_rank(starts, [p[3] for p in pieces], parts, stages) is not None:
         return None
     layer_starts = balanced_split(costs, parts, required)
     if _slowest(starts, [p[2] for p in pieces]) > (1 - MIN_GAIN) * _slowest(layer_starts, costs):

@@ -129,18 +129,19 @@ def plan_chunks(seq: nn.Sequential, parts: int, split_points: Optional[Sequence[
     else:
         starts = balanced_split(costs, parts, required, forbidden)
         how = "measured time" if sample is not None else "parameter count"
-    if stages and _empty_rank(starts, has_params, parts, stages) is not None:
+    if stages and empty_rank(starts, has_params, parts, stages) is not None:
         if how != "explicit":  # the DP balances chunks; search for a cut that gives every rank parameters
             best = _search_rank_feasible(costs, has_params, parts, stages, forbidden)
             if best is not None:
                 return best, how
-        r = _empty_rank(starts, has_params, parts, stages)
+        r = empty_rank(starts, has_params, parts, stages)
         raise ValueError(f"pipeline rank {r} would hold no parameters with chunk starts {starts}; use fewer "
                          "stages or explicit split_points")
     return starts, how
 
 
-def _empty_rank(starts: Sequence[int], has_params: Sequence[bool], parts: int, stages: int) -> Optional[int]:
+def empty_rank(starts: Sequence[int], has_params: Sequence[bool], parts: int, stages: int) -> Optional[int]:
+    """The first pipeline rank whose chunks (r, r + stages, ...) hold no parameterised layer, or None."""
     bounds = list(starts) + [len(has_params)]
     for r in range(stages):
         if not any(has_params[i] for c in range(r, parts, stages) for i in range(bounds[c], bounds[c + 1])):
@@ -166,7 +167,7 @@ def _search_rank_feasible(costs: Sequence[float], has_params: Sequence[bool], pa
         if forbidden.intersection(cuts):
             continue
         starts = [0, *cuts]
-        if _empty_rank(starts, has_params, parts, stages) is not None:
+        if empty_rank(starts, has_params, parts, stages) is not None:
             continue
         bounds = starts + [n]
         cost = max(prefix[b] - prefix[a] for a, b in zip(bounds, bounds[1:]))
