@@ -1034,6 +1034,13 @@ def plot(path: Path, data: dict[str, dict[str, float]], world: int) -> None:
 
 # ---------------------------------------------------------------------- --summary
 SUMMARY_STEPS = {"reference": (20, 200), "wide": (2, 6)}  # (warm-up, measured): short windows, several repeats
+SUMMARY_M = 4  # microbatches of the summary's pipeline row
+# row name -> the summary's key. The pipeline as a user would run the wide MLP: its one big Linear cut
+# between the stages (the layer-boundary cut, 0.58 of a balanced pipeline at best, is in the main table)
+SUMMARY_KEYS = {"shm_ddp": "ddp", "shm_fsdp": "fsdp", "shm_tp (tp=2)": "tp",
+                f"shm_pipeline (1f1b, P=2, M={SUMMARY_M}), split_linear": "pp",
+                "ceiling (no comm)": "ceiling", LOCKSTEP_ROW: "lockstep"}
+SUMMARY_WANTED = {"reference": ("ddp", "tp", "ceiling", "lockstep"), "wide": ("ddp", "fsdp", "tp", "pp", "ceiling")}
 
 
 def summary(global_batch: int, repeats: int) -> None:
@@ -1043,14 +1050,8 @@ def summary(global_batch: int, repeats: int) -> None:
     from lightning_shm.parallel.pipeline import PipelineSchedule, Schedule
 
     t_start = time.time()
-    M = 4
+    M, key, wanted = SUMMARY_M, SUMMARY_KEYS, SUMMARY_WANTED
     bubble = PipelineSchedule(Schedule.ONE_F_ONE_B, 2, M, 1).formula_bubble()
-    # the pipeline as a user would run the wide MLP: its one big Linear cut between the stages (the
-    # layer-boundary cut, 0.58 of a balanced pipeline at best, is in the main table)
-    key = {"shm_ddp": "ddp", "shm_fsdp": "fsdp", "shm_tp (tp=2)": "tp",
-           f"shm_pipeline (1f1b, P=2, M={M}), split_linear": "pp",
-           "ceiling (no comm)": "ceiling", LOCKSTEP_ROW: "lockstep"}
-    wanted = {"reference": ("ddp", "tp", "ceiling", "lockstep"), "wide": ("ddp", "fsdp", "tp", "pp", "ceiling")}
     fork = {"start_method": "fork"} if (os.cpu_count() or 1) // 2 <= 1 else {}
     ratios: dict[str, dict[str, float]] = {}
     lines = [f"# Summary: W=2, global batch {global_batch}, {os.cpu_count()} cores, median of {repeats}\n",

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -99,13 +101,17 @@ def test_bench_strategies_times_tp_layer_by_layer(tmp_path):
         assert abs(phases - rows["step"][col]) <= 0.1 * rows["step"][col], out
 
 
+def _bench_module(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    import bench_strategies
+
+    return bench_strategies
+
+
 def test_a_failing_ceiling_child_stops_the_others(monkeypatch):
     """A ceiling child that fails must not leave the driver waiting for a peer that waits for it (at the
     start file or a lock-step barrier): the peer is killed and the failure raised, whichever child fails."""
-    import pytest
-
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import bench_strategies
+    bench_strategies = _bench_module(monkeypatch)
 
     started = []
 
@@ -120,3 +126,15 @@ def test_a_failing_ceiling_child_stops_the_others(monkeypatch):
     with pytest.raises(RuntimeError, match="child 1 broke"):
         bench_strategies.measure(spec)
     assert started[0].returncode == -9  # the waiting child (collected first) was killed, not waited for
+
+
+def test_summary_rows_exist_and_its_pipeline_row_cuts_the_wide_linear(monkeypatch):
+    """The summary picks its rows from the main table by name: a renamed row would silently drop out of
+    its measurement. Its pipeline row is the one with the wide MLP's big Linear cut between the stages."""
+    bench = _bench_module(monkeypatch)
+    for model, keys in bench.SUMMARY_WANTED.items():
+        rows = {bench.SUMMARY_KEYS.get(s.row): s for s in bench.rows_for(model, 2, 128, 1, 1)}
+        assert set(keys) <= set(rows), (model, set(keys) - set(rows))
+        if "pp" in keys:
+            pp = rows["pp"].strategy_kwargs
+            assert pp["split_linear"] is True and pp["microbatches"] == bench.SUMMARY_M, pp

@@ -231,6 +231,6 @@ class PipelineEngine:
         """Restore the Linear modules patched for zero-bubble."""
         for chunk in self.chunks.values():
             for m in chunk.modules():
-                for attr in ("forward", "linear"):
-                    if isinstance(m, (nn.Linear, LinearRows)) and attr in m.__dict__:
-                        delattr(m, attr)
+                if isinstance(m, (nn.Linear, LinearRows)):
+                    m.__dict__.pop("forward", None)
+                    m.__dict__.pop("linear", None)
