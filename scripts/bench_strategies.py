@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -133,6 +134,19 @@ class LockStep(Callback):
         self._sync(trainer)
 
 
+def middle_mean(rows: list[dict[str, float]], by: str = "step") -> dict[str, float]:
+    """Each key's mean over the middle half of ``rows`` ranked by ``by`` (its interquartile steps).
+
+    Why not each key's median: the medians of the parts do not add up to the median whole (on this
+    noisy machine they once missed it by 11%), so such a table does not partition its step. Means
+    over one set of steps do, exactly; leaving out the fastest and the slowest quarter keeps a
+    preempted step from moving them."""
+    ranked = sorted(rows, key=lambda r: r[by])
+    q = len(ranked) // 4
+    middle = ranked[q:len(ranked) - q]
+    return {k: statistics.fmean(r[k] for r in middle) for k in rows[0]}
+
+
 def lockstep_abort_word(count: int) -> int:
     """Layout of the lock-step segment: ``count`` barrier rows, then one abort word (never set)."""
     from lightning_shm.runtime.barrier import ROW_WORDS
@@ -142,7 +156,8 @@ def lockstep_abort_word(count: int) -> int:
 
 class PhaseTimer(Callback):
     """Every rank: each measured step split by Lightning's hooks, plus the time the runtime spent in
-    collectives and, inside them, waiting for a peer -- medians written to ``out_dir/rank<r>.json``.
+    collectives and, inside them, waiting for a peer -- ``middle_mean`` of the steps written to
+    ``out_dir/rank<r>.json``.
 
     ``load``: previous step's end to this step's start (fetching the batch -- for split tp loading
     also its gather -- and moving it to the device); ``forward``: the training_step up to the loss;
@@ -213,10 +228,8 @@ class PhaseTimer(Callback):
         self.prev = marks[-1]
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        import statistics
-
-        med = {k: statistics.median(r[k] for r in self.rows) * 1e3 for k in self.rows[0]}
-        (self.out_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(med))
+        ms = {k: v * 1e3 for k, v in middle_mean(self.rows).items()}
+        (self.out_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(ms))
 
 
 def run_one(spec: RunSpec) -> dict[str, Any]:
@@ -290,10 +303,7 @@ class StepBreakdown(Callback):
         self.rows.append({"step": step, **busy, "wait": span - sum(busy.values()), "outside": step - span})
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        import statistics
-
-        med = {k: statistics.median(r[k] for r in self.rows) for k in self.rows[0]}
-        (self.out_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(med))
+        (self.out_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(middle_mean(self.rows)))
 
 
 def breakdown_one(model: str, microbatches: int, schedule: str, global_batch: int,
@@ -322,7 +332,8 @@ def breakdown_one(model: str, microbatches: int, schedule: str, global_batch: in
 
 
 def breakdown_table(global_batch: int) -> str:
-    lines = [f"## Where a pipeline step goes (P=2, global batch {global_batch}; ms per step, median; per stage)\n",
+    lines = [f"## Where a pipeline step goes (P=2, global batch {global_batch}; ms per step, mean of the middle half "
+             "of the steps; per stage)\n",
              "| model | cut | schedule | M | stage | step | F | B | W | waiting inside the schedule | "
              "outside the schedule |",
              "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -393,8 +404,6 @@ FIXED_COST_ROWS = {  # row -> registered strategy name
 
 def fixed_costs(repeats: int, fits: int = 2, rows: Optional[list[str]] = None) -> dict[str, list[dict[str, float]]]:
     """Median over ``repeats`` fresh interpreters of each fit's start/stop seconds."""
-    import statistics
-
     res = {}
     for row, name in FIXED_COST_ROWS.items():
         if rows is not None and row not in rows:
@@ -744,8 +753,6 @@ def memory_table(worlds: list[int], models: list[str]) -> str:
 def prefetch_worker(world: Any, model_kw: dict[str, Any], policy: Optional[int], prefetch: bool, batch: int, steps: int,
                     threads: int) -> dict[str, float]:
     """Median FSDP training step (SGD) with and without prefetch, and the gather time it could hide."""
-    import statistics
-
     from torch import nn
 
     sys.path.insert(0, str(ROOT))
@@ -789,8 +796,6 @@ def prefetch_table(models: list[str], global_batch: int, steps: int, repeats: in
     """shm_fsdp with and without prefetch where no core is free (W=2) and where one is (W=1, 1 thread),
     with the default units and with units of >= 1M parameters (each LayerNorm merged into the next
     Linear, so the unit prefetched during a Linear's compute is the next big one)."""
-    import statistics
-
     from lightning_shm.runtime import launch
 
     lines = [f"## shm_fsdp prefetch (runtime only, SGD, batch {global_batch // 2} per rank, median step of "
@@ -860,10 +865,8 @@ def tp_table(worlds: list[int], models: list[str], global_batch: int) -> str:
 
 def phases_table(models: list[str], world: int, global_batch: int, repeats: int, steps: Optional[int] = None) -> str:
     """Where a training step goes, per strategy and the ceiling (PhaseTimer): ms per step, mean over ranks."""
-    import statistics
-
-    lines = [f"## Where a step goes (W={world}, global batch {global_batch}; ms per step, median step, mean "
-             f"over ranks; in parentheses: time inside the runtime's collectives)\n",
+    lines = [f"## Where a step goes (W={world}, global batch {global_batch}; ms per step, mean of the middle half "
+             f"of the steps, mean over ranks; in parentheses: time inside the runtime's collectives)\n",
              "| model | row | step | load | forward | backward | sync | optimizer | collectives | waiting for a "
              "peer (least / most of the ranks) |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for model in models:
@@ -892,9 +895,10 @@ def phases_table(models: list[str], world: int, global_batch: int, repeats: int,
 
 
 def tp_layers_worker(world: Any, tp: bool, global_batch: int, steps: int) -> dict[str, Any]:
-    """Runtime only (no Lightning): median microseconds of each layer's forward, the loss, and the step's
+    """Runtime only (no Lightning): microseconds of each layer's forward, the loss, and the step's
     forward / backward / optimizer, for one rank of shm_tp (tp = W, the whole batch) or of the ceiling
-    (the whole model, an independent process with its 1/W of the batch)."""
+    (the whole model, an independent process with its 1/W of the batch); ``middle_mean`` of the steps,
+    so the layers and the loss add up to the forward, the phases to the step."""
     from torch import nn
 
     sys.path.insert(0, str(ROOT))
@@ -912,8 +916,8 @@ def tp_layers_worker(world: Any, tp: bool, global_batch: int, steps: int) -> dic
     _, seq = find_sequential(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     x, y = torch.randn(rows, 1, 28, 28), torch.randint(0, 10, (rows,))
-    names = [f"{i}" for i in range(len(seq))] + ["loss", "forward", "backward", "optimizer", "step"]
-    times: dict[str, list[float]] = {n: [] for n in names}
+    names = [f"{i}" for i in range(len(seq))] + ["loss"]
+    steps_timed: list[dict[str, float]] = []
     for step in range(steps + 20):  # the first 20 warm up
         h, t0 = x, time.perf_counter()
         laps = []
@@ -928,31 +932,30 @@ def tp_layers_worker(world: Any, tp: bool, global_batch: int, steps: int) -> dic
         opt.zero_grad()
         t3 = time.perf_counter()
         if step >= 20:
-            for n, a, b in zip(names, [t0, *laps], [*laps, t1]):
-                times[n].append(b - a)
-            for n, a, b in (("forward", t0, t1), ("backward", t1, t2), ("optimizer", t2, t3), ("step", t0, t3)):
-                times[n].append(b - a)
-    import statistics
-
-    return {"times": {n: statistics.median(v) * 1e6 for n, v in times.items()},
+            steps_timed.append({**{n: b - a for n, a, b in zip(names, [t0, *laps], [*laps, t1])},
+                                "forward": t1 - t0, "backward": t2 - t1, "optimizer": t3 - t2, "step": t3 - t0})
+    return {"times": {n: v * 1e6 for n, v in middle_mean(steps_timed).items()},
             "labels": {f"{i}": type(m).__name__ for i, m in enumerate(seq)}}
 
 
 def tp_layers_table(world: int, global_batch: int, repeats: int, steps: int) -> str:
-    """shm_tp's mechanics against the ceiling without Lightning: which layer costs what on one rank."""
-    import statistics
+    """shm_tp's mechanics against the ceiling without Lightning: which layer costs what on one rank.
 
+    Each run's ranks are averaged; of the ``repeats`` runs the one with the median step is shown whole
+    (per-part medians over runs would not add up to their step)."""
     from lightning_shm.runtime import launch
 
-    runs: dict[bool, list[list[dict[str, Any]]]] = {True: [], False: []}
-    for _ in range(repeats):  # interleaved; each run's rank medians, then the median over runs
+    runs: dict[bool, list[dict[str, float]]] = {True: [], False: []}
+    kinds: dict[bool, dict[str, str]] = {}  # layer index -> its module's class name
+    for _ in range(repeats):  # interleaved
         for tp in (True, False):
-            runs[tp].append(launch(tp_layers_worker, world, tp, global_batch, steps, start_method="fork"))
-    med = {tp: {k: statistics.median(statistics.fmean(rank["times"][k] for rank in run) for run in runs[tp])
-                for k in runs[tp][0][0]["times"]} for tp in runs}
-    labels = {k: (runs[False][0][0]["labels"][k], runs[True][0][0]["labels"][k]) for k in runs[True][0][0]["labels"]}
+            ranks = launch(tp_layers_worker, world, tp, global_batch, steps, start_method="fork")
+            runs[tp].append({k: statistics.fmean(r["times"][k] for r in ranks) for k in ranks[0]["times"]})
+            kinds[tp] = ranks[0]["labels"]
+    med = {tp: sorted(rs, key=lambda r: r["step"])[len(rs) // 2] for tp, rs in runs.items()}
+    labels = {k: (kinds[False][k], kinds[True][k]) for k in kinds[True]}
     lines = [f"## shm_tp's mechanics without Lightning (reference MLP, tp={world}, global batch {global_batch}; "
-             f"us per step, median step, mean over ranks, median of {repeats})\n",
+             f"us per step, mean of the middle half of the steps, mean over ranks, the median of {repeats} runs)\n",
              f"| part | ceiling rank ({global_batch // world} rows, whole model) | shm_tp rank ({global_batch} rows, "
              f"1/{world} of the split layers) | difference |", "|---|---:|---:|---:|"]
     for k in med[True]:
@@ -968,8 +971,6 @@ PIPE_HIDDEN = [512] * 8  # 9 Linear layers: every chunk of P=4 x 2 virtual stage
 
 def pipeline_table(stages: list[int], microbatches: list[int], batch: int, steps: int) -> str:
     """Per schedule: throughput, measured vs ideal bubble, peak activation memory per stage."""
-    import statistics
-
     sys.path.insert(0, str(ROOT))
     from lightning_shm.parallel.pipeline import PipelineSchedule, Schedule, bubble_fraction, measured_costs, simulate
     from lightning_shm.parallel.pipeline.driver import train_pipeline

@@ -61,8 +61,8 @@ def test_bench_strategies_splits_steps_into_phases(tmp_path):
     for row, cells in rows.items():
         step, phases = ms(cells[0]), [ms(c) for c in cells[1:6]]
         assert step > 0 and all(p >= 0 for p in phases), (row, cells)
-        # the phases partition the step (medians of each: their sum is close to the median step, not equal)
-        assert abs(sum(phases) - step) <= 0.1 * step, (row, cells)
+        # the phases partition the step: means over the same steps add up (to the cells' rounding)
+        assert abs(sum(phases) - step) <= 6 * 0.005 + 1e-9, (row, cells)
     # the runtime's collectives are timed where they run: none in independent processes, some in every strategy
     assert ms(rows["ceiling (no comm)"][6]) == 0.0
     for row in ("shm_ddp", "shm_fsdp", "shm_tp (tp=2)"):
@@ -94,11 +94,11 @@ def test_bench_strategies_times_tp_layer_by_layer(tmp_path):
             "layer 4: Linear -> RowParallelLinear", "layer 5: LayerNorm", "loss", "forward", "step"} <= set(rows), out
     for ceiling, tp, diff in rows.values():
         assert ceiling > 0 and tp > 0 and abs(tp - ceiling - diff) <= 1, out
-    for col in (0, 1):  # medians: the parts add up to their whole within 10%
-        layers = sum(v[col] for k, v in rows.items() if k.startswith("layer ") or k == "loss")
-        assert abs(layers - rows["forward"][col]) <= 0.1 * rows["forward"][col], out
+    for col in (0, 1):  # means over the same steps: the parts add up to their whole (to the cells' rounding)
+        parts = [v[col] for k, v in rows.items() if k.startswith("layer ") or k == "loss"]
+        assert abs(sum(parts) - rows["forward"][col]) <= 0.5 * (len(parts) + 1), out
         phases = sum(rows[k][col] for k in ("forward", "backward", "optimizer"))
-        assert abs(phases - rows["step"][col]) <= 0.1 * rows["step"][col], out
+        assert abs(phases - rows["step"][col]) <= 0.5 * 4, out
 
 
 def _bench_module(monkeypatch):

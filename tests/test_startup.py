@@ -1,7 +1,8 @@
 """A spawned worker that dies before it reaches our code must surface in seconds, with its own error.
 
 Lightning's ``ddp_spawn`` exits with the worker's message in 6-11 s here; a main process blocked on
-a pipe to a dead child never would (this once hung for good).
+a pipe to a dead child never would (this once hung for good). A hang is caught by the subprocess's
+timeout; a slow detection by the time from the dead worker's ``fit()`` to the exit.
 """
 
 from __future__ import annotations
@@ -35,9 +36,14 @@ def test_script_without_main_guard_fails_fast_with_the_workers_message(tmp_path,
     script.write_text(_NO_GUARD.replace("STRATEGY", strategy))
     out = subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True, timeout=300)
     ended = time.time()
-    started = float(out.stdout.split("fit at", 1)[1].split()[0])
     assert out.returncode != 0
-    assert ended - started < 15, f"took {ended - started:.1f} s from fit() to exit"
+    # the main process's fit(), then each worker's (it runs the unguarded script again and dies in fit())
+    fits = [float(part.split()[0]) for part in out.stdout.split("fit at")[1:]]
+    assert len(fits) >= 2, out.stdout
+    # From the last worker's fit() to the main process's exit: the worker's error, its detection, the
+    # others stopped, the main process's shutdown. Before it, the workers' start imports torch and
+    # lightning -- what that takes is the machine's load (10-12 s here with no cached bytecode), not ours.
+    assert ended - fits[-1] < 12, f"took {ended - fits[-1]:.1f} s from the last worker's fit() to exit"
     assert "WorkerDiedError" in out.stderr, out.stderr[-3000:]
     # Lightning's own message, from the worker, quoted in the exception (not only forwarded to the terminal)
     assert "wrote to stderr:" in out.stderr, out.stderr[-3000:]
