@@ -509,7 +509,9 @@ def rows_for(model: str, world: int, gb: int, warmup: int, steps: int) -> list[R
         RunSpec("ddp_spawn (gloo)", "ddp_spawn", world, **common),
         RunSpec("shm_ddp", "shm_ddp", world, **common),
         RunSpec("shm_fsdp", "shm_fsdp", world, **common),
-        RunSpec("shm_fsdp, prefetch", "shm_fsdp", world, strategy_kwargs={"prefetch": True}, **common),
+        RunSpec("shm_fsdp, gather copy", "shm_fsdp", world, strategy_kwargs={"gather": "copy"}, **common),
+        RunSpec("shm_fsdp, gather copy + prefetch", "shm_fsdp", world,
+                strategy_kwargs={"gather": "copy", "prefetch": True}, **common),
         RunSpec(f"shm_tp (tp={world})", "shm_tp", world, strategy_kwargs={"tensor_parallel_size": world},
                 data_parallel=1, **common),
         RunSpec(f"shm_tp (tp={world}), tp_batch broadcast", "shm_tp", world, data_parallel=1,
@@ -750,9 +752,10 @@ def memory_table(worlds: list[int], models: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def prefetch_worker(world: Any, model_kw: dict[str, Any], policy: Optional[int], prefetch: bool, batch: int, steps: int,
+def prefetch_worker(world: Any, model_kw: dict[str, Any], policy: Optional[int], mode: str, batch: int, steps: int,
                     threads: int) -> dict[str, float]:
-    """Median FSDP training step (SGD) with and without prefetch, and the gather time it could hide."""
+    """Median FSDP training step (SGD) for ``mode`` "copy", "prefetch" (copy on a helper thread) or "view"
+    (no copy), and the time spent copying."""
     from torch import nn
 
     sys.path.insert(0, str(ROOT))
@@ -762,7 +765,8 @@ def prefetch_worker(world: Any, model_kw: dict[str, Any], policy: Optional[int],
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     model = MNISTClassifier(**model_kw)
-    sharded = FSDPState(model, world.group(), policy, prefetch=prefetch)
+    sharded = FSDPState(model, world.group(), policy, prefetch=mode == "prefetch",
+                        gather="view" if mode == "view" else "copy")
     gather = [0.0]  # seconds spent copying shards into full tensors (on whichever thread does it)
     for u in sharded.units:
         copy = u.copy_shards_into
@@ -793,30 +797,33 @@ def prefetch_worker(world: Any, model_kw: dict[str, Any], policy: Optional[int],
 
 
 def prefetch_table(models: list[str], global_batch: int, steps: int, repeats: int) -> str:
-    """shm_fsdp with and without prefetch where no core is free (W=2) and where one is (W=1, 1 thread),
+    """shm_fsdp's gathers: copying (with and without prefetch) against computing on the shared rows
+    ("view"), where no core is free (W=2) and where one is (W=1, 1 thread),
     with the default units and with units of >= 1M parameters (each LayerNorm merged into the next
     Linear, so the unit prefetched during a Linear's compute is the next big one)."""
     from lightning_shm.runtime import launch
 
-    lines = [f"## shm_fsdp prefetch (runtime only, SGD, batch {global_batch // 2} per rank, median step of "
-             f"{repeats} repeats)\n", "| model | units | ranks x compute threads | step ms | step ms, prefetch | "
-             "prefetch speed-up | gathering per step ms | full params peak MiB | with prefetch |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    lines = [f"## shm_fsdp gather: copy, copy + prefetch, view (runtime only, SGD, batch {global_batch // 2} per "
+             f"rank, median step of {repeats} repeats)\n", "| model | units | ranks x compute threads | step ms, copy | "
+             "step ms, prefetch | prefetch speed-up | step ms, view | view speed-up | copying per step ms | "
+             "full params peak MiB, copy | with prefetch | view |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     configs = [(m, None) for m in models] + ([("wide", 1_000_000)] if "wide" in models else [])
     for model, policy in configs:
         for w in (2, 1):
-            res: dict[bool, list[dict[str, float]]] = {False: [], True: []}
-            for _ in range(repeats):
-                for pf in (False, True):
-                    res[pf].append(launch(prefetch_worker, w, MODELS[model], policy, pf, global_batch // 2, steps, 1,
-                                          start_method="fork")[0])
-            med = {pf: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for pf, rs in res.items()}
-            off, on = med[False], med[True]
+            res: dict[str, list[dict[str, float]]] = {"copy": [], "prefetch": [], "view": []}
+            for _ in range(repeats):  # interleaved
+                for mode in res:
+                    res[mode].append(launch(prefetch_worker, w, MODELS[model], policy, mode, global_batch // 2, steps,
+                                            1, start_method="fork")[0])
+            med = {mode: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for mode, rs in res.items()}
+            off, on, view = med["copy"], med["prefetch"], med["view"]
             note = "a core free" if w < (os.cpu_count() or 1) else "no core free"
             units = "per layer" if policy is None else f">= {policy:,} params"
             lines.append(f"| {model} | {units} | {w} x 1 ({note}) | {off['step_ms']:.1f} | {on['step_ms']:.1f} | "
-                         f"{off['step_ms'] / on['step_ms']:.2f}x | {off['gather_ms']:.1f} | "
-                         f"{off['peak_mib']:.2f} | {on['peak_mib']:.2f} |")
+                         f"{off['step_ms'] / on['step_ms']:.2f}x | {view['step_ms']:.1f} | "
+                         f"{off['step_ms'] / view['step_ms']:.2f}x | {off['gather_ms']:.1f} | "
+                         f"{off['peak_mib']:.2f} | {on['peak_mib']:.2f} | {view['peak_mib']:.2f} |")
     return "\n".join(lines) + "\n"
 
 

@@ -41,7 +41,7 @@ def test_bench_strategies_runs_the_rows(tmp_path):
                      out)
     assert note and float(note.group(1)) == 2.0, out
     assert "(no comm) [" not in out.replace("lock-step (no comm) [", ""), out  # the plain ceiling has no barriers
-    assert "## shm_fsdp prefetch" in out and "| reference | per layer | 2 x 1" in out
+    assert "## shm_fsdp gather: copy, copy + prefetch, view" in out and "| reference | per layer | 2 x 1" in out
     assert (tmp_path / "strategies_w2.png").exists()
 
 

@@ -32,6 +32,8 @@ from lightning_shm.parallel.ddp import GradReducer
 from lightning_shm.parallel.ddp.sync_batchnorm import convert_sync_batchnorm
 from lightning_shm.parallel.fsdp import FSDPState, UnitPolicy, find_units
 from lightning_shm.parallel.fsdp.policy import PolicyFn
+from lightning_shm.parallel.fsdp.sharded import check_gather
+from lightning_shm.parallel.fsdp.unit import GATHERS
 from lightning_shm.parallel.pipeline import PipelineEngine, PipelineSchedule, PipelineStage, Schedule
 from lightning_shm.parallel.pipeline.row_cut import apply_row_cuts, plan_cuts, stage_rows
 from lightning_shm.parallel.pipeline.split import validate_split_points
@@ -67,6 +69,7 @@ class ParallelConfig:
     find_unused_parameters: bool = False
     sync_batchnorm: bool = False
     split_linear: bool = False
+    gather: str = "view"
     pipeline: PipelineSchedule = field(init=False)
     policy: UnitPolicy = field(init=False)
 
@@ -90,6 +93,10 @@ class ParallelConfig:
         if self.split_linear and self.tensor_parallel_size > 1:
             raise ValueError(f"split_linear=True cuts a Linear between pipeline stages; with tensor_parallel_size="
                              f"{self.tensor_parallel_size} the Linear layers are already tensor-parallel: use one")
+        if self.shard:
+            check_gather(self.gather, self.reshard_after_forward, self.prefetch)
+        elif self.gather not in GATHERS:
+            raise ValueError(f"gather must be one of {GATHERS}, got {self.gather!r}")
         if self.bucket_cap_mb <= 0:
             raise ValueError(f"bucket_cap_mb must be > 0, got {self.bucket_cap_mb}")
         kind = Schedule.parse(self.schedule)
@@ -237,7 +244,7 @@ def parallelize(module: nn.Module, config: ParallelConfig, world: World, groups:
     fsdp = reducer = None
     if topo.dp > 1 and config.shard:  # FSDP inside the node; several nodes: replicas of it (HSDP)
         fsdp = FSDPState(module, groups.node_dp, config.policy, config.reshard_after_forward, config.prefetch,
-                         layers=layers, across=_node_mean(groups))
+                         layers=layers, across=_node_mean(groups), gather=config.gather)
         placements = {**placements, **fsdp.placements(placements)}
         if groups.nodes > 1:
             placements = {n: p.replicated(groups.nodes) for n, p in placements.items()}

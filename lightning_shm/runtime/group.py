@@ -198,6 +198,17 @@ class Group:
         """Stop routing collectives on ``buf`` through the zero-copy path (memory is freed at exit)."""
         self._shared = [b for b in self._shared if b is not buf]
 
+    def alloc_common(self, numel: int, dtype: torch.dtype = torch.float32, tag: str = "common") -> torch.Tensor:
+        """Collectively allocate one flat tensor of ``numel`` elements that every member maps: each
+        reads all of it and writes the parts the caller's rule gives it (FSDP's full parameters, a
+        rank's rows one slice of each). Unlike a :class:`SharedBuffer` it has no per-member regions,
+        so collectives on tensors inside it take the ordinary (copying) path."""
+        if numel < 0:
+            raise ValueError(f"numel must be >= 0, got {numel}")
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        key = f"{self.key}/common/{tag}/{numel}/{str(dtype).replace('torch.', '')}"
+        return self._alloc(key, align_up(max(numel * itemsize, 1), _PAGE)).tensor(dtype, 0, numel)
+
     # ------------------------------------------------------------------ barrier
     def barrier(self) -> None:
         self._seq += 1

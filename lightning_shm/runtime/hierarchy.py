@@ -53,6 +53,9 @@ class NodeSpanningGroup:
     def release_shared(self, buf: SharedBuffer) -> None:
         self.local.release_shared(buf)
 
+    def alloc_common(self, numel: int, dtype: torch.dtype = torch.float32, tag: str = "common") -> torch.Tensor:
+        return self.local.alloc_common(numel, dtype, tag)
+
     # ------------------------------------------------------------------ collectives
     def barrier(self) -> None:
         self.local.barrier()

@@ -65,7 +65,7 @@ class SHMModelParallel(SHMStrategyBase):
         sequential: attribute path of the ``nn.Sequential`` to pipeline / derive a plan from.
         microbatches, schedule, virtual_stages, split_points, balance, split_linear, activation_checkpointing,
             sample_input: the pipeline (see :class:`~lightning_shm.strategies.pipeline.SHMPipeline`).
-        unit_policy, reshard_after_forward, prefetch: FSDP units (see
+        unit_policy, gather, reshard_after_forward, prefetch: FSDP units (see
             :class:`~lightning_shm.strategies.fsdp.SHMFSDPStrategy`).
         bucket_cap_mb, find_unused_parameters: the gradient reducer (see
             :class:`~lightning_shm.strategies.ddp.SHMDDPStrategy`).
@@ -89,15 +89,16 @@ class SHMModelParallel(SHMStrategyBase):
                  split_points: Optional[Sequence[int]] = None, balance: str = "time", split_linear: bool = False,
                  activation_checkpointing: bool = False, sample_input: Optional[Tensor] = None,
                  unit_policy: Union[None, int, PolicyFn, UnitPolicy] = None, reshard_after_forward: bool = True,
-                 prefetch: bool = False, bucket_cap_mb: float = 25.0, find_unused_parameters: bool = False,
-                 broadcast_buffers: bool = True, tp_batch: str = "auto", **kwargs: Any) -> None:
+                 prefetch: bool = False, gather: str = "view", bucket_cap_mb: float = 25.0,
+                 find_unused_parameters: bool = False, broadcast_buffers: bool = True, tp_batch: str = "auto",
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.parallel_config = ParallelConfig(
             data_parallel_size, tensor_parallel_size, pipeline_parallel_size, data_parallel,
             dict(plan) if plan is not None else None, sequential, microbatches, schedule, virtual_stages,
             list(split_points) if split_points is not None else None, balance, activation_checkpointing,
             unit_policy, reshard_after_forward, prefetch, bucket_cap_mb, find_unused_parameters,
-            split_linear=split_linear)
+            split_linear=split_linear, gather=gather)
         self.sample_input = sample_input
         self.broadcast_buffers = broadcast_buffers
         if tp_batch not in MODES:

@@ -47,8 +47,9 @@ def test_fsdp_equals_one_process_and_ddp(references, world_size, optimizer):
     torch.testing.assert_close(got, ddp, rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("kwargs", [dict(reshard_after_forward=False), dict(unit_policy=100_000), dict(prefetch=True)],
-                         ids=["no-reshard", "merged-units", "prefetch"])
+@pytest.mark.parametrize("kwargs", [dict(gather="copy"), dict(gather="copy", reshard_after_forward=False),
+                                    dict(unit_policy=100_000), dict(gather="copy", prefetch=True)],
+                         ids=["copy", "copy-no-reshard", "merged-units", "copy-prefetch"])
 def test_fsdp_variants_equal_one_process(references, kwargs):
     got = train_mnist(SHMFSDPStrategy(start_method="fork", **kwargs), 2, "adam", batch=GLOBAL_BATCH // 2)
     torch.testing.assert_close(got, references["adam"], rtol=0, atol=1e-5)
@@ -70,15 +71,20 @@ def test_default_units_are_the_parameter_owning_children_of_the_sequential():
     assert [u.numel for u in merged] == [200_960, 512 + 16_448 + 128 + 650]
 
 
-def _shard_and_step(world, reshard):
+def _shard_and_step(world, reshard, gather="copy"):
     torch.manual_seed(0)
     model = MNISTClassifier(optimizer="adam")
-    sharded = FSDPState(model, world.group(), reshard_after_forward=reshard)
+    sharded = FSDPState(model, world.group(), reshard_after_forward=reshard, gather=gather)
     opt = model.configure_optimizers()
     sharded.watch([opt])
     x = torch.randn(16, 1, 28, 28)
     sharded.stats.reset_peak()
+    seen = []  # where net.1's full weight lived during its forward
+    hook = model.net[1].register_forward_pre_hook(lambda m, _: seen.append(m.weight.data_ptr()))  # after the unit's
     loss = nn.functional.cross_entropy(model(x), torch.zeros(16, dtype=torch.long))
+    hook.remove()
+    unit = sharded.units[0]
+    in_common = unit.common is not None and unit.common.data_ptr() == seen[0]
     live_before_backward = sharded.stats.live
     gen = world.group()._barrier.gen
     loss.backward()
@@ -92,7 +98,7 @@ def _shard_and_step(world, reshard):
     return (shapes, sharded.persistent_bytes(opt), sharded.stats.live, forward_only_peak,
             [u.numel * 4 for u in sharded.units], [n for n, p in model.named_parameters()
                                                   if any(p is q for q in opt.param_groups[0]["params"])],
-            live_before_backward, backward_barriers)
+            live_before_backward, backward_barriers, in_common)
 
 
 FULL = {"net.1.weight": (256, 784), "net.1.bias": (256,), "net.2.weight": (256,), "net.2.bias": (256,),
@@ -100,10 +106,11 @@ FULL = {"net.1.weight": (256, 784), "net.1.bias": (256,), "net.2.weight": (256,)
         "net.7.weight": (10, 64), "net.7.bias": (10,)}
 
 
+@pytest.mark.parametrize("gather", ["view", "copy"])
 @pytest.mark.parametrize("world_size", [2, 3, 4])
-def test_each_rank_holds_its_rows_of_every_parameter_under_its_own_name(world_size):
-    for rank, (shapes, persistent, live, fwd_peak, unit_bytes, opt_names, _, barriers) in enumerate(
-            launch(_shard_and_step, world_size, True, start_method="fork")):
+def test_each_rank_holds_its_rows_of_every_parameter_under_its_own_name(world_size, gather):
+    for rank, (shapes, persistent, live, fwd_peak, unit_bytes, opt_names, _, barriers, in_common) in enumerate(
+            launch(_shard_and_step, world_size, True, gather, start_method="fork")):
         assert list(shapes) == list(FULL)  # the module's own names, in its order
         for name, full in FULL.items():  # rows split like even_split: the first rows % W ranks get one more
             rows = full[0] // world_size + (1 if rank < full[0] % world_size else 0)
@@ -114,7 +121,10 @@ def test_each_rank_holds_its_rows_of_every_parameter_under_its_own_name(world_si
         # Adam: exp_avg and exp_avg_sq like each parameter's rows, plus one float32 `step` per parameter
         assert persistent == {"params": mine, "grads": mine, "optimizer": 2 * mine + 10 * 4}
         assert live == 0  # nothing unsharded survives a step
-        assert fwd_peak == max(unit_bytes)  # forward holds one unit's full parameters at a time
+        if gather == "copy":
+            assert fwd_peak == max(unit_bytes) and not in_common  # one unit's private full parameters at a time
+        else:
+            assert fwd_peak == 0 and in_common  # the forward computed on the shared rows: no private copy
         assert opt_names == list(FULL)  # configure_optimizers saw the module's own parameters
         # backward: one reduce-scatter per unit (weight and bias together, one round each), nothing else
         assert barriers == len(unit_bytes) == 5
@@ -122,10 +132,10 @@ def test_each_rank_holds_its_rows_of_every_parameter_under_its_own_name(world_si
 
 @pytest.mark.parametrize("reshard", [True, False])
 def test_units_are_freed_after_forward_or_kept_until_backward(reshard):
-    """ZeRO-3 frees every unit after its forward and gathers it again for backward; without resharding the
+    """gather="copy": ZeRO-3 frees every unit after its forward and gathers it again for backward; without resharding the
     units stay gathered from forward to backward. Either way nothing full survives the step."""
-    (_, _, live, fwd_peak, unit_bytes, _, before_backward, _), _ = launch(_shard_and_step, 2, reshard,
-                                                                          start_method="fork")
+    (_, _, live, fwd_peak, unit_bytes, _, before_backward, _, _), _ = launch(_shard_and_step, 2, reshard,
+                                                                             start_method="fork")
     assert before_backward == (0 if reshard else sum(unit_bytes))
     assert live == 0 and fwd_peak == max(unit_bytes)  # a no-grad forward frees each unit at once either way
 
@@ -133,7 +143,7 @@ def test_units_are_freed_after_forward_or_kept_until_backward(reshard):
 def _steps_with_prefetch(world, prefetch):
     torch.manual_seed(0)
     model = MNISTClassifier(optimizer="adam")
-    sharded = FSDPState(model, world.group(), prefetch=prefetch)
+    sharded = FSDPState(model, world.group(), prefetch=prefetch, gather="copy")
     opt = model.configure_optimizers()
     sharded.watch([opt])
     state = ModelState(model, list(MNISTClassifier().state_dict()), list(FULL), sharded.placements(),
@@ -279,6 +289,16 @@ def test_policy_selecting_nothing_fails_before_launch():
     strategy = SHMFSDPStrategy(start_method="fork", unit_policy=lambda name, module: False)
     with pytest.raises(ValueError, match="no module with parameters"):
         trainer(strategy=strategy, devices=2, max_epochs=1).fit(Tiny(), DataLoader(torch.randn(8, 2)))
+
+
+def test_copy_options_without_a_copy_are_refused_at_construction():
+    """prefetch / reshard_after_forward shape gather="copy"'s private copies; "view" makes none."""
+    for kwargs in (dict(prefetch=True), dict(reshard_after_forward=False)):
+        with pytest.raises(ValueError, match="gather='view' makes none"):
+            SHMFSDPStrategy(**kwargs)
+        SHMFSDPStrategy(gather="copy", **kwargs)  # fine
+    with pytest.raises(ValueError, match=r"gather must be one of \('view', 'copy'\), got 'zero'"):
+        SHMFSDPStrategy(gather="zero")
 
 
 def test_bad_policy_type():

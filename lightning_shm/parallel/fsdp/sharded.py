@@ -1,6 +1,7 @@
 """Shard a whole module into FSDP units over a group; the rules that keep every rank's reads valid.
 
-Rule: every rank reads every rank's shards when it gathers, without a collective. So shards may
+Rule: every rank reads every rank's shards without a collective -- when it gathers (``gather="copy"``)
+or all through its forward and backward (``"view"``: the full parameters are the shards). So shards may
 only change between two barriers: one before (nobody is still reading the old values -- another
 rank may be in a forward without gradients, or a prefetch, while this one has moved on) and one
 after (nobody gathers before every rank has written). The changes are the optimizer's step and
@@ -18,7 +19,7 @@ from torch import nn
 
 from lightning_shm.parallel.fsdp.policy import PolicyFn, UnitPolicy, find_units
 from lightning_shm.parallel.fsdp.prefetch import Prefetcher
-from lightning_shm.parallel.fsdp.unit import FSDPUnit, MemoryStats
+from lightning_shm.parallel.fsdp.unit import GATHERS, FSDPUnit, MemoryStats
 from lightning_shm.parallel.placement import Placement, Split
 from lightning_shm.runtime import Group
 
@@ -26,14 +27,19 @@ from lightning_shm.runtime import Group
 class FSDPState:
     """Owns the units of ``module`` on ``group``. Every rank constructs it with the same arguments.
 
-    ``prefetch=True`` gathers the next unit on a helper thread while the current one computes
-    (one more unit's full parameters alive at a time); it pays off only with a core to spare.
+    ``gather``: "view" (default) -- the full parameters are one shared tensor every rank maps, each
+    rank's rows a slice of it -- or "copy", FSDP's textbook gather into private memory around each
+    unit's compute (see :mod:`.unit`). With "copy", ``reshard_after_forward=False`` keeps a unit's
+    copy from its forward to its backward, and ``prefetch=True`` gathers the next unit on a helper
+    thread while the current one computes (one more unit's full parameters alive at a time; it pays
+    off only with a core to spare).
     """
 
     def __init__(self, module: nn.Module, group: Group, policy: Union[None, int, PolicyFn, UnitPolicy] = None,
                  reshard_after_forward: bool = True, prefetch: bool = False,
                  layers: Optional[list[tuple[str, nn.Module]]] = None,
-                 across: Optional[Callable[[torch.Tensor], None]] = None) -> None:
+                 across: Optional[Callable[[torch.Tensor], None]] = None, gather: str = "view") -> None:
+        check_gather(gather, reshard_after_forward, prefetch)
         self.module = module
         self.group = group
         direct = [n for n, _ in module.named_parameters(recurse=False)]
@@ -51,8 +57,8 @@ class FSDPState:
                     owners.setdefault(id(p), []).append((m, attr))
         self.stats = MemoryStats()
         self.prefetcher = Prefetcher() if prefetch else None
-        self.units = [FSDPUnit(spec, group, i, reshard_after_forward, self.stats, owners, self.prefetcher, across)
-                      for i, spec in enumerate(specs)]
+        self.units = [FSDPUnit(spec, group, i, reshard_after_forward, self.stats, owners, self.prefetcher, across,
+                               gather) for i, spec in enumerate(specs)]
         # units are found in module order, which is the Sequential's execution order; for another
         # order a prefetched gather is merely wasted (used later or dropped), never wrong
         for a, b in zip(self.units, self.units[1:]):
@@ -156,3 +162,14 @@ class FSDPState:
             for st in optimizer.state.values():
                 opt += sum(v.numel() * v.element_size() for v in st.values() if torch.is_tensor(v))
         return {"params": params, "grads": grads, "optimizer": opt}
+
+
+def check_gather(gather: str, reshard_after_forward: bool = True, prefetch: bool = False) -> None:
+    """The options that shape private copies of the full parameters need ``gather="copy"``: a "view"
+    gather makes none (nothing to keep after forward, nothing to prefetch)."""
+    if gather not in GATHERS:
+        raise ValueError(f"gather must be one of {GATHERS}, got {gather!r}")
+    if gather == "view" and (prefetch or not reshard_after_forward):
+        raise ValueError(f"prefetch={prefetch} / reshard_after_forward={reshard_after_forward} shape the private "
+                         "copies of gather='copy'; gather='view' makes none (the full parameters are the shared "
+                         "memory): pass gather='copy' with them")

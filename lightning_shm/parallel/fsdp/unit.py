@@ -6,13 +6,25 @@ Parameter groups by name ("no weight decay on biases") or by position (two optim
 of ``parameters()``) mean what they mean in one process, and an elementwise optimizer (SGD, Adam,
 AdamW, ...) updates exactly the values one process would, with its state 1/W per rank.
 
-Layout (a unit of parameters p0, p1, ...; W ranks; rows of p split like ``even_split``)::
+Two ways to hold the rows (``gather``; a unit of parameters p0, p1, ...; W ranks; rows of p split
+like ``even_split``)::
 
-    shared region of rank j:  | p0 rows of j (padded to p0's largest block) | p1 rows of j | ... |
-    module.<p0 name>:         the rank's own block, as an nn.Parameter viewing its region
-    full flat tensor:         | p0 (all rows) | p1 | ...    -- private, exists only around compute
+    "view" (default): one tensor in shared memory that every rank maps
+        common:             | p0 (all rows) | p1 (all rows) | ...
+        module.<p0 name>:   the rank's own rows of p0, an nn.Parameter viewing its slice of common
+        full parameters:    common itself -- nothing to copy, nothing to free
+    "copy": FSDP's textbook rhythm, each rank's rows in its own region
+        shared region of rank j:  | p0 rows of j (padded to p0's largest block) | p1 rows of j | ...
+        full flat tensor:         | p0 (all rows) | p1 | ...  -- private, exists only around compute
 
-Per training step::
+Why "view" is the default: on one machine the W blocks already are one tensor in memory every rank
+can read; a copy into private memory (and its page faults) buys nothing but the textbook's shape --
+the wide MLP spent ~10 ms of a 268 ms step gathering in forward and more re-gathering in backward.
+Persistent memory is the same (the common tensor is the W blocks, 1/W of it written by each rank);
+no full parameters are ever private. Reads stay valid by the rule of :mod:`.sharded`: the blocks
+change only between two barriers around every optimizer step and load.
+
+Per training step ("copy"; "view" skips every copy and free)::
 
     forward pre-hook    gather: copy every rank's blocks (read straight from /dev/shm, no
                         collective: the shards change only in optimizer steps and loads, each
@@ -42,6 +54,8 @@ from torch import nn
 from lightning_shm.parallel.fsdp.policy import UnitSpec
 from lightning_shm.parallel.fsdp.prefetch import Prefetcher
 from lightning_shm.runtime import Group, SharedBuffer, even_split
+
+GATHERS = ("view", "copy")
 
 
 @dataclass
@@ -93,12 +107,16 @@ class FSDPUnit:
 
     ``owners``: for every parameter id, all (module, attribute) pairs that hold it in the model.
     ``across``: applied to each reduced gradient shard (HSDP: the mean with the other nodes' replicas).
+    ``gather``: "view" or "copy" (module docstring); ``reshard_after_forward`` and ``prefetcher``
+    shape the copies, so they belong to "copy" (:class:`FSDPState` checks the combination).
     """
 
     def __init__(self, spec: UnitSpec, group: Group, index: int, reshard_after_forward: bool,
                  stats: "MemoryStats", owners: dict[int, list[tuple[nn.Module, str]]],
                  prefetcher: Optional[Prefetcher] = None,
-                 across: Optional[Callable[[torch.Tensor], None]] = None) -> None:
+                 across: Optional[Callable[[torch.Tensor], None]] = None, gather: str = "view") -> None:
+        if gather not in GATHERS:
+            raise ValueError(f"gather must be one of {GATHERS}, got {gather!r}")
         self.name = spec.name
         self.group = group
         self.across = across
@@ -120,10 +138,15 @@ class FSDPUnit:
             full += p.numel()
         self.numel = full
         self.region_numel = region
-        self.buffer: SharedBuffer = group.alloc_shared(region, self.dtype, tag=f"fsdp-unit{index}")
+        self.common: Optional[torch.Tensor] = None  # "view": the full parameters, in shared memory
+        self.buffer: Optional[SharedBuffer] = None  # "copy": every rank's blocks, one region each
+        if gather == "view":
+            self.common = group.alloc_common(full, self.dtype, tag=f"fsdp-unit{index}")
+        else:
+            self.buffer = group.alloc_shared(region, self.dtype, tag=f"fsdp-unit{index}")
         requires_grad = spec.params[0][3].requires_grad
         for b, (*_, p) in zip(self.blocks, spec.params):
-            mine = self._region_block(r, b)
+            mine = self._block(r, b)
             lo = b.row_start(r) * b.row_numel
             mine.copy_(p.detach().reshape(-1)[lo:lo + mine.numel()])
             b.shard = nn.Parameter(mine.view(b.rows[r], *b.shape[1:]), requires_grad=requires_grad)
@@ -147,8 +170,14 @@ class FSDPUnit:
     def __deepcopy__(self, memo: dict) -> "FSDPUnit":
         return self  # a process resource (its hooks sit on modules that may be deep-copied)
 
-    def _region_block(self, member: int, b: Block) -> torch.Tensor:
-        return self.buffer.region(member)[b.region_offset:b.region_offset + b.rows[member] * b.row_numel]
+    def _block(self, member: int, b: Block) -> torch.Tensor:
+        """``member``'s rows of ``b``, flat, where they live in shared memory."""
+        n = b.rows[member] * b.row_numel
+        if self.common is not None:
+            lo = b.full_offset + b.row_start(member) * b.row_numel
+            return self.common[lo:lo + n]
+        assert self.buffer is not None
+        return self.buffer.region(member)[b.region_offset:b.region_offset + n]
 
     def _version(self) -> int:
         return sum(b.shard._version for b in self.blocks)
@@ -161,9 +190,14 @@ class FSDPUnit:
                 n = b.rows[j] * b.row_numel
                 if n:
                     lo = b.full_offset + b.row_start(j) * b.row_numel
-                    flat[lo:lo + n].copy_(self._region_block(j, b))
+                    flat[lo:lo + n].copy_(self._block(j, b))
 
     def gather_new(self) -> torch.Tensor:
+        if self.common is not None:
+            # A new tensor object on the common storage, not a view of it: autograd must not see the
+            # full parameters as a view of the blocks, and gets a version counter of their own.
+            return torch.empty(0, dtype=self.dtype).set_(self.common.untyped_storage(),
+                                                          self.common.storage_offset(), (self.numel,))
         if self._prefetched is not None:
             full, version = self._prefetched
             self._prefetched = None
@@ -196,12 +230,13 @@ class FSDPUnit:
         return torch.empty(0, dtype=self.dtype).set_(storage, 0, (self.numel,))
 
     def free(self, full: torch.Tensor) -> None:
-        if self.prefetcher is not None:
-            self.prefetcher.wait(full)  # never release memory the helper thread is writing
-        storage = full.untyped_storage()
-        if storage.nbytes():
-            self.stats.release(full)
-            storage.resize_(0)
+        if self.common is None:  # "view": the full parameters are the shared memory itself; keep them
+            if self.prefetcher is not None:
+                self.prefetcher.wait(full)  # never release memory the helper thread is writing
+            storage = full.untyped_storage()
+            if storage.nbytes():
+                self.stats.release(full)
+                storage.resize_(0)
         if self._live is full:
             self._live = None
             self._set_views(None)
@@ -243,6 +278,8 @@ class FSDPUnit:
         """``tensor`` is a view of the held full parameters: add ``grad`` at its place in the step's gradient."""
         held = self.held
         if held is None or tensor.untyped_storage().data_ptr() != held.untyped_storage().data_ptr():
+            return False
+        if any(tensor is b.shard for b in self.blocks):  # "view": a block lies in the same storage
             return False
         if self._held_grad is None:
             self._held_grad = torch.zeros_like(held)
