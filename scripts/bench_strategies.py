@@ -804,9 +804,9 @@ def prefetch_table(models: list[str], global_batch: int, steps: int, repeats: in
     from lightning_shm.runtime import launch
 
     lines = [f"## shm_fsdp gather: copy, copy + prefetch, view (runtime only, SGD, batch {global_batch // 2} per "
-             f"rank, median step of {repeats} repeats)\n", "| model | units | ranks x compute threads | step ms, copy | "
-             "step ms, prefetch | prefetch speed-up | step ms, view | view speed-up | copying per step ms | "
-             "full params peak MiB, copy | with prefetch | view |",
+             f"rank, median step of {repeats} repeats)\n", "| model | units | ranks x compute threads | "
+             "step ms, copy | step ms, prefetch | prefetch speed-up | step ms, view | view speed-up | "
+             "copying per step ms | full params peak MiB, copy | with prefetch | view |",
              "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     configs = [(m, None) for m in models] + ([("wide", 1_000_000)] if "wide" in models else [])
     for model, policy in configs:

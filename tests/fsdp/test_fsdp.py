@@ -132,8 +132,8 @@ def test_each_rank_holds_its_rows_of_every_parameter_under_its_own_name(world_si
 
 @pytest.mark.parametrize("reshard", [True, False])
 def test_units_are_freed_after_forward_or_kept_until_backward(reshard):
-    """gather="copy": ZeRO-3 frees every unit after its forward and gathers it again for backward; without resharding the
-    units stay gathered from forward to backward. Either way nothing full survives the step."""
+    """gather="copy": ZeRO-3 frees every unit after its forward and gathers it again for backward; without
+    resharding the units stay gathered from forward to backward. Either way nothing full survives the step."""
     (_, _, live, fwd_peak, unit_bytes, _, before_backward, _, _), _ = launch(_shard_and_step, 2, reshard,
                                                                              start_method="fork")
     assert before_backward == (0 if reshard else sum(unit_bytes))
