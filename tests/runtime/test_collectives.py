@@ -79,6 +79,27 @@ def check_all_reduce_shared(world) -> list[str]:
     return errors
 
 
+def check_common(world) -> list[str]:
+    """Group.alloc_common: one tensor every member maps; each writes its part, all read the whole. A
+    collective on a slice of it takes the ordinary path (member r's slice lies where no per-member
+    region is: the zero-copy path would read the wrong bytes)."""
+    g, errors = world.group(), []
+    for dtype in (torch.float32, torch.int64):
+        for n in (1, 7, 50_001):
+            common = g.alloc_common(n * world.size, dtype, tag=f"c{n}")
+            common[g.index * n:(g.index + 1) * n].copy_(make(world.rank, n, dtype))
+            g.barrier()
+            whole = torch.cat([make(r, n, dtype) for r in range(world.size)])
+            if not torch.equal(common, whole):
+                errors.append(f"common {dtype} n={n}: a member's part is not visible to all")
+            g.barrier()  # everyone has read the parts before anyone reduces in place
+            mine = common[g.index * n:(g.index + 1) * n]
+            g.all_reduce(mine, "sum")
+            if not close(mine, reference("sum", [make(r, n, dtype) for r in range(world.size)]).to(dtype), dtype):
+                errors.append(f"all_reduce on a slice of a common tensor {dtype} n={n}")
+    return errors
+
+
 def check_reduce_scatter(world) -> list[str]:
     g, errors = world.group(), []
     for dtype in DTYPES:
@@ -188,6 +209,7 @@ def check_broadcast(world) -> list[str]:
 CHECKS = {
     "all_reduce": check_all_reduce,
     "all_reduce_shared": check_all_reduce_shared,
+    "common": check_common,
     "reduce_scatter": check_reduce_scatter,
     "reduce_scatter_coalesced": check_reduce_scatter_coalesced,
     "all_gather": check_all_gather,
