@@ -32,8 +32,7 @@ from lightning_shm.parallel.ddp import GradReducer
 from lightning_shm.parallel.ddp.sync_batchnorm import convert_sync_batchnorm
 from lightning_shm.parallel.fsdp import FSDPState, UnitPolicy, find_units
 from lightning_shm.parallel.fsdp.policy import PolicyFn
-from lightning_shm.parallel.fsdp.sharded import check_gather
-from lightning_shm.parallel.fsdp.unit import GATHERS
+from lightning_shm.parallel.fsdp.unit import check_gather
 from lightning_shm.parallel.pipeline import PipelineEngine, PipelineSchedule, PipelineStage, Schedule
 from lightning_shm.parallel.pipeline.row_cut import apply_row_cuts, plan_cuts, stage_rows
 from lightning_shm.parallel.pipeline.split import validate_split_points
@@ -93,10 +92,8 @@ class ParallelConfig:
         if self.split_linear and self.tensor_parallel_size > 1:
             raise ValueError(f"split_linear=True cuts a Linear between pipeline stages; with tensor_parallel_size="
                              f"{self.tensor_parallel_size} the Linear layers are already tensor-parallel: use one")
-        if self.shard:
-            check_gather(self.gather, self.reshard_after_forward, self.prefetch)
-        elif self.gather not in GATHERS:
-            raise ValueError(f"gather must be one of {GATHERS}, got {self.gather!r}")
+        # prefetch / reshard_after_forward only matter to FSDP (data_parallel="shard")
+        check_gather(self.gather, *((self.reshard_after_forward, self.prefetch) if self.shard else ()))
         if self.bucket_cap_mb <= 0:
             raise ValueError(f"bucket_cap_mb must be > 0, got {self.bucket_cap_mb}")
         kind = Schedule.parse(self.schedule)

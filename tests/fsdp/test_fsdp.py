@@ -187,6 +187,28 @@ def test_prefetch_changes_nothing_but_the_peak():
         assert p0 == [200_960 * 4] * 3 and p1 == [(200_960 + 512) * 4] * 3
 
 
+def _held_grad_sink(world):
+    """A held "view" unit: its blocks share the storage of the held full parameters, so a block must not
+    be taken for one of them (its offset would land its gradient on other rows)."""
+    torch.manual_seed(0)
+    model = MNISTClassifier()
+    sharded = FSDPState(model, world.group())
+    unit = sharded.units[2]  # net.4: Linear(256, 64)
+    sharded.hold()
+    shard = unit.blocks[0].shard
+    took_block = sharded.grad_sink(shard, torch.ones_like(shard))
+    weight = unit.params_of(unit.held)[0]  # what the module computes with while held
+    took_weight = sharded.grad_sink(weight, torch.full(weight.shape, float(world.rank + 1)))
+    sharded.release()
+    return took_block, took_weight, shard.grad
+
+
+def test_a_held_view_units_gradient_sink_takes_full_parameters_not_blocks():
+    for took_block, took_weight, grad in launch(_held_grad_sink, 2, start_method="fork"):
+        assert not took_block and took_weight
+        torch.testing.assert_close(grad, torch.full_like(grad, 1.5))  # the mean of 1 and 2, this rank's rows
+
+
 def _forward_between_backward_and_step(world):
     """Rank 1 runs a forward without gradients after backward, late; rank 0 steps at once. The step must
     wait: rank 1 gathers rank 0's shards and must see the weights before the step, as one process would."""

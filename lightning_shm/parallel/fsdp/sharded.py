@@ -19,7 +19,7 @@ from torch import nn
 
 from lightning_shm.parallel.fsdp.policy import PolicyFn, UnitPolicy, find_units
 from lightning_shm.parallel.fsdp.prefetch import Prefetcher
-from lightning_shm.parallel.fsdp.unit import GATHERS, FSDPUnit, MemoryStats
+from lightning_shm.parallel.fsdp.unit import FSDPUnit, MemoryStats, check_gather
 from lightning_shm.parallel.placement import Placement, Split
 from lightning_shm.runtime import Group
 
@@ -163,13 +163,3 @@ class FSDPState:
                 opt += sum(v.numel() * v.element_size() for v in st.values() if torch.is_tensor(v))
         return {"params": params, "grads": grads, "optimizer": opt}
 
-
-def check_gather(gather: str, reshard_after_forward: bool = True, prefetch: bool = False) -> None:
-    """The options that shape private copies of the full parameters need ``gather="copy"``: a "view"
-    gather makes none (nothing to keep after forward, nothing to prefetch)."""
-    if gather not in GATHERS:
-        raise ValueError(f"gather must be one of {GATHERS}, got {gather!r}")
-    if gather == "view" and (prefetch or not reshard_after_forward):
-        raise ValueError(f"prefetch={prefetch} / reshard_after_forward={reshard_after_forward} shape the private "
-                         "copies of gather='copy'; gather='view' makes none (the full parameters are the shared "
-                         "memory): pass gather='copy' with them")

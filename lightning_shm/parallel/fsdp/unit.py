@@ -58,6 +58,17 @@ from lightning_shm.runtime import Group, SharedBuffer, even_split
 GATHERS = ("view", "copy")
 
 
+def check_gather(gather: str, reshard_after_forward: bool = True, prefetch: bool = False) -> None:
+    """The options that shape private copies of the full parameters need ``gather="copy"``: a "view"
+    gather makes none (nothing to keep after forward, nothing to prefetch)."""
+    if gather not in GATHERS:
+        raise ValueError(f"gather must be one of {GATHERS}, got {gather!r}")
+    if gather == "view" and (prefetch or not reshard_after_forward):
+        raise ValueError(f"prefetch={prefetch} / reshard_after_forward={reshard_after_forward} shape the private "
+                         "copies of gather='copy'; gather='view' makes none (the full parameters are the shared "
+                         "memory): pass gather='copy' with them")
+
+
 @dataclass
 class Block:
     """One parameter of a unit: where its rows live, and the block this rank holds."""
@@ -117,15 +128,14 @@ class FSDPUnit:
     ``owners``: for every parameter id, all (module, attribute) pairs that hold it in the model.
     ``across``: applied to each reduced gradient shard (HSDP: the mean with the other nodes' replicas).
     ``gather``: "view" or "copy" (module docstring); ``reshard_after_forward`` and ``prefetcher``
-    shape the copies, so they belong to "copy" (:class:`FSDPState` checks the combination).
+    shape the copies, so they belong to "copy" (``check_gather``).
     """
 
     def __init__(self, spec: UnitSpec, group: Group, index: int, reshard_after_forward: bool,
                  stats: "MemoryStats", owners: dict[int, list[tuple[nn.Module, str]]],
                  prefetcher: Optional[Prefetcher] = None,
                  across: Optional[Callable[[torch.Tensor], None]] = None, gather: str = "view") -> None:
-        if gather not in GATHERS:
-            raise ValueError(f"gather must be one of {GATHERS}, got {gather!r}")
+        check_gather(gather, reshard_after_forward, prefetcher is not None)
         self.name = spec.name
         self.group = group
         self.across = across
