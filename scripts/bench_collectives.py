@@ -8,6 +8,8 @@ Columns (per message size N, float32, in-place sum):
 * ``shm``: ``Group.all_reduce`` on a private tensor (reduce-scatter + all-gather through scratch);
 * ``shm zero-copy``: the tensor already lives in shared memory (how DDP gradient buckets are reduced);
 * ``gloo``: ``torch.distributed.all_reduce`` with the gloo backend on the same machine;
+* ``channel round trip``: a message of N bytes from rank 0 to rank 1 through a point-to-point
+  :class:`~lightning_shm.runtime.p2p.Channel` and back (what pipeline stages hand each other);
 * ``algbw``: N / time (GB/s), as NCCL reports it;
 * ``bound``: the memory-traffic lower bound -- every rank must at least read its N input bytes and
   write its N result bytes, i.e. one memcpy of N bytes at the single-core copy bandwidth measured
@@ -20,7 +22,8 @@ Ours and gloo are measured in alternating rounds and the medians are reported, s
 machine affects both alike. The last line is machine-readable::
 
     summary: allreduce_4KiB_us=... allreduce_1MiB_us=... allreduce_64MiB_ms=... speedup_vs_gloo_1MiB=...
-             speedup_vs_gloo_64MiB=... barrier_us=... fraction_of_bound_64MiB=... fraction_of_bound_1MiB=...
+             speedup_vs_gloo_64MiB=... barrier_us=... channel_roundtrip_64KiB_us=... fraction_of_bound_64MiB=...
+             fraction_of_bound_1MiB=...
              zero_copy_of_bound_64MiB=... zero_copy_of_bound_1MiB=... barrier_w4_us=...
 """
 
@@ -87,6 +90,15 @@ def shm_worker(world: Any, sizes: list[int], quick: bool) -> dict[str, Any]:
         g.barrier()
         out[("zero_copy", n)] = _time_ops(lambda: g.all_reduce(buf.local), reps_for(n, quick))
         g.release_shared(buf)
+    for n in sizes:  # point-to-point: a message from rank 0 to rank 1 and back (a pipeline's hand-over, twice)
+        out[("channel", n)] = 0.0
+        g.barrier()
+        if world.rank < 2:
+            me, peer = world.rank, 1 - world.rank
+            tx, rx = world.channel(me, peer, "bench"), world.channel(peer, me, "bench")
+            x = torch.ones(n // 4)
+            step = (lambda: (tx.send(x), rx.recv())) if me == 0 else (lambda: tx.send(rx.recv()))
+            out[("channel", n)] = _time_ops(step, reps_for(n, quick))
     return out
 
 
@@ -151,14 +163,15 @@ def table(world_size: int, sizes: list[int], res: dict[str, Any], copy: dict[int
         f"W={world_size}: barrier {shm['barrier'] * 1e6:.1f} us (shm) vs {gloo['barrier'] * 1e6:.1f} us (gloo)",
         "",
         "| size | shm | shm zero-copy | gloo | speed-up vs gloo | shm algbw GB/s | memcpy GB/s | bound | of bound "
-        "| zero-copy of bound |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| zero-copy of bound | channel round trip (rank 0 -> 1 -> 0) |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for n in sizes:
         t, z, g = shm[("private", n)], shm[("zero_copy", n)], gloo[("private", n)]
         lines.append(
             f"| {fmt_size(n)} | {fmt_t(t)} | {fmt_t(z)} | {fmt_t(g)} | {g / t:.1f}x | {n / t / 1e9:.2f} | "
-            f"{n / copy[n] / 1e9:.1f} | {fmt_t(copy[n])} | {copy[n] / t:.2f} | {copy[n] / z:.2f} |"
+            f"{n / copy[n] / 1e9:.1f} | {fmt_t(copy[n])} | {copy[n] / t:.2f} | {copy[n] / z:.2f} | "
+            f"{fmt_t(shm[('channel', n)])} |"
         )
     return "\n".join(lines)
 
@@ -232,6 +245,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         "speedup_vs_gloo_1MiB": at(MiB, src=gloo) / at(MiB),
         "speedup_vs_gloo_64MiB": at(64 * MiB, src=gloo) / at(64 * MiB),
         "barrier_us": shm["barrier"] * 1e6,
+        "channel_roundtrip_64KiB_us": at(64 * KiB, "channel") * 1e6,
         "fraction_of_bound_64MiB": copy.get(64 * MiB, float("nan")) / at(64 * MiB),
         "fraction_of_bound_1MiB": copy.get(MiB, float("nan")) / at(MiB),
         "zero_copy_of_bound_64MiB": copy.get(64 * MiB, float("nan")) / at(64 * MiB, "zero_copy"),

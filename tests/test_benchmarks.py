@@ -26,7 +26,9 @@ def test_bench_collectives_prints_table_plot_and_summary(tmp_path):
     summary = out.strip().splitlines()[-1]
     assert summary.startswith("summary: ")
     pairs = dict(kv.split("=") for kv in summary[len("summary: "):].split())
-    assert {"allreduce_4KiB_us", "barrier_us", "speedup_vs_gloo_1MiB", "fraction_of_bound_64MiB"} <= set(pairs)
+    assert {"allreduce_4KiB_us", "barrier_us", "speedup_vs_gloo_1MiB", "fraction_of_bound_64MiB",
+            "channel_roundtrip_64KiB_us"} <= set(pairs)
+    assert float(pairs["channel_roundtrip_64KiB_us"]) > 0
     assert float(pairs["allreduce_4KiB_us"]) > 0 and float(pairs["barrier_us"]) > 0
     assert (tmp_path / "collectives.png").stat().st_size > 1000
 

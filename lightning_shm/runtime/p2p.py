@@ -12,6 +12,11 @@ only the two ends synchronise, and the sender runs ahead by up to ``slots`` mess
 * recv: wait until ``head > count``, read header and payload into a new tensor, then store
   ``tail = count + 1`` (frees the slot).
 
+A message that fits a slot is copied once each way, between the tensor and a view of the slot with
+the message's dtype and shape (cut once per shape: a pipeline sends the same shapes every
+microbatch). This is the hand-over between two stages, on the critical path of every schedule, so
+it is three tensor operations on each end, not a byte view, a slice and a copy per fragment.
+
 Each message carries its dtype and shape; a tensor larger than a slot travels as fragments through
 consecutive slots, so any size works with a bounded segment.
 """
@@ -66,6 +71,7 @@ class Channel:
         self._payload = [segment.tensor(torch.uint8, base + s * config.slot_bytes, config.slot_bytes)
                          for s in range(config.slots)]
         self._count = self._w[_HEAD] if self._is_sender else self._w[_TAIL]
+        self._views: dict[tuple[int, torch.dtype, tuple[int, ...]], torch.Tensor] = {}
         self.bytes_sent = 0
 
     def send(self, tensor: torch.Tensor) -> None:
@@ -73,55 +79,97 @@ class Channel:
             raise RuntimeError(f"rank {self.dst_rank} is the receiving end of channel {self.src_rank}->{self.dst_rank}")
         if tensor.dim() > _MAX_DIMS:
             raise ValueError(f"channel messages support up to {_MAX_DIMS} dims, got shape {tuple(tensor.shape)}")
-        t = tensor.detach().contiguous()
-        raw = t.view(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
-        nbytes, sb, S, w = raw.numel(), self.config.slot_bytes, self.config.slots, self._w
-        for f in range(max(1, math.ceil(nbytes / sb))):
-            c = self._count
-            if w[_TAIL] < c - S + 1:
-                self._waiter.wait_ge(w, _TAIL, c - S + 1, lambda: self._timeout("send", c),
-                                     lambda: [self.dst_rank])
-            slot = c % S
-            L = min(sb, nbytes - f * sb)
-            if L:
-                self._payload[slot][:L].copy_(raw[f * sb:f * sb + L])
-            h = _HDR0 + slot * _HDR_WORDS
-            w[h] = nbytes
-            w[h + 1] = dtype_code(t.dtype)
-            w[h + 2] = t.dim()
-            for d, size in enumerate(t.shape):
-                w[h + 3 + d] = size
-            w[h + 3 + _MAX_DIMS] = f
-            w[_HEAD] = c + 1  # publish
-            self._count = c + 1
+        t = tensor.detach() if tensor.requires_grad else tensor
+        nbytes = t.numel() * t.element_size()
+        if nbytes > self.config.slot_bytes:
+            self._send_fragments(t.contiguous().view(-1).view(torch.uint8), t)
+            return
+        c = self._count  # one slot: copied straight into a view of the slot shaped like the message
+        self._wait_slot_free(c)
+        slot = c % self.config.slots
+        if nbytes:
+            self._view(slot, t.dtype, t.shape).copy_(t)
+        self._publish(c, slot, nbytes, t, 0)
         self.bytes_sent += nbytes
 
     def recv(self, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Next message as a new tensor (or copied into ``out``, which must match its shape/dtype)."""
         if self._is_sender:
             raise RuntimeError(f"rank {self.src_rank} is the sending end of channel {self.src_rank}->{self.dst_rank}")
-        w, S, sb = self._w, self.config.slots, self.config.slot_bytes
-        c = self._count
+        w, c = self._w, self._count
         if w[_HEAD] < c + 1:
             self._waiter.wait_ge(w, _HEAD, c + 1, lambda: self._timeout("recv", c), lambda: [self.src_rank])
-        h = _HDR0 + (c % S) * _HDR_WORDS
+        slot = c % self.config.slots
+        h = _HDR0 + slot * _HDR_WORDS
         nbytes, dtype = w[h], _DTYPE_OF[w[h + 1]]
         shape = tuple(w[h + 3 + d] for d in range(w[h + 2]))
-        if out is None:
-            out = torch.empty(shape, dtype=dtype)
-        elif tuple(out.shape) != shape or out.dtype != dtype or not out.is_contiguous():
+        if out is not None and (tuple(out.shape) != shape or out.dtype != dtype or not out.is_contiguous()):
             raise ValueError(f"recv: message is {shape} {dtype}, out is {tuple(out.shape)} {out.dtype}")
-        raw = out.view(-1).view(torch.uint8) if out.numel() else torch.empty(0, dtype=torch.uint8)
-        for f in range(max(1, math.ceil(nbytes / sb))):
+        if nbytes > self.config.slot_bytes:
+            out = torch.empty(shape, dtype=dtype) if out is None else out
+            self._recv_fragments(out.view(-1).view(torch.uint8), nbytes)
+            return out
+        if nbytes == 0:
+            out = torch.empty(shape, dtype=dtype) if out is None else out
+        else:  # a copy out of the slot (never a view of it: the slot is reused once freed)
+            view = self._view(slot, dtype, shape)
+            out = view.clone() if out is None else out.copy_(view)
+        w[_TAIL] = c + 1  # slot free again
+        self._count = c + 1
+        return out
+
+    # ------------------------------------------------------------------ plumbing
+    def _view(self, slot: int, dtype: torch.dtype, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
+        """Slot ``slot``'s first bytes as a contiguous ``dtype`` tensor of ``shape``. A pipeline sends the
+        same few shapes every microbatch, so views are cut once (bounded, like the group's cuts)."""
+        key = (slot, dtype, tuple(shape))
+        view = self._views.get(key)
+        if view is None:
+            if len(self._views) >= 64:
+                self._views.clear()
+            numel = math.prod(shape)
+            view = self._views[key] = self._payload[slot].view(dtype)[:numel].view(shape)
+        return view
+
+    def _wait_slot_free(self, c: int) -> None:
+        w = self._w
+        if w[_TAIL] < c - self.config.slots + 1:
+            self._waiter.wait_ge(w, _TAIL, c - self.config.slots + 1, lambda: self._timeout("send", c),
+                                 lambda: [self.dst_rank])
+
+    def _publish(self, c: int, slot: int, nbytes: int, t: torch.Tensor, frag: int) -> None:
+        """Header first, then ``head``: a reader that sees the new head sees header and payload."""
+        w, h = self._w, _HDR0 + slot * _HDR_WORDS
+        w[h] = nbytes
+        w[h + 1] = dtype_code(t.dtype)
+        w[h + 2] = t.dim()
+        for d, size in enumerate(t.shape):
+            w[h + 3 + d] = size
+        w[h + 3 + _MAX_DIMS] = frag
+        w[_HEAD] = c + 1  # publish
+        self._count = c + 1
+
+    def _send_fragments(self, raw: torch.Tensor, t: torch.Tensor) -> None:
+        """A message larger than a slot: its bytes through consecutive slots, one fragment each."""
+        nbytes, sb, S = raw.numel(), self.config.slot_bytes, self.config.slots
+        for f in range(math.ceil(nbytes / sb)):
+            c = self._count
+            self._wait_slot_free(c)
+            L = min(sb, nbytes - f * sb)
+            self._payload[c % S][:L].copy_(raw[f * sb:f * sb + L])
+            self._publish(c, c % S, nbytes, t, f)
+        self.bytes_sent += nbytes
+
+    def _recv_fragments(self, raw: torch.Tensor, nbytes: int) -> None:
+        w, S, sb = self._w, self.config.slots, self.config.slot_bytes
+        for f in range(math.ceil(nbytes / sb)):
             c = self._count
             if w[_HEAD] < c + 1:
                 self._waiter.wait_ge(w, _HEAD, c + 1, lambda: self._timeout("recv", c), lambda: [self.src_rank])
             L = min(sb, nbytes - f * sb)
-            if L:
-                raw[f * sb:f * sb + L].copy_(self._payload[c % S][:L])
+            raw[f * sb:f * sb + L].copy_(self._payload[c % S][:L])
             w[_TAIL] = c + 1  # slot free again
             self._count = c + 1
-        return out
 
     def _timeout(self, what: str, count: int) -> str:
         peer = self.dst_rank if what == "send" else self.src_rank

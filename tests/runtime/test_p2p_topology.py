@@ -56,6 +56,33 @@ def test_channel_preserves_order_under_streaming():
     assert got == [float(i) for i in range(500)] and sent == 500 * 40
 
 
+def _reuse(world):
+    """Messages of one shape through a ring of 2 slots: each slot is reused while earlier messages are held."""
+    ch = world.channel(0, 1, "reuse")
+    n = 6
+    if world.rank == 0:
+        for i in range(n):
+            t = torch.arange(12.0).reshape(3, 4) + 100 * i
+            if i % 3 == 1:
+                t = t.t().contiguous().t()  # same values, column-major: not contiguous
+            elif i % 3 == 2:
+                t = t.requires_grad_(True) * 1  # part of a graph, as a stage's output is
+            ch.send(t)
+        return []
+    held = [ch.recv() for _ in range(n - 1)]
+    out = torch.empty(3, 4)
+    last = ch.recv(out=out)
+    return [torch.equal(h, torch.arange(12.0).reshape(3, 4) + 100 * i) and h.is_contiguous() and not h.requires_grad
+            for i, h in enumerate(held + [last])] + [last is out]
+
+
+def test_received_messages_are_copies_that_outlive_the_slot():
+    """recv copies out of a view of the slot cut once per shape; what it returns must never be that view
+    (the sender refills the slot two messages later)."""
+    _, got = launch(_reuse, 2, start_method="fork", runtime=SMALL_CH)
+    assert got == [True] * 7
+
+
 def _wrong_end(world):
     """Each end calls the other end's method: both must refuse at once, before touching the ring."""
     ch = world.channel(0, 1)
