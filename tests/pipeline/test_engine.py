@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 
 import pytest
@@ -109,3 +110,57 @@ def test_zero_bubble_weight_passes_free_their_stash_within_1f1b_memory():
     kinds = [rec.kind for rec in sorted(zb[0].timeline, key=lambda rec: rec.start)]
     last_f = max(i for i, k in enumerate(kinds) if k == "F")
     assert "W" in kinds[:last_f]  # weight passes inside the steady state, not all after the last B
+
+
+class _LossIO:
+    """One stage holding the whole net: microbatch losses weighted to sum to the batch mean."""
+
+    def __init__(self, x, y, parts, autocast=False):
+        self.xs, self.ys, self.parts, self.autocast = x.chunk(parts), y.chunk(parts), parts, autocast
+
+    def forward_context(self):
+        return torch.autocast("cpu", dtype=torch.bfloat16) if self.autocast else contextlib.nullcontext()
+
+    def first_input(self, mb):
+        return self.xs[mb]
+
+    def last_forward(self, mb, x, chunk, recompute=False):
+        return torch.nn.functional.cross_entropy(chunk(x), self.ys[mb]) / self.parts
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
+@pytest.mark.parametrize("precision", ["32", "bf16"])
+def test_linear_weight_gradients_accumulate_in_place_into_the_existing_grad(schedule, precision):
+    """The engine takes the Linear layers' weight gradients (_StageLinear): the first microbatch's
+    product becomes .grad, later ones are added into that same tensor (addmm_), and a .grad that was
+    there before the step (gradient accumulation, a DDP bucket view) is added to, not replaced. Under
+    autocast the products are taken in bf16 as autograd would, and .grad stays float32."""
+    from lightning_shm.models import build_mlp
+    from lightning_shm.parallel.pipeline import PipelineSchedule, Schedule
+    from lightning_shm.parallel.pipeline.engine import PipelineEngine
+
+    torch.manual_seed(0)
+    net, ref = build_mlp([32, 16], in_features=20, num_classes=5), build_mlp([32, 16], in_features=20, num_classes=5)
+    ref.load_state_dict(net.state_dict())
+    x, y = torch.randn(16, 20), torch.randint(0, 5, (16,))
+    bf16 = precision == "bf16"
+    engine = PipelineEngine({0: net}, PipelineSchedule(Schedule.parse(schedule), 1, 4, 1), 0, [0], world=None)
+    linears = [m for m in net if isinstance(m, torch.nn.Linear)]
+    before = {id(m.weight): torch.full_like(m.weight, 0.5) for m in linears[:1]}  # an earlier batch's gradient
+    for m in linears[:1]:
+        m.weight.grad = before[id(m.weight)]
+    taken, take = [], engine.weight_grad
+    engine.weight_grad = lambda p, xx, g: (taken.append(id(p)), take(p, xx, g))
+    engine.train_step(_LossIO(x, y, 4, autocast=bf16))
+    engine.close()
+    assert sorted(taken) == sorted([id(m.weight) for m in linears] * 4)  # every Linear, every microbatch
+    first = linears[0].weight
+    assert first.grad is before[id(first)]  # the same tensor, added to in place
+    for mb in range(4):  # the reference: autograd, microbatch by microbatch
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss = torch.nn.functional.cross_entropy(ref(x.chunk(4)[mb]), y.chunk(4)[mb]) / 4
+        loss.backward()
+    next(m for m in ref if isinstance(m, torch.nn.Linear)).weight.grad.add_(0.5)
+    for (name, p), q in zip(net.named_parameters(), ref.parameters()):
+        assert p.grad.dtype == torch.float32, name
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)  # bf16 too: the same products

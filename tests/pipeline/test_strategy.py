@@ -122,12 +122,13 @@ class AutocastSeen(MNISTClassifier):
         self.log("every_stage_autocast", self.all_gather(mine).min())
 
 
-@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])  # Lightning runs 16-mixed as bf16 on CPU
-def test_mixed_precision_runs_every_stage_under_autocast(precision):
+@pytest.mark.parametrize("precision,schedule", [("bf16-mixed", "1f1b"), ("16-mixed", "1f1b"),  # 16: bf16 on CPU
+                                                ("bf16-mixed", "zero_bubble")])  # W actions outside autocast
+def test_mixed_precision_runs_every_stage_under_autocast(precision, schedule):
     pl.seed_everything(SEED)
     ds = mnist_like(GLOBAL_BATCH * 2, seed=1)
     model = AutocastSeen(optimizer="sgd", lr=0.1)
-    t = trainer(strategy=pp(2), devices=2, max_epochs=1, precision=precision)
+    t = trainer(strategy=pp(2, schedule), devices=2, max_epochs=1, precision=precision)
     t.fit(model, loader(ds, GLOBAL_BATCH), DataLoader(ds, batch_size=GLOBAL_BATCH))
     m = t.callback_metrics
     assert float(m["every_stage_autocast"]) == 1.0

@@ -5,7 +5,8 @@ Data movement per action (chunk c of V, microbatch m)::
     F  x = microbatch input (c == 0) or recv(act[c-1]);  out = chunk_c(x)
        c == V-1: out = the microbatch loss (computed by ``io.last_forward``), else send(act[c], out)
     B  g = recv(grad[c]) (c < V-1);  backward(out, g);  c > 0: send(grad[c-1], x.grad)
-       zero-bubble: Linear weight gradients are *not* computed here: (input, grad_output) are stashed
+       a Linear's weight gradient goes to the engine (_StageLinear): weight.grad.addmm_(g^T, x) now,
+       or, zero-bubble, (input, grad_output) are stashed
     W  zero-bubble only: weight.grad += grad_output^T @ input for the stashed Linear calls of (m, c)
 
 ``act[c]`` / ``grad[c]`` are point-to-point channels between the ranks of chunks c and c+1: no
@@ -44,10 +45,20 @@ class StageIO(Protocol):
         the sum over microbatches is the batch loss (eval: may return None)."""
 
 
-class _DeferredWeightLinear(torch.autograd.Function):
-    """Linear whose backward returns input and bias gradients now and stashes the weight gradient."""
+class _StageLinear(torch.autograd.Function):
+    """A Linear whose weight gradient the engine takes: backward returns the input and bias gradients
+    and hands ``(input, grad_output)`` to :meth:`PipelineEngine.weight_grad`.
+
+    Why: a stage back-propagates M microbatches per step, and autograd's weight gradient for each is
+    a fresh ``grad_output^T @ input`` that is then added to ``.grad`` -- write the product, read it
+    and ``.grad``, write ``.grad``: three passes over the weight's size per microbatch. The engine
+    instead adds it in place (``.grad.addmm_``, one pass) or, under zero-bubble, stashes it for the W
+    action. Autocast: backward runs under forward's autocast state (``custom_bwd``), so products are
+    taken in the dtype forward used and the W action gets operands of that dtype.
+    """
 
     @staticmethod
+    @torch.amp.custom_fwd(device_type="cpu")
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                 engine: "PipelineEngine", param: nn.Parameter) -> torch.Tensor:  # type: ignore[override]
         ctx.save_for_backward(x, weight)
@@ -55,18 +66,21 @@ class _DeferredWeightLinear(torch.autograd.Function):
         return F.linear(x, weight, bias)
 
     @staticmethod
+    @torch.amp.custom_bwd(device_type="cpu")
     def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         x, weight = ctx.saved_tensors
         gx = g.matmul(weight) if ctx.needs_input_grad[0] else None
         gb = g.reshape(-1, g.shape[-1]).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        ctx.engine.defer_weight_grad(ctx.param, x.detach(), g.detach())
+        ctx.engine.weight_grad(ctx.param, x.detach().to(g.dtype), g.detach())
         return gx, None, gb, None, None
 
 
-def _deferred_linear_forward(module: nn.Linear | LinearRows, engine: "PipelineEngine", x: torch.Tensor) -> torch.Tensor:
-    if torch.is_grad_enabled() and module.weight.requires_grad:
-        return _DeferredWeightLinear.apply(x, module.weight, module.bias, engine, module.weight)
-    return F.linear(x, module.weight, module.bias)
+def _stage_linear_forward(module: nn.Linear | LinearRows, engine: "PipelineEngine", x: torch.Tensor) -> torch.Tensor:
+    w = module.weight
+    # a weight that is not a leaf (FSDP's gathered parameter) keeps autograd's path unless zero-bubble defers it
+    if torch.is_grad_enabled() and w.requires_grad and (engine.zero_bubble or w.is_leaf):
+        return _StageLinear.apply(x, w, module.bias, engine, w)
+    return F.linear(x, w, module.bias)
 
 
 class PipelineEngine:
@@ -93,13 +107,12 @@ class PipelineEngine:
                 self.act_out[c] = world.channel(me, rank_of[c + 1], f"{tag}-act{c}", cfg)
                 self.grad_in[c] = world.channel(rank_of[c + 1], me, f"{tag}-grad{c}", cfg)
         self.zero_bubble = schedule.kind == Schedule.ZERO_BUBBLE
-        if self.zero_bubble:
-            for chunk in chunks.values():
-                for m in chunk.modules():
-                    if isinstance(m, nn.Linear):
-                        m.forward = functools.partial(_deferred_linear_forward, m, self)  # type: ignore[method-assign]
-                    elif isinstance(m, LinearRows):  # a Linear cut by rows: its product only
-                        m.linear = functools.partial(_deferred_linear_forward, m, self)  # type: ignore[method-assign]
+        for chunk in chunks.values():  # the engine takes the Linear layers' weight gradients (_StageLinear)
+            for m in chunk.modules():
+                if isinstance(m, nn.Linear):
+                    m.forward = functools.partial(_stage_linear_forward, m, self)  # type: ignore[method-assign]
+                elif isinstance(m, LinearRows):  # a Linear cut by rows: its product only
+                    m.linear = functools.partial(_stage_linear_forward, m, self)  # type: ignore[method-assign]
         self._param_ptrs = {p.untyped_storage().data_ptr() for ch in chunks.values() for p in ch.parameters()}
         # where a deferred weight gradient goes when its weight is not a leaf (FSDP's gathered parameters):
         # ``grad_sink(weight, grad)`` takes it, or returns False
@@ -110,6 +123,9 @@ class PipelineEngine:
         self._saved: dict[tuple[int, int], dict[int, int]] = {}  # (m, c) -> {storage ptr: bytes}
         self._stash: dict[tuple[int, int], list[tuple[nn.Parameter, torch.Tensor, torch.Tensor]]] = {}
         self._current: Optional[tuple[int, int]] = None
+
+    def __deepcopy__(self, memo: dict) -> "PipelineEngine":
+        return self  # a process resource: the Linear layers it patched hold it, and they may be deep-copied (SWA)
 
     @staticmethod
     def channel_config(schedule: PipelineSchedule) -> ChannelConfig:
@@ -137,9 +153,27 @@ class PipelineEngine:
                 self._forward(Action("F", m, c), io, False)
         self._store.clear()
 
-    def defer_weight_grad(self, param: nn.Parameter, x: torch.Tensor, g: torch.Tensor) -> None:
-        assert self._current is not None, "deferred weight gradient outside a B action"
-        self._stash.setdefault(self._current, []).append((param, x, g))
+    def weight_grad(self, param: nn.Parameter, x: torch.Tensor, g: torch.Tensor) -> None:
+        """A Linear's weight gradient ``g^T @ x`` for the microbatch being back-propagated: stashed for
+        the W action (zero-bubble), else added now."""
+        if self.zero_bubble:
+            assert self._current is not None, "deferred weight gradient outside a B action"
+            self._stash.setdefault(self._current, []).append((param, x, g))
+        else:
+            self._add_weight_grad(param, x, g)
+
+    def _add_weight_grad(self, param: nn.Parameter, x: torch.Tensor, g: torch.Tensor) -> None:
+        g2, x2 = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
+        if param.is_leaf and param.grad is not None and param.grad.dtype == g2.dtype == x2.dtype:
+            param.grad.addmm_(g2.t(), x2)  # in place: .grad read and written once
+            return
+        gw = g2.t().matmul(x2)
+        if self.grad_sink is not None and self.grad_sink(param, gw):
+            return
+        if param.grad is None:
+            param.grad = gw.to(param.dtype)
+        else:
+            param.grad.add_(gw)
 
     # ------------------------------------------------------------------ actions
     def _forward(self, a: Action, io: StageIO, training: bool) -> None:
@@ -197,13 +231,7 @@ class PipelineEngine:
     def _weight(self, a: Action, io: StageIO, training: bool) -> None:
         t0 = time.perf_counter()
         for param, x, g in self._stash.pop((a.mb, a.chunk), []):
-            gw = g.reshape(-1, g.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1]))
-            if self.grad_sink is not None and self.grad_sink(param, gw):
-                continue
-            if param.grad is None:
-                param.grad = gw
-            else:
-                param.grad.add_(gw)
+            self._add_weight_grad(param, x, g)
         self._record("W", a.mb, a.chunk, t0)
 
     # ------------------------------------------------------------------ bookkeeping
@@ -228,7 +256,7 @@ class PipelineEngine:
         self._stash.clear()
 
     def close(self) -> None:
-        """Restore the Linear modules patched for zero-bubble."""
+        """Restore the Linear modules the engine patched (their weight gradients were its to take)."""
         for chunk in self.chunks.values():
             for m in chunk.modules():
                 if isinstance(m, (nn.Linear, LinearRows)):
