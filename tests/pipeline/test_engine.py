@@ -164,3 +164,27 @@ def test_linear_weight_gradients_accumulate_in_place_into_the_existing_grad(sche
     for (name, p), q in zip(net.named_parameters(), ref.parameters()):
         assert p.grad.dtype == torch.float32, name
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)  # bf16 too: the same products
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
+def test_a_weight_with_a_hook_keeps_autograds_path(schedule):
+    """Hooks on a weight must see its gradient: the engine leaves such a Linear to autograd."""
+    from lightning_shm.models import build_mlp
+    from lightning_shm.parallel.pipeline import PipelineSchedule, Schedule
+    from lightning_shm.parallel.pipeline.engine import PipelineEngine
+
+    torch.manual_seed(0)
+    net = build_mlp([32, 16], in_features=20, num_classes=5)
+    linears = [m for m in net if isinstance(m, torch.nn.Linear)]
+    seen, accumulated = [], []
+    linears[0].weight.register_hook(lambda g: seen.append(g.shape))
+    linears[1].weight.register_post_accumulate_grad_hook(lambda p: accumulated.append(p.grad.clone()))
+    engine = PipelineEngine({0: net}, PipelineSchedule(Schedule.parse(schedule), 1, 4, 1), 0, [0], world=None)
+    taken, take = [], engine.weight_grad
+    engine.weight_grad = lambda p, xx, g: (taken.append(id(p)), take(p, xx, g))
+    x, y = torch.randn(16, 20), torch.randint(0, 5, (16,))
+    engine.train_step(_LossIO(x, y, 4))
+    engine.close()
+    assert seen == [linears[0].weight.shape] * 4 and len(accumulated) == 4
+    assert sorted(taken) == sorted([id(linears[2].weight)] * 4)  # only the weight without hooks
+    torch.testing.assert_close(accumulated[-1], linears[1].weight.grad)

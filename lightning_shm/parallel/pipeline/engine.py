@@ -77,8 +77,10 @@ class _StageLinear(torch.autograd.Function):
 
 def _stage_linear_forward(module: nn.Linear | LinearRows, engine: "PipelineEngine", x: torch.Tensor) -> torch.Tensor:
     w = module.weight
-    # a weight that is not a leaf (FSDP's gathered parameter) keeps autograd's path unless zero-bubble defers it
-    if torch.is_grad_enabled() and w.requires_grad and (engine.zero_bubble or w.is_leaf):
+    # autograd's path for a weight with hooks (they must see its gradient) and for one that is not a leaf
+    # (FSDP's gathered parameter) unless zero-bubble defers it
+    if torch.is_grad_enabled() and w.requires_grad and (engine.zero_bubble or w.is_leaf) \
+            and not w._backward_hooks and not w._post_accumulate_grad_hooks:
         return _StageLinear.apply(x, w, module.bias, engine, w)
     return F.linear(x, w, module.bias)
 
