@@ -168,5 +168,6 @@ def plan_cuts(seq: nn.Sequential, parts: int, split_points: Optional[Sequence[in
         return rows, f"{how}, a Linear cut by rows at {cut} (layer, row)"
     starts, how = plan_chunks(seq, parts, None, sample, stages, forbidden, costs)
     if rows is not None:
-        how += f"; split_linear=True would cut inside layer {cut[0][0]} and balance the stages better"
+        how += (f"; split_linear=True would cut inside layer {cut[0][0]} and balance the layers' compute better "
+                "(it does not count the wider activation or per-microbatch costs: compare throughput)")
     return [(s, 0) for s in starts], how
