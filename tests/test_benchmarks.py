@@ -140,3 +140,9 @@ def test_summary_rows_exist_and_its_pipeline_row_cuts_the_wide_linear(monkeypatc
         if "pp" in keys:
             pp = rows["pp"].strategy_kwargs
             assert pp["split_linear"] is True and pp["microbatches"] == bench.SUMMARY_M, pp
+
+
+def test_bench_stage_grads_prints_both_variants():
+    out = run(["scripts/bench_stage_grads.py", "--quick"])
+    rows = [line for line in out.splitlines() if re.match(r"\| \(256, 512\) \| 64 \| [48] \|", line)]
+    assert len(rows) == 2 and all(line.rstrip().endswith("x |") for line in rows)

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 
 import pytest
 import torch
 
-from lightning_shm.parallel.pipeline.driver import reference_params, train_pipeline
+from lightning_shm.parallel.pipeline.driver import _PlainIO, reference_params, train_pipeline
 from lightning_shm.runtime import launch
 
 HIDDEN = [64, 32, 16]  # 11 layers: enough for 4 stages x 2 virtual chunks
@@ -112,20 +111,11 @@ def test_zero_bubble_weight_passes_free_their_stash_within_1f1b_memory():
     assert "W" in kinds[:last_f]  # weight passes inside the steady state, not all after the last B
 
 
-class _LossIO:
-    """One stage holding the whole net: microbatch losses weighted to sum to the batch mean."""
-
-    def __init__(self, x, y, parts, autocast=False):
-        self.xs, self.ys, self.parts, self.autocast = x.chunk(parts), y.chunk(parts), parts, autocast
+class _Bf16IO(_PlainIO):
+    """The driver's microbatches (losses weighted to sum to the batch mean), each forward under bf16 autocast."""
 
     def forward_context(self):
-        return torch.autocast("cpu", dtype=torch.bfloat16) if self.autocast else contextlib.nullcontext()
-
-    def first_input(self, mb):
-        return self.xs[mb]
-
-    def last_forward(self, mb, x, chunk, recompute=False):
-        return torch.nn.functional.cross_entropy(chunk(x), self.ys[mb]) / self.parts
+        return torch.autocast("cpu", dtype=torch.bfloat16)
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
@@ -145,13 +135,14 @@ def test_linear_weight_gradients_accumulate_in_place_into_the_existing_grad(sche
     x, y = torch.randn(16, 20), torch.randint(0, 5, (16,))
     bf16 = precision == "bf16"
     engine = PipelineEngine({0: net}, PipelineSchedule(Schedule.parse(schedule), 1, 4, 1), 0, [0], world=None)
+    engine.in_place_min_numel = 0  # these weights are small: take them all
     linears = [m for m in net if isinstance(m, torch.nn.Linear)]
     before = {id(m.weight): torch.full_like(m.weight, 0.5) for m in linears[:1]}  # an earlier batch's gradient
     for m in linears[:1]:
         m.weight.grad = before[id(m.weight)]
     taken, take = [], engine.weight_grad
     engine.weight_grad = lambda p, xx, g: (taken.append(id(p)), take(p, xx, g))
-    engine.train_step(_LossIO(x, y, 4, autocast=bf16))
+    engine.train_step((_Bf16IO if bf16 else _PlainIO)(x, y, 4))
     engine.close()
     assert sorted(taken) == sorted([id(m.weight) for m in linears] * 4)  # every Linear, every microbatch
     first = linears[0].weight
@@ -180,11 +171,31 @@ def test_a_weight_with_a_hook_keeps_autograds_path(schedule):
     linears[0].weight.register_hook(lambda g: seen.append(g.shape))
     linears[1].weight.register_post_accumulate_grad_hook(lambda p: accumulated.append(p.grad.clone()))
     engine = PipelineEngine({0: net}, PipelineSchedule(Schedule.parse(schedule), 1, 4, 1), 0, [0], world=None)
+    engine.in_place_min_numel = 0
     taken, take = [], engine.weight_grad
     engine.weight_grad = lambda p, xx, g: (taken.append(id(p)), take(p, xx, g))
     x, y = torch.randn(16, 20), torch.randint(0, 5, (16,))
-    engine.train_step(_LossIO(x, y, 4))
+    engine.train_step(_PlainIO(x, y, 4))
     engine.close()
     assert seen == [linears[0].weight.shape] * 4 and len(accumulated) == 4
     assert sorted(taken) == sorted([id(linears[2].weight)] * 4)  # only the weight without hooks
     torch.testing.assert_close(accumulated[-1], linears[1].weight.grad)
+
+
+@pytest.mark.parametrize("schedule,taken_numels", [("1f1b", [1 << 20]), ("zero_bubble", [1 << 20, 16_384, 640])])
+def test_only_large_weights_are_summed_in_place_unless_zero_bubble_defers_them(schedule, taken_numels):
+    """Outside zero-bubble a weight under ``in_place_min_numel`` keeps autograd's path (the custom node
+    would cost more than it saves); zero-bubble takes every Linear's weight, its W actions need them."""
+    from lightning_shm.parallel.pipeline import PipelineSchedule, Schedule
+    from lightning_shm.parallel.pipeline.engine import PipelineEngine
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 16),
+                              torch.nn.Linear(16, 40))  # 2^20 weights: the smallest taken; 16,384 and 640: not
+    engine = PipelineEngine({0: net}, PipelineSchedule(Schedule.parse(schedule), 1, 2, 1), 0, [0], world=None)
+    taken, take = [], engine.weight_grad
+    engine.weight_grad = lambda p, xx, g: (taken.append(p.numel()), take(p, xx, g))
+    x, y = torch.randn(4, 1024), torch.randint(0, 40, (4,))
+    engine.train_step(_PlainIO(x, y, 2))
+    engine.close()
+    assert sorted(taken) == sorted(taken_numels * 2)  # once per microbatch

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import time
+import weakref
 
 import pytest
 import torch
@@ -56,19 +58,36 @@ def test_channel_preserves_order_under_streaming():
     assert got == [float(i) for i in range(500)] and sent == 500 * 40
 
 
+class _Twice(torch.autograd.Function):
+    """x * 2 whose graph node can be watched with a weakref."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 2
+
+
 def _reuse(world):
-    """Messages of one shape through a ring of 2 slots: each slot is reused while earlier messages are held."""
+    """Messages of one shape through a ring of 2 slots: each slot is reused while earlier messages are held.
+    A message that is part of a graph (as a stage's output is) must not tie that graph to the slot."""
     ch = world.channel(0, 1, "reuse")
     n = 6
     if world.rank == 0:
+        graphs = []
         for i in range(n):
             t = torch.arange(12.0).reshape(3, 4) + 100 * i
             if i % 3 == 1:
                 t = t.t().contiguous().t()  # same values, column-major: not contiguous
             elif i % 3 == 2:
-                t = t.requires_grad_(True) * 1  # part of a graph, as a stage's output is
+                t = _Twice.apply((t / 2).requires_grad_(True))
+                graphs.append(weakref.ref(t.grad_fn))
             ch.send(t)
-        return []
+            del t
+        gc.collect()
+        return [g() is None for g in graphs]  # each graph freed once the caller dropped it
     held = [ch.recv() for _ in range(n - 1)]
     out = torch.empty(3, 4)
     last = ch.recv(out=out)
@@ -78,9 +97,10 @@ def _reuse(world):
 
 def test_received_messages_are_copies_that_outlive_the_slot():
     """recv copies out of a view of the slot cut once per shape; what it returns must never be that view
-    (the sender refills the slot two messages later)."""
-    _, got = launch(_reuse, 2, start_method="fork", runtime=SMALL_CH)
+    (the sender refills the slot two messages later). send keeps no graph alive through the slot's view."""
+    freed, got = launch(_reuse, 2, start_method="fork", runtime=SMALL_CH)
     assert got == [True] * 7
+    assert freed == [True, True]
 
 
 def _wrong_end(world):

@@ -77,16 +77,25 @@ class _StageLinear(torch.autograd.Function):
 
 def _stage_linear_forward(module: nn.Linear | LinearRows, engine: "PipelineEngine", x: torch.Tensor) -> torch.Tensor:
     w = module.weight
-    # autograd's path for a weight with hooks (they must see its gradient) and for one that is not a leaf
-    # (FSDP's gathered parameter) unless zero-bubble defers it
-    if torch.is_grad_enabled() and w.requires_grad and (engine.zero_bubble or w.is_leaf) \
+    # autograd's path for a weight with hooks (they must see its gradient), and -- unless zero-bubble defers
+    # it -- for one that is not a leaf (FSDP's gathered parameter) or too small to gain from the in-place sum
+    if torch.is_grad_enabled() and w.requires_grad \
+            and (engine.zero_bubble or (w.is_leaf and w.numel() >= engine.in_place_min_numel)) \
             and not w._backward_hooks and not w._post_accumulate_grad_hooks:
         return _StageLinear.apply(x, w, module.bias, engine, w)
     return F.linear(x, w, module.bias)
 
 
 class PipelineEngine:
-    """One pipeline rank. ``chunks`` maps global chunk index -> module for the chunks this rank owns."""
+    """One pipeline rank. ``chunks`` maps global chunk index -> module for the chunks this rank owns.
+
+    ``in_place_min_numel``: the smallest weight whose gradient the engine sums in place outside
+    zero-bubble. Below it the custom autograd node's Python costs more than the pass it saves
+    (``scripts/bench_stage_grads.py``: Linear(784, 256) ran slower that way, Linear(1024, 1024) and
+    Linear(2048, 4096) faster).
+    """
+
+    in_place_min_numel = 1 << 20
 
     def __init__(self, chunks: dict[int, nn.Module], schedule: PipelineSchedule, pp_index: int, pp_ranks: list[int],
                  world: World, tag: str = "pp", activation_checkpointing: bool = False,

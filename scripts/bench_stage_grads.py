@@ -1,0 +1,80 @@
+"""One pipeline stage's step with the engine's in-place weight gradients against autograd's, side by side.
+
+    python scripts/bench_stage_grads.py           # three layer sizes, M = 4 and 8, 4 alternating repeats (~20 s)
+    python scripts/bench_stage_grads.py --quick   # one small layer, two repeats
+
+A stage back-propagates M microbatches per step. Autograd computes each Linear's weight gradient as
+a fresh ``grad_output^T @ input`` and adds it to ``.grad``; the engine (``_StageLinear``) adds it in
+place with ``addmm_``. Both variants run the same 1F1B step in this process (one stage, one thread,
+the workers' malloc settings) on Linear(in, out) + ReLU + Linear(out, 10): "in place" forces the
+engine's path for every weight (``in_place_min_numel = 0``), "autograd" is the engine with its Linear
+patch removed (``close()``). Medians of steps, per alternating repeat. The sizes bracket the engine's
+default ``in_place_min_numel`` (2^20): below it the custom autograd node costs more than it saves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from lightning_shm.runtime.launcher import _keep_freed_memory  # noqa: E402
+
+_keep_freed_memory()  # before torch allocates: like a worker
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from lightning_shm.parallel.pipeline import PipelineSchedule, Schedule  # noqa: E402
+from lightning_shm.parallel.pipeline.driver import _PlainIO  # noqa: E402
+from lightning_shm.parallel.pipeline.engine import PipelineEngine  # noqa: E402
+
+
+def step_ms(net: nn.Module, x: torch.Tensor, y: torch.Tensor, M: int, engine_grads: bool, steps: int) -> float:
+    engine = PipelineEngine({0: net}, PipelineSchedule(Schedule.ONE_F_ONE_B, 1, M, 1), 0, [0], world=None)
+    if engine_grads:
+        engine.in_place_min_numel = 0  # every weight, whatever its size
+    else:
+        engine.close()  # the Linear layers back to autograd's weight gradients
+    times = []
+    try:
+        for _ in range(steps + 1):
+            net.zero_grad(set_to_none=True)
+            t0 = time.perf_counter()
+            engine.train_step(_PlainIO(x, y, M))
+            times.append(time.perf_counter() - t0)
+    finally:
+        engine.close()
+    return statistics.median(times[1:]) * 1e3
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--repeats", type=int, default=None)
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    shapes = [(256, 512, 64)] if args.quick else [(784, 256, 64), (1024, 1024, 64), (2048, 4096, 128)]
+    repeats, steps = args.repeats or (2 if args.quick else 4), 2 if args.quick else 3
+    print(f"## One pipeline stage, 1F1B, Linear(in, out) + ReLU + Linear(out, 10), 1 thread; ms per step, "
+          f"{repeats} alternating repeats\n")
+    print("| Linear | batch | M | in place (each repeat) | autograd (each repeat) | autograd / in place |")
+    print("|---|---:|---:|---|---|---:|")
+    for d_in, d_out, batch in shapes:
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(d_in, d_out), nn.ReLU(), nn.Linear(d_out, 10))
+        x, y = torch.randn(batch, d_in), torch.randint(0, 10, (batch,))
+        for M in (4, 8):
+            ours, theirs = [], []
+            for _ in range(repeats):
+                ours.append(step_ms(net, x, y, M, True, steps))
+                theirs.append(step_ms(net, x, y, M, False, steps))
+            ratio = statistics.median(theirs) / statistics.median(ours)
+            print(f"| ({d_in}, {d_out}) | {batch} | {M} | {' / '.join(f'{t:.1f}' for t in ours)} | "
+                  f"{' / '.join(f'{t:.1f}' for t in theirs)} | {ratio:.2f}x |")
+
+if __name__ == "__main__":
+    main()
