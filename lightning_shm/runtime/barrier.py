@@ -1,10 +1,12 @@
 """A barrier made of per-rank generation counters, with a descriptor of the collective being entered.
 
 Layout (int64 words, one 128-byte row per member so no two ranks ever write the same cache line
-or its prefetch neighbour)::
+or its prefetch neighbour; everything a row publishes sits in its first 64 bytes, so a peer's
+arrival and descriptor come in one cache-line transfer)::
 
-    row i:  [gen | seq coll dtype numel arg (even gens) | .. | seq coll dtype numel arg (odd gens) | ..]
-             0     1   2  3     4     5                  8    9  10 11    12    13
+    row i:  [gen | key numel arg (even gens) | key numel arg (odd gens) | unused ...]
+             0     1   2     3                 4   5     6
+    key = seq << 16 | coll << 8 | dtype      (seq: the group's collective counter)
 
 Protocol for member ``i`` entering generation ``g = previous + 1``:
 
@@ -35,7 +37,12 @@ from lightning_shm.runtime.wait import Waiter
 
 ROW_WORDS = 16
 DESC_FIELDS = ("seq", "coll", "dtype", "numel", "arg")  # arg: the collective's own argument (reduce op, source)
-_DESC_BASE = (1, 9)  # word offset of the descriptor slot for even / odd generations
+_DESC_BASE = (1, 4)  # word offset of the descriptor slot for even / odd generations
+_FIELD_WORD = {"numel": 1, "arg": 2}  # word of a descriptor field after the key
+
+
+def _unkey(key: int) -> tuple[int, int, int]:
+    return key >> 16, (key >> 8) & 0xFF, key & 0xFF
 
 
 class Barrier:
@@ -63,41 +70,40 @@ class Barrier:
         g = self.gen + 1
         self.gen = g
         d = self._me + _DESC_BASE[g & 1]
-        w[d] = seq
-        w[d + 1] = coll
-        w[d + 2] = dtype
-        w[d + 3] = numel
-        w[d + 4] = arg
+        key = (seq << 16) | (coll << 8) | dtype  # the layout's key (inlined: the hot path)
+        w[d] = key
+        w[d + 1] = numel
+        w[d + 2] = arg
         w[self._me] = g  # publish: everything above is visible to whoever sees this
         for j, row in self._peers:
             if w[row] < g:
                 self._waiter.wait_ge(w, row, g, lambda: self._timeout_message(g, seq, coll),
                                      lambda: self.missing(g))
         if check:
-            self._check(g, seq, coll, dtype, numel, arg, check_numel, check_arg)
+            base = _DESC_BASE[g & 1]
+            for j, row in self._peers:
+                p = row + base
+                if w[p] != key or (check_numel and w[p + 1] != numel) or (check_arg and w[p + 2] != arg):
+                    self._mismatch(j, p, (seq, coll, dtype, numel, arg))
         return g
 
     def peer_field(self, member: int, g: int, field: str) -> int:
         """A field of ``member``'s descriptor for generation ``g`` (valid right after ``wait``)."""
-        return self._w[self._rows[member] + _DESC_BASE[g & 1] + DESC_FIELDS.index(field)]
+        d = self._rows[member] + _DESC_BASE[g & 1]
+        if field in _FIELD_WORD:
+            return self._w[d + _FIELD_WORD[field]]
+        return _unkey(self._w[d])[("seq", "coll", "dtype").index(field)]
 
-    def _check(self, g: int, seq: int, coll: int, dtype: int, numel: int, arg: int, check_numel: bool,
-               check_arg: bool) -> None:
+    def _mismatch(self, j: int, p: int, mine_fields: tuple[int, int, int, int, int]) -> None:
         w = self._w
-        base = _DESC_BASE[g & 1]
-        for j, row in self._peers:
-            d = row + base
-            if w[d] != seq or w[d + 1] != coll or w[d + 2] != dtype or (check_arg and w[d + 4] != arg) or (
-                check_numel and w[d + 3] != numel
-            ):
-                mine = dict(zip(DESC_FIELDS, (seq, coll, dtype, numel, arg)))
-                theirs = dict(zip(DESC_FIELDS, (w[d + k] for k in range(5))))
-                raise CollectiveMismatchError(
-                    f"{self._label}: rank {self._ranks[self._index]} entered {_fmt(mine)} but rank "
-                    f"{self._ranks[j]} entered "
-                    f"{_fmt(theirs)}. Every rank of a group must call the same collectives in the same "
-                    f"order with matching dtypes and sizes."
-                )
+        mine = dict(zip(DESC_FIELDS, mine_fields))
+        theirs = dict(zip(DESC_FIELDS, (*_unkey(w[p]), w[p + 1], w[p + 2])))
+        raise CollectiveMismatchError(
+            f"{self._label}: rank {self._ranks[self._index]} entered {_fmt(mine)} but rank "
+            f"{self._ranks[j]} entered "
+            f"{_fmt(theirs)}. Every rank of a group must call the same collectives in the same "
+            f"order with matching dtypes and sizes."
+        )
 
     def missing(self, g: int) -> list[int]:
         """Global ranks that have not entered generation ``g``."""
