@@ -1,15 +1,19 @@
-"""One pipeline stage's step with the engine's in-place weight gradients against autograd's, side by side.
+"""One pipeline stage's step: the engine's weight gradients (rows gathered over microbatches, or
+one in-place product per microbatch) against autograd's, side by side.
 
-    python scripts/bench_stage_grads.py           # three layer sizes, M = 4 and 8, 4 alternating repeats (~20 s)
+    python scripts/bench_stage_grads.py           # four layer sizes, M = 4 and 8, 4 alternating repeats (~1 min)
     python scripts/bench_stage_grads.py --quick   # one small layer, two repeats
 
 A stage back-propagates M microbatches per step. Autograd computes each Linear's weight gradient as
-a fresh ``grad_output^T @ input`` and adds it to ``.grad``; the engine (``_StageLinear``) adds it in
-place with ``addmm_``. Both variants run the same 1F1B step in this process (one stage, one thread,
-the workers' malloc settings) on Linear(in, out) + ReLU + Linear(out, 10): "in place" forces the
-engine's path for every weight (``in_place_min_numel = 0``), "autograd" is the engine with its Linear
-patch removed (``close()``). Medians of steps, per alternating repeat. The sizes bracket the engine's
-default ``in_place_min_numel`` (2^20): below it the custom autograd node costs more than it saves.
+a fresh ``grad_output^T @ input`` per microbatch and adds it to ``.grad``. The engine
+(``_StageLinear``) either adds each microbatch's product in place with ``addmm_`` ("per microbatch",
+``stash_fraction = 0``) or keeps the microbatches' rows and takes one product over all of them
+("gathered", the default ``stash_fraction``). All run the same 1F1B step in this process (one
+stage, one thread, the workers' malloc settings) on Linear(in, out) + ReLU + Linear(out, 10); the
+engine's variants take every weight (``in_place_min_numel = 0``), "autograd" is the engine with its
+Linear patch removed (``close()``). Medians of steps, per alternating repeat. The sizes bracket the
+engine's default ``in_place_min_numel`` (2^20): below it the custom autograd node costs more than it
+saves.
 """
 
 from __future__ import annotations
@@ -33,12 +37,14 @@ from lightning_shm.parallel.pipeline.driver import _PlainIO  # noqa: E402
 from lightning_shm.parallel.pipeline.engine import PipelineEngine  # noqa: E402
 
 
-def step_ms(net: nn.Module, x: torch.Tensor, y: torch.Tensor, M: int, engine_grads: bool, steps: int) -> float:
+def step_ms(net: nn.Module, x: torch.Tensor, y: torch.Tensor, M: int, mode: str, steps: int) -> float:
+    """``mode``: "gathered", "per microbatch" (the engine's weight gradients) or "autograd"."""
     engine = PipelineEngine({0: net}, PipelineSchedule(Schedule.ONE_F_ONE_B, 1, M, 1), 0, [0], world=None)
-    if engine_grads:
-        engine.in_place_min_numel = 0  # every weight, whatever its size
-    else:
+    if mode == "autograd":
         engine.close()  # the Linear layers back to autograd's weight gradients
+    else:
+        engine.in_place_min_numel = 0  # every weight, whatever its size
+        engine.stash_fraction = PipelineEngine.stash_fraction if mode == "gathered" else 0.0
     times = []
     try:
         for _ in range(steps + 1):
@@ -51,30 +57,37 @@ def step_ms(net: nn.Module, x: torch.Tensor, y: torch.Tensor, M: int, engine_gra
     return statistics.median(times[1:]) * 1e3
 
 
+MODES = ("gathered", "per microbatch", "autograd")
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--repeats", type=int, default=None)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    shapes = [(256, 512, 64)] if args.quick else [(784, 256, 64), (1024, 1024, 64), (2048, 4096, 128)]
+    shapes = [(256, 512, 64)] if args.quick else [(784, 256, 64), (1024, 1024, 64), (2048, 4096, 128),
+                                                   (4096, 4096, 128)]
     repeats, steps = args.repeats or (2 if args.quick else 4), 2 if args.quick else 3
     print(f"## One pipeline stage, 1F1B, Linear(in, out) + ReLU + Linear(out, 10), 1 thread; ms per step, "
           f"{repeats} alternating repeats\n")
-    print("| Linear | batch | M | in place (each repeat) | autograd (each repeat) | autograd / in place |")
-    print("|---|---:|---:|---|---|---:|")
+    print("| Linear | batch | M | " + " | ".join(f"{m} (each repeat)" for m in MODES)
+          + " | per microbatch / gathered | autograd / gathered |")
+    print("|---|---:|---:|---|---|---|---:|---:|")
     for d_in, d_out, batch in shapes:
         torch.manual_seed(0)
         net = nn.Sequential(nn.Linear(d_in, d_out), nn.ReLU(), nn.Linear(d_out, 10))
         x, y = torch.randn(batch, d_in), torch.randint(0, 10, (batch,))
         for M in (4, 8):
-            ours, theirs = [], []
+            times: dict[str, list[float]] = {m: [] for m in MODES}
             for _ in range(repeats):
-                ours.append(step_ms(net, x, y, M, True, steps))
-                theirs.append(step_ms(net, x, y, M, False, steps))
-            ratio = statistics.median(theirs) / statistics.median(ours)
-            print(f"| ({d_in}, {d_out}) | {batch} | {M} | {' / '.join(f'{t:.1f}' for t in ours)} | "
-                  f"{' / '.join(f'{t:.1f}' for t in theirs)} | {ratio:.2f}x |")
+                for m in MODES:
+                    times[m].append(step_ms(net, x, y, M, m, steps))
+            med = {m: statistics.median(t) for m, t in times.items()}
+            cells = " | ".join(" / ".join(f"{t:.1f}" for t in times[m]) for m in MODES)
+            print(f"| ({d_in}, {d_out}) | {batch} | {M} | {cells} | {med['per microbatch'] / med['gathered']:.2f}x | "
+                  f"{med['autograd'] / med['gathered']:.2f}x |")
+
 
 if __name__ == "__main__":
     main()

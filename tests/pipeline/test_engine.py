@@ -199,3 +199,51 @@ def test_only_large_weights_are_summed_in_place_unless_zero_bubble_defers_them(s
     engine.train_step(_PlainIO(x, y, 2))
     engine.close()
     assert sorted(taken) == sorted(taken_numels * 2)  # once per microbatch
+
+
+@pytest.mark.parametrize("fraction,products,at_end", [(0.5, [16], 1), (12_000 / (1 << 20), [8, 8], 0),
+                                                     (20_000 / (1 << 20), [12, 4], 1), (0.0, [4, 4, 4, 4], 0)])
+def test_weight_gradients_are_taken_over_the_gathered_rows_of_several_microbatches(fraction, products, at_end):
+    """Outside zero-bubble the engine keeps each large weight's (input, grad_output) rows across
+    microbatches and takes one product over all of them -- at the step's end, or as soon as the rows
+    would exceed ``stash_fraction`` of the weight (here 4 rows x (1024 + 1024) = 8,192 elements per
+    microbatch: all four fit half the weight; 12,000 elements hold one, so every second B takes two;
+    20,000 hold two, so the third B takes three and the step's end the last; 0: one per microbatch).
+    The gradients equal autograd's, and the held rows count in the activation peak. (Under autocast
+    each microbatch's product is taken at once: ``test_linear_weight_gradients_accumulate_...``.)"""
+    from lightning_shm.parallel.pipeline import PipelineSchedule, Schedule
+    from lightning_shm.parallel.pipeline.engine import PipelineEngine
+
+    torch.manual_seed(0)
+    make = lambda: torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 8))  # noqa: E731
+    net, ref = make(), make()
+    ref.load_state_dict(net.state_dict())
+    x, y = torch.randn(16, 1024), torch.randint(0, 8, (16,))
+    engine = PipelineEngine({0: net}, PipelineSchedule(Schedule.ONE_F_ONE_B, 1, 4, 1), 0, [0], world=None)
+    engine.stash_fraction = fraction
+    rows, add = [], engine._add_weight_grad
+    engine._add_weight_grad = lambda p, xx, g: (rows.append(xx.shape[0]), add(p, xx, g))
+    engine.train_step(_PlainIO(x, y, 4))
+    peak = engine.peak_activation_bytes
+    engine.close()
+    assert rows == products  # only the 2^20 weight is the engine's; its products over these many rows
+    assert [t.action.kind for t in engine.timeline].count("W") == at_end  # the step-end products, timed
+    for mb in range(4):
+        (torch.nn.functional.cross_entropy(ref(x.chunk(4)[mb]), y.chunk(4)[mb]) / 4).backward()
+    for (name, p), q in zip(net.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+    if fraction == 0.5:  # the last B ends with four microbatches' grad_output rows held (4 x 16 KiB storages)
+        assert peak >= _peak_with_fraction(0.0) + 3 * 4 * 1024 * 4
+
+
+def _peak_with_fraction(fraction: float) -> int:
+    from lightning_shm.parallel.pipeline import PipelineSchedule, Schedule
+    from lightning_shm.parallel.pipeline.engine import PipelineEngine
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 8))
+    engine = PipelineEngine({0: net}, PipelineSchedule(Schedule.ONE_F_ONE_B, 1, 4, 1), 0, [0], world=None)
+    engine.stash_fraction = fraction
+    engine.train_step(_PlainIO(torch.randn(16, 1024), torch.randint(0, 8, (16,)), 4))
+    engine.close()
+    return engine.peak_activation_bytes

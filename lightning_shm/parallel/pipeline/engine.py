@@ -5,9 +5,12 @@ Data movement per action (chunk c of V, microbatch m)::
     F  x = microbatch input (c == 0) or recv(act[c-1]);  out = chunk_c(x)
        c == V-1: out = the microbatch loss (computed by ``io.last_forward``), else send(act[c], out)
     B  g = recv(grad[c]) (c < V-1);  backward(out, g);  c > 0: send(grad[c-1], x.grad)
-       a Linear's weight gradient goes to the engine (_StageLinear): weight.grad.addmm_(g^T, x) now,
-       or, zero-bubble, (input, grad_output) are stashed
-    W  zero-bubble only: weight.grad += grad_output^T @ input for the stashed Linear calls of (m, c)
+       a large Linear's weight gradient goes to the engine (_StageLinear), which stashes (input,
+       grad_output): zero-bubble for the W action; other schedules gather several microbatches'
+       rows and take weight.grad.addmm_(G^T, X) once over all of them (at the step's end, or
+       sooner when the rows would outgrow ``stash_fraction`` of the weight)
+    W  zero-bubble: weight.grad += grad_output^T @ input for the stashed Linear calls of (m, c);
+       other schedules: recorded for the step-end products
 
 ``act[c]`` / ``grad[c]`` are point-to-point channels between the ranks of chunks c and c+1: no
 barrier, no other rank involved. Every compute action is timed into :attr:`timeline`; the bytes of
@@ -89,13 +92,22 @@ def _stage_linear_forward(module: nn.Linear | LinearRows, engine: "PipelineEngin
 class PipelineEngine:
     """One pipeline rank. ``chunks`` maps global chunk index -> module for the chunks this rank owns.
 
-    ``in_place_min_numel``: the smallest weight whose gradient the engine sums in place outside
-    zero-bubble. Below it the custom autograd node's Python costs more than the pass it saves
+    ``in_place_min_numel``: the smallest weight whose gradient the engine takes outside zero-bubble.
+    Below it the custom autograd node's Python costs more than the pass it saves
     (``scripts/bench_stage_grads.py``: Linear(784, 256) ran slower that way, Linear(1024, 1024) and
     Linear(2048, 4096) faster).
+
+    ``stash_fraction``: outside zero-bubble, a taken weight's (input, grad_output) rows are kept
+    across microbatches -- up to this fraction of the weight's element count -- and its gradient is
+    taken as one product over all of them. Why: per microbatch, ``G^T @ X`` is a thin product whose
+    cost is the weight-sized output it writes, not its few rows; M of them cost nearly M times one
+    product over all the rows (the wide MLP's [4096, 4096] layer, 4 x 32 rows: see
+    ``scripts/bench_stage_grads.py``). The rows are activation-sized, so the bound keeps the extra
+    memory under that fraction of the weights'. 0: one product per microbatch.
     """
 
     in_place_min_numel = 1 << 20
+    stash_fraction = 0.5
 
     def __init__(self, chunks: dict[int, nn.Module], schedule: PipelineSchedule, pp_index: int, pp_ranks: list[int],
                  world: World, tag: str = "pp", activation_checkpointing: bool = False,
@@ -133,7 +145,9 @@ class PipelineEngine:
         self._store: dict[tuple[int, int], tuple[torch.Tensor, Any]] = {}
         self._saved: dict[tuple[int, int], dict[int, int]] = {}  # (m, c) -> {storage ptr: bytes}
         self._stash: dict[tuple[int, int], list[tuple[nn.Parameter, torch.Tensor, torch.Tensor]]] = {}
+        self._rows: dict[nn.Parameter, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # outside zero-bubble
         self._current: Optional[tuple[int, int]] = None
+        self._last_b: tuple[int, int] = (0, 0)
 
     def __deepcopy__(self, memo: dict) -> "PipelineEngine":
         return self  # a process resource: the Linear layers it patched hold it, and they may be deep-copied (SWA)
@@ -152,6 +166,11 @@ class PipelineEngine:
         self._reset()
         for a in (schedule or self.schedule).actions(self.pp_index):
             {"F": self._forward, "B": self._backward, "W": self._weight}[a.kind](a, io, True)
+        if self._rows:  # the products over every microbatch's rows still held
+            t0 = time.perf_counter()
+            for param in list(self._rows):
+                self._take_rows(param)
+            self._record("W", *self._last_b, t0)
         if self._store or self._stash:
             raise RuntimeError(f"pipeline rank {self.pp_index}: schedule left work undone {list(self._store)}")
 
@@ -166,12 +185,26 @@ class PipelineEngine:
 
     def weight_grad(self, param: nn.Parameter, x: torch.Tensor, g: torch.Tensor) -> None:
         """A Linear's weight gradient ``g^T @ x`` for the microbatch being back-propagated: stashed for
-        the W action (zero-bubble), else added now."""
+        the W action (zero-bubble), else gathered with other microbatches' rows (``stash_fraction``)."""
         if self.zero_bubble:
             assert self._current is not None, "deferred weight gradient outside a B action"
             self._stash.setdefault(self._current, []).append((param, x, g))
-        else:
+            return
+        if g.dtype != param.dtype:  # autocast: one rounded product per microbatch, as autograd's
             self._add_weight_grad(param, x, g)
+            return
+        rows = self._rows.setdefault(param, [])
+        rows.append((x.reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1])))
+        if sum(a.numel() + b.numel() for a, b in rows) > self.stash_fraction * param.numel():
+            self._take_rows(param)
+
+    def _take_rows(self, param: nn.Parameter) -> None:
+        """``param``'s gradient over every held microbatch's rows: one product ``cat(G)^T @ cat(X)``."""
+        rows = self._rows.pop(param)
+        if len(rows) == 1:
+            self._add_weight_grad(param, *rows[0])
+        else:
+            self._add_weight_grad(param, torch.cat([x for x, _ in rows]), torch.cat([g for _, g in rows]))
 
     def _add_weight_grad(self, param: nn.Parameter, x: torch.Tensor, g: torch.Tensor) -> None:
         g2, x2 = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
@@ -231,13 +264,13 @@ class PipelineEngine:
         if out is not None and out.requires_grad:
             torch.autograd.backward(out, grad)
         self._current = None
+        self._last_b = (m, c)
         self._saved.pop((m, c), None)
         self._record("B", m, c, t0)
         if c > 0:
             self.grad_out[c].send(x.grad if x.grad is not None else torch.zeros_like(x))
-        if not self.zero_bubble:
-            return
-        self._update_peak()
+        if self._stash or self._rows:
+            self._update_peak()
 
     def _weight(self, a: Action, io: StageIO, training: bool) -> None:
         t0 = time.perf_counter()
@@ -253,10 +286,10 @@ class PipelineEngine:
         alive: dict[int, int] = {}
         for storages in self._saved.values():
             alive.update(storages)
-        for items in self._stash.values():
-            for _, x, g in items:
-                for t in (x, g):
-                    alive[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        held = [(x, g) for items in self._stash.values() for _, x, g in items]
+        for x, g in held + [pair for rows in self._rows.values() for pair in rows]:
+            for t in (x, g):
+                alive[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         self.peak_activation_bytes = max(self.peak_activation_bytes, sum(alive.values()))
 
     def _reset(self) -> None:
@@ -265,6 +298,7 @@ class PipelineEngine:
         self._store.clear()
         self._saved.clear()
         self._stash.clear()
+        self._rows.clear()
 
     def close(self) -> None:
         """Restore the Linear modules the engine patched (their weight gradients were its to take)."""
