@@ -214,7 +214,10 @@ _SCRIPT = textwrap.dedent(
 
     if __name__ == "__main__":
         print("started", flush=True)
-        launch(loop, 2, start_method=sys.argv[1])
+        try:
+            launch(loop, 2, start_method=sys.argv[1])
+        finally:  # when launch gave up; the interpreter's exit with torch loaded comes after
+            print("raised", time.monotonic(), flush=True)
     """
 )
 
@@ -257,7 +260,10 @@ def test_signal_to_main_process_stops_workers_and_cleans_up(tmp_path, sig, rc, s
     t0 = time.monotonic()
     proc.send_signal(sig)
     assert proc.wait(timeout=30) == rc
-    assert time.monotonic() - t0 < LIMIT_S + 1.0  # + interpreter exit of the main process
+    # launch stopped the workers and raised within LIMIT_S (CLOCK_MONOTONIC is system-wide); the
+    # interpreter's own exit with torch loaded is the user's process, not timed (seconds on a busy VM)
+    raised = [float(line.split()[1]) for line in proc.stdout.read().splitlines() if line.startswith("raised ")]
+    assert raised and raised[0] - t0 < LIMIT_S, (raised, t0)
     assert list_owned(proc.pid) == []
     assert not [n for n in os.listdir(SHM_DIR) if n.startswith(f"{PREFIX}_{proc.pid}.")], "lock file left"
     deadline = time.monotonic() + 5

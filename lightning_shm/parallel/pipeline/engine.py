@@ -93,9 +93,9 @@ class PipelineEngine:
     """One pipeline rank. ``chunks`` maps global chunk index -> module for the chunks this rank owns.
 
     ``in_place_min_numel``: the smallest weight whose gradient the engine takes outside zero-bubble.
-    Below it the custom autograd node's Python costs more than the pass it saves
-    (``scripts/bench_stage_grads.py``: Linear(784, 256) ran slower that way, Linear(1024, 1024) and
-    Linear(2048, 4096) faster).
+    Below it the custom autograd node's Python costs about what the engine's products save
+    (``scripts/bench_stage_grads.py``: Linear(784, 256) as fast as autograd gathered, slower with one
+    product per microbatch; Linear(1024, 1024) and larger faster either way).
 
     ``stash_fraction``: outside zero-bubble, a taken weight's (input, grad_output) rows are kept
     across microbatches -- up to this fraction of the weight's element count -- and its gradient is
