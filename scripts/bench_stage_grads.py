@@ -12,8 +12,8 @@ a fresh ``grad_output^T @ input`` per microbatch and adds it to ``.grad``. The e
 stage, one thread, the workers' malloc settings) on Linear(in, out) + ReLU + Linear(out, 10); the
 engine's variants take every weight (``in_place_min_numel = 0``), "autograd" is the engine with its
 Linear patch removed (``close()``). Medians of steps, per alternating repeat. The sizes bracket the
-engine's default ``in_place_min_numel`` (2^20): below it the custom autograd node costs more than it
-saves.
+engine's default ``in_place_min_numel`` (2^20): below it the custom autograd node costs about what
+the engine's products save.
 """
 
 from __future__ import annotations

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import itertools
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
 
 from lightning_shm.parallel.pipeline.driver import _PlainIO, reference_params, train_pipeline
 from lightning_shm.runtime import launch
+
+if TYPE_CHECKING:
+    from lightning_shm.parallel.pipeline.engine import PipelineEngine
 
 HIDDEN = [64, 32, 16]  # 11 layers: enough for 4 stages x 2 virtual chunks
 RUNS = [("gpipe", 4, 1), ("1f1b", 4, 1), ("interleaved_1f1b", 4, 2), ("zero_bubble", 4, 1)]
@@ -201,6 +205,24 @@ def test_only_large_weights_are_summed_in_place_unless_zero_bubble_defers_them(s
     assert sorted(taken) == sorted(taken_numels * 2)  # once per microbatch
 
 
+def _stage_step(fraction: float) -> tuple[torch.nn.Module, PipelineEngine, list[int], torch.Tensor, torch.Tensor]:
+    """One 1F1B step (M=4, 16 rows) of Linear(1024, 1024) + ReLU + Linear(1024, 8) on one stage with
+    ``stash_fraction``: returns the net, the engine, the row count of each weight-gradient product, x, y."""
+    from lightning_shm.parallel.pipeline import PipelineSchedule, Schedule
+    from lightning_shm.parallel.pipeline.engine import PipelineEngine
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 8))
+    x, y = torch.randn(16, 1024), torch.randint(0, 8, (16,))
+    engine = PipelineEngine({0: net}, PipelineSchedule(Schedule.ONE_F_ONE_B, 1, 4, 1), 0, [0], world=None)
+    engine.stash_fraction = fraction
+    rows, add = [], engine._add_weight_grad
+    engine._add_weight_grad = lambda p, xx, g: (rows.append(xx.shape[0]), add(p, xx, g))
+    engine.train_step(_PlainIO(x, y, 4))
+    engine.close()
+    return net, engine, rows, x, y
+
+
 @pytest.mark.parametrize("fraction,products,at_end", [(0.5, [16], 1), (12_000 / (1 << 20), [8, 8], 0),
                                                      (20_000 / (1 << 20), [12, 4], 1), (0.0, [4, 4, 4, 4], 0)])
 def test_weight_gradients_are_taken_over_the_gathered_rows_of_several_microbatches(fraction, products, at_end):
@@ -211,39 +233,14 @@ def test_weight_gradients_are_taken_over_the_gathered_rows_of_several_microbatch
     20,000 hold two, so the third B takes three and the step's end the last; 0: one per microbatch).
     The gradients equal autograd's, and the held rows count in the activation peak. (Under autocast
     each microbatch's product is taken at once: ``test_linear_weight_gradients_accumulate_...``.)"""
-    from lightning_shm.parallel.pipeline import PipelineSchedule, Schedule
-    from lightning_shm.parallel.pipeline.engine import PipelineEngine
-
-    torch.manual_seed(0)
-    make = lambda: torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 8))  # noqa: E731
-    net, ref = make(), make()
-    ref.load_state_dict(net.state_dict())
-    x, y = torch.randn(16, 1024), torch.randint(0, 8, (16,))
-    engine = PipelineEngine({0: net}, PipelineSchedule(Schedule.ONE_F_ONE_B, 1, 4, 1), 0, [0], world=None)
-    engine.stash_fraction = fraction
-    rows, add = [], engine._add_weight_grad
-    engine._add_weight_grad = lambda p, xx, g: (rows.append(xx.shape[0]), add(p, xx, g))
-    engine.train_step(_PlainIO(x, y, 4))
-    peak = engine.peak_activation_bytes
-    engine.close()
+    net, engine, rows, x, y = _stage_step(fraction)
     assert rows == products  # only the 2^20 weight is the engine's; its products over these many rows
     assert [t.action.kind for t in engine.timeline].count("W") == at_end  # the step-end products, timed
+    ref = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 8))
+    ref.load_state_dict(net.state_dict())
     for mb in range(4):
         (torch.nn.functional.cross_entropy(ref(x.chunk(4)[mb]), y.chunk(4)[mb]) / 4).backward()
     for (name, p), q in zip(net.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
     if fraction == 0.5:  # the last B ends with four microbatches' grad_output rows held (4 x 16 KiB storages)
-        assert peak >= _peak_with_fraction(0.0) + 3 * 4 * 1024 * 4
-
-
-def _peak_with_fraction(fraction: float) -> int:
-    from lightning_shm.parallel.pipeline import PipelineSchedule, Schedule
-    from lightning_shm.parallel.pipeline.engine import PipelineEngine
-
-    torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 8))
-    engine = PipelineEngine({0: net}, PipelineSchedule(Schedule.ONE_F_ONE_B, 1, 4, 1), 0, [0], world=None)
-    engine.stash_fraction = fraction
-    engine.train_step(_PlainIO(torch.randn(16, 1024), torch.randint(0, 8, (16,)), 4))
-    engine.close()
-    return engine.peak_activation_bytes
+        assert engine.peak_activation_bytes >= _stage_step(0.0)[1].peak_activation_bytes + 3 * 4 * 1024 * 4
