@@ -5,15 +5,15 @@ one in-place product per microbatch) against autograd's, side by side.
     python scripts/bench_stage_grads.py --quick   # one small layer, two repeats
 
 A stage back-propagates M microbatches per step. Autograd computes each Linear's weight gradient as
-a fresh ``grad_output^T @ input`` per microbatch and adds it to ``.grad``. The engine
-(``_StageLinear``) either adds each microbatch's product in place with ``addmm_`` ("per microbatch",
-``stash_fraction = 0``) or keeps the microbatches' rows and takes one product over all of them
-("gathered", the default ``stash_fraction``). All run the same 1F1B step in this process (one
-stage, one thread, the workers' malloc settings) on Linear(in, out) + ReLU + Linear(out, 10); the
-engine's variants take every weight (``in_place_min_numel = 0``), "autograd" is the engine with its
-Linear patch removed (``close()``). Medians of steps, per alternating repeat. The sizes bracket the
-engine's default ``in_place_min_numel`` (2^20): below it the custom autograd node costs about what
-the engine's products save.
+a fresh ``grad_output^T @ input`` per microbatch and adds it to ``.grad``. The engine (through
+``SinkLinear``, parallel/linear_grads.py) either adds each microbatch's product in place with
+``addmm_`` ("per microbatch", ``stash_fraction = 0``) or keeps the microbatches' rows and takes one
+product over all of them ("gathered", the default ``stash_fraction``). All run the same 1F1B step in
+this process (one stage, one thread, the workers' malloc settings) on Linear(in, out) + ReLU +
+Linear(out, 10); the engine's variants take every weight (``in_place_min_numel = 0``), "autograd" is
+the engine with its Linear patch removed (``close()``). Medians of steps, per alternating repeat.
+The sizes bracket the engine's default ``in_place_min_numel`` (2^20): below it the custom autograd
+node costs about what the engine's products save.
 """
 
 from __future__ import annotations

@@ -252,6 +252,8 @@ def parallelize(module: nn.Module, config: ParallelConfig, world: World, groups:
             reducer = GradReducer(list(module.named_parameters()), groups.dp, config.bucket_cap_mb,
                                   config.find_unused_parameters, tag=f"ddp-tp{groups.coords.tp}-pp{groups.coords.pp}",
                                   hooks=topo.pp == 1)
+            if topo.pp == 1:  # a pipeline engine takes its Linear layers' weight gradients itself
+                reducer.route_linears(module.modules())
     if stage is not None:  # last: it patches the Linear layers it runs (zero-bubble) and knows their storages
         engine = PipelineEngine(stage.chunks, config.pipeline, groups.coords.pp, list(groups.pp.ranks), world,
                                 tag=f"pp-dp{groups.coords.dp}-tp{groups.coords.tp}",

@@ -50,3 +50,24 @@ def test_equal_to_lightning_ddp_spawn_over_gloo():
     theirs = train_mnist("ddp_spawn", 2, "adam", batch=GLOBAL_BATCH // 2)
     ours = train_mnist("shm_ddp", 2, "adam", batch=GLOBAL_BATCH // 2)
     torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
+
+
+def test_linear_weight_gradients_written_into_the_buckets_keep_parity(monkeypatch, tmp_path):
+    """shm_ddp computes large Linear weight gradients straight into their buckets (GradReducer.route_linears,
+    from 2^20 elements); with that limit at 0 every Linear of the MNIST module takes the path in the forked
+    workers: parity with one process holds, also over accumulated micro-steps."""
+    from lightning_shm.parallel.ddp import GradReducer
+
+    taken, write = tmp_path / "taken", GradReducer.weight_grad
+
+    def spy(self, param, x, g):
+        with open(taken, "a") as f:
+            f.write("x".join(map(str, param.shape)) + "\n")
+        return write(self, param, x, g)
+
+    monkeypatch.setattr(GradReducer, "direct_min_numel", 0)
+    monkeypatch.setattr(GradReducer, "weight_grad", spy)
+    ref = train_mnist("auto", 1, "adam", batch=GLOBAL_BATCH, ref=True, accumulate=2)
+    got = train_mnist("shm_ddp_fork", 2, "adam", batch=GLOBAL_BATCH // 2, accumulate=2)
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
+    assert set(taken.read_text().split()) == {"256x784", "64x256", "10x64"}

@@ -131,3 +131,66 @@ def test_find_unused_parameters_takes_zero_gradient():
     torch.testing.assert_close(b0, b1)
     torch.testing.assert_close(b0, torch.full_like(b0, 3 / 2))  # rank 0's grad 3 (1*3 rows), rank 1's zero
     torch.testing.assert_close(a0, torch.full_like(a0, (3 + 6) / 2))
+
+
+class _Tied(nn.Module):
+    """Nested Linear layers, one of them applied twice (its two products meet in autograd's input buffer)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(6, 8)
+        self.block = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+        self.out = nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = torch.relu(self.inp(x))
+        return self.out(self.block(self.block(h)))
+
+
+def _direct(world):
+    torch.manual_seed(0)
+    model, ref = _Tied(), _Tied()
+    ref.load_state_dict(model.state_dict())
+    g = world.group()
+    reducer = GradReducer(list(model.named_parameters()), g)
+    reducer.direct_min_numel = 0  # every Linear writes its weight gradient into the bucket
+    reducer.route_linears(model.modules())
+    adopted, adopt = [], reducer._adopt
+    reducer._adopt = lambda p: adopted.append(p) or adopt(p)
+    hook_saw = []
+    model.out.weight.register_hook(lambda grad: hook_saw.append(grad.data_ptr()))
+    xs = [torch.randn(5, 6, generator=torch.Generator().manual_seed(r)) for r in range(world.size)]
+    first_step_adopted = None
+    for step in range(2):  # two optimizer steps of three micro-steps, zero_grad(set_to_none=True) in between
+        model.zero_grad(set_to_none=True)
+        for micro in range(3):
+            with reducer.no_sync() if micro < 2 else contextlib.nullcontext():
+                model(xs[world.rank] * (micro + 1)).square().sum().backward()
+                reducer.post_backward()
+            if step == 0 and micro == 0:
+                first_step_adopted = {id(p) for p in adopted}
+    in_bucket = all(p.grad.data_ptr() == reducer._views[p].data_ptr() for p in model.parameters())
+    ref.zero_grad()
+    for x in xs:
+        for micro in range(3):
+            (ref(x * (micro + 1)).square().sum() / world.size).backward()
+    err = max((p.grad - q.grad).abs().max().item() for p, q in zip(model.parameters(), ref.parameters()))
+    reducer.close()
+    restored = all("forward" not in m.__dict__ for m in model.modules())
+    named = {id(p): n for n, p in model.named_parameters()}
+    return err, sorted(named[i] for i in first_step_adopted), hook_saw, reducer._views[model.out.weight].data_ptr(), \
+        in_bucket, restored
+
+
+def test_linear_weight_gradients_are_written_into_the_buckets():
+    """route_linears: a Linear's weight gradient is computed straight into its bucket region and autograd
+    adopts that region as .grad -- nothing is copied in (the biases, autograd's, are). Gradients equal
+    autograd's through gradient accumulation (later micro-steps add autograd's product to the bucket) and a
+    layer applied twice (the second product must not overwrite the first in the lent region); a hook on a
+    routed weight still sees its gradient (in the bucket); close() restores the layers."""
+    for err, adopted, hook_saw, out_ptr, in_bucket, restored in launch(_direct, 2, start_method="fork"):
+        assert err < 1e-5
+        assert "inp.weight" not in adopted and "out.weight" not in adopted  # used once: written in place
+        assert "inp.bias" in adopted and "out.bias" in adopted  # autograd's fresh gradients, copied in
+        assert len(hook_saw) == 6 and hook_saw[0] == out_ptr  # every micro-step; the first one in the bucket
+        assert in_bucket and restored

@@ -125,7 +125,7 @@ class _Bf16IO(_PlainIO):
 @pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
 @pytest.mark.parametrize("precision", ["32", "bf16"])
 def test_linear_weight_gradients_accumulate_in_place_into_the_existing_grad(schedule, precision):
-    """The engine takes the Linear layers' weight gradients (_StageLinear): the first microbatch's
+    """The engine takes the Linear layers' weight gradients (SinkLinear): the first microbatch's
     product becomes .grad, later ones are added into that same tensor (addmm_), and a .grad that was
     there before the step (gradient accumulation, a DDP bucket view) is added to, not replaced. Under
     autocast the products are taken in bf16 as autograd would, and .grad stays float32."""
@@ -145,7 +145,7 @@ def test_linear_weight_gradients_accumulate_in_place_into_the_existing_grad(sche
     for m in linears[:1]:
         m.weight.grad = before[id(m.weight)]
     taken, take = [], engine.weight_grad
-    engine.weight_grad = lambda p, xx, g: (taken.append(id(p)), take(p, xx, g))
+    engine.weight_grad = lambda p, xx, g: taken.append(id(p)) or take(p, xx, g)
     engine.train_step((_Bf16IO if bf16 else _PlainIO)(x, y, 4))
     engine.close()
     assert sorted(taken) == sorted([id(m.weight) for m in linears] * 4)  # every Linear, every microbatch
@@ -177,7 +177,7 @@ def test_a_weight_with_a_hook_keeps_autograds_path(schedule):
     engine = PipelineEngine({0: net}, PipelineSchedule(Schedule.parse(schedule), 1, 4, 1), 0, [0], world=None)
     engine.in_place_min_numel = 0
     taken, take = [], engine.weight_grad
-    engine.weight_grad = lambda p, xx, g: (taken.append(id(p)), take(p, xx, g))
+    engine.weight_grad = lambda p, xx, g: taken.append(id(p)) or take(p, xx, g)
     x, y = torch.randn(16, 20), torch.randint(0, 5, (16,))
     engine.train_step(_PlainIO(x, y, 4))
     engine.close()
@@ -198,7 +198,7 @@ def test_only_large_weights_are_summed_in_place_unless_zero_bubble_defers_them(s
                               torch.nn.Linear(16, 40))  # 2^20 weights: the smallest taken; 16,384 and 640: not
     engine = PipelineEngine({0: net}, PipelineSchedule(Schedule.parse(schedule), 1, 2, 1), 0, [0], world=None)
     taken, take = [], engine.weight_grad
-    engine.weight_grad = lambda p, xx, g: (taken.append(p.numel()), take(p, xx, g))
+    engine.weight_grad = lambda p, xx, g: taken.append(p.numel()) or take(p, xx, g)
     x, y = torch.randn(4, 1024), torch.randint(0, 40, (4,))
     engine.train_step(_PlainIO(x, y, 2))
     engine.close()

@@ -2,8 +2,11 @@
 
 Data movement in one step (W ranks, one bucket shown)::
 
-    rank r backward:  autograd accumulates dL_r/dp straight into param.grad, a view of
-                      bucket.local (rank r's region of a SharedBuffer)          -- no copy
+    rank r backward:  param.grad is a view of bucket.local (rank r's region of a SharedBuffer).
+                      A large nn.Linear's weight gradient is written there by its backward
+                      (:meth:`GradReducer.weight_grad`, routed by :meth:`GradReducer.route_linears`);
+                      autograd's fresh gradients of the other parameters are copied in once
+                      (after zero_grad(set_to_none=True)) or accumulated in place
     last grad of the bucket accumulated (post-accumulate-grad hook):
         group.all_reduce(bucket, "mean")  -> zero-copy path: rank r reads part r of all W regions,
                                              writes the mean into part r of all W regions
@@ -23,11 +26,13 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from lightning_shm.parallel.linear_grads import SinkLinear, restore_linears, route_linears
 from lightning_shm.runtime.group import Group, SharedBuffer
 
 
@@ -45,7 +50,14 @@ class Bucket:
 
 
 class GradReducer:
-    """Owns the gradient buckets of ``named_params`` on ``group`` and averages them during backward."""
+    """Owns the gradient buckets of ``named_params`` on ``group`` and averages them during backward.
+
+    ``direct_min_numel``: the smallest Linear weight whose gradient :meth:`route_linears` has written
+    straight into its bucket region. Below it the custom autograd node's Python costs about what the
+    saved copy does.
+    """
+
+    direct_min_numel = 1 << 20
 
     def __init__(self, named_params: Sequence[tuple[str, nn.Parameter]], group: Group,
                  bucket_cap_mb: float = 25.0, find_unused_parameters: bool = False, tag: str = "ddp",
@@ -91,7 +103,12 @@ class GradReducer:
         self._synced_since_post = False
         self._next = 0
         self._ready = [False] * len(params)
+        self._lent = [False] * len(params)  # bucket region handed to autograd as the gradient, not yet accumulated
+        self._routed: list[nn.Module] = []
         self._attach_grads(zero=True)
+
+    def __deepcopy__(self, memo: dict) -> "GradReducer":
+        return self  # a process resource: the Linear layers it routes hold it, and they may be deep-copied (SWA)
 
     # ------------------------------------------------------------------ grads as bucket views
     def _attach_grads(self, zero: bool) -> None:
@@ -112,6 +129,31 @@ class GradReducer:
             view.copy_(p.grad)
         p.grad = view
 
+    # ------------------------------------------------------------------ Linear weight gradients into the buckets
+    def route_linears(self, modules: Iterable[nn.Module]) -> None:
+        """Compute the weight gradients of the large ``nn.Linear`` layers among ``modules`` straight into
+        their bucket regions (:meth:`weight_grad`). Undone by :meth:`close`."""
+        mods = [m for m in modules if isinstance(m, nn.Linear) and m.weight in self._views]
+        route_linears(mods, _bucket_linear_forward, self)
+        self._routed.extend(mods)
+
+    def weight_grad(self, param: nn.Parameter, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        """``param``'s gradient ``g^T @ x`` for autograd, written into its bucket region when that holds
+        nothing yet: ``param.grad`` is None (after ``zero_grad(set_to_none=True)``) and the region is not
+        lent to an earlier use of ``param`` in this backward whose sum autograd has not yet accumulated.
+        The region goes out as a new view that nothing else references, so AccumulateGrad adopts it as
+        ``param.grad`` and the hook finds it in place (autograd's own path: a fresh product, copied in).
+        Otherwise the fresh product, which autograd adds to ``param.grad`` as usual."""
+        g2, x2 = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
+        i = self._index.get(param)
+        if i is None or param.grad is not None or self._lent[i] or g2.dtype != param.dtype:
+            return g2.t().mm(x2)
+        view = self._views[param]
+        region = view.view(-1)[:].view_as(param)  # a new tensor on the bucket's memory, referenced only here
+        torch.mm(g2.t(), x2, out=region)
+        self._lent[i] = True
+        return region
+
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate gradients locally (no communication) inside the context."""
@@ -128,6 +170,7 @@ class GradReducer:
         size = len(bucket.params)
 
         def on_grad_ready(param: nn.Parameter) -> None:
+            self._lent[i] = False
             g = param.grad
             if g is None or g.data_ptr() != view_ptr:
                 self._adopt(param)
@@ -175,6 +218,7 @@ class GradReducer:
         self._in_backward = False
         self._next = 0
         self._ready = [False] * len(self._ready)
+        self._lent = [False] * len(self._lent)
         for b in self.buckets:
             b.pending = 0
 
@@ -199,6 +243,8 @@ class GradReducer:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        restore_linears(self._routed)
+        self._routed.clear()
         for p, v in self._views.items():
             if p.grad is not None and p.grad.data_ptr() == v.data_ptr():
                 p.grad = p.grad.clone()
@@ -208,6 +254,14 @@ class GradReducer:
     @property
     def numel(self) -> int:
         return sum(b.end - b.start for b in self.buckets)
+
+
+def _bucket_linear_forward(module: nn.Linear, reducer: GradReducer, x: torch.Tensor) -> torch.Tensor:
+    w = module.weight
+    if torch.is_grad_enabled() and w.requires_grad and w.numel() >= reducer.direct_min_numel \
+            and x.dtype == w.dtype and not torch.is_autocast_enabled("cpu"):
+        return SinkLinear.apply(x, w, module.bias, reducer, w)
+    return F.linear(x, w, module.bias)
 
 
 def broadcast_module_state(module: nn.Module, group: Group, src_member: int = 0) -> None:

@@ -5,7 +5,7 @@ Data movement per action (chunk c of V, microbatch m)::
     F  x = microbatch input (c == 0) or recv(act[c-1]);  out = chunk_c(x)
        c == V-1: out = the microbatch loss (computed by ``io.last_forward``), else send(act[c], out)
     B  g = recv(grad[c]) (c < V-1);  backward(out, g);  c > 0: send(grad[c-1], x.grad)
-       a large Linear's weight gradient goes to the engine (_StageLinear), which stashes (input,
+       a large Linear's weight gradient goes to the engine (SinkLinear), which stashes (input,
        grad_output): zero-bubble for the W action; other schedules gather several microbatches'
        rows and take weight.grad.addmm_(G^T, X) once over all of them (at the step's end, or
        sooner when the rows would outgrow ``stash_fraction`` of the weight)
@@ -20,7 +20,6 @@ storage shared by several microbatches (the batch they were cut from) counts onc
 
 from __future__ import annotations
 
-import functools
 import time
 from typing import Any, Callable, ContextManager, Optional, Protocol
 
@@ -28,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_shm.parallel.linear_grads import SinkLinear, restore_linears, route_linears
 from lightning_shm.parallel.pipeline.row_cut import LinearRows
 from lightning_shm.parallel.pipeline.schedules import Action, PipelineSchedule, Schedule, Timed
 from lightning_shm.runtime import Channel, ChannelConfig, World
@@ -48,36 +48,6 @@ class StageIO(Protocol):
         the sum over microbatches is the batch loss (eval: may return None)."""
 
 
-class _StageLinear(torch.autograd.Function):
-    """A Linear whose weight gradient the engine takes: backward returns the input and bias gradients
-    and hands ``(input, grad_output)`` to :meth:`PipelineEngine.weight_grad`.
-
-    Why: a stage back-propagates M microbatches per step, and autograd's weight gradient for each is
-    a fresh ``grad_output^T @ input`` that is then added to ``.grad`` -- write the product, read it
-    and ``.grad``, write ``.grad``: three passes over the weight's size per microbatch. The engine
-    instead adds it in place (``.grad.addmm_``, one pass) or, under zero-bubble, stashes it for the W
-    action. Autocast: backward runs under forward's autocast state (``custom_bwd``), so products are
-    taken in the dtype forward used and the W action gets operands of that dtype.
-    """
-
-    @staticmethod
-    @torch.amp.custom_fwd(device_type="cpu")
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                engine: "PipelineEngine", param: nn.Parameter) -> torch.Tensor:  # type: ignore[override]
-        ctx.save_for_backward(x, weight)
-        ctx.engine, ctx.param, ctx.has_bias = engine, param, bias is not None
-        return F.linear(x, weight, bias)
-
-    @staticmethod
-    @torch.amp.custom_bwd(device_type="cpu")
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        x, weight = ctx.saved_tensors
-        gx = g.matmul(weight) if ctx.needs_input_grad[0] else None
-        gb = g.reshape(-1, g.shape[-1]).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        ctx.engine.weight_grad(ctx.param, x.detach().to(g.dtype), g.detach())
-        return gx, None, gb, None, None
-
-
 def _stage_linear_forward(module: nn.Linear | LinearRows, engine: "PipelineEngine", x: torch.Tensor) -> torch.Tensor:
     w = module.weight
     # autograd's path for a weight with hooks (they must see its gradient), and -- unless zero-bubble defers
@@ -85,7 +55,7 @@ def _stage_linear_forward(module: nn.Linear | LinearRows, engine: "PipelineEngin
     if torch.is_grad_enabled() and w.requires_grad \
             and (engine.zero_bubble or (w.is_leaf and w.numel() >= engine.in_place_min_numel)) \
             and not w._backward_hooks and not w._post_accumulate_grad_hooks:
-        return _StageLinear.apply(x, w, module.bias, engine, w)
+        return SinkLinear.apply(x, w, module.bias, engine, w)
     return F.linear(x, w, module.bias)
 
 
@@ -130,12 +100,9 @@ class PipelineEngine:
                 self.act_out[c] = world.channel(me, rank_of[c + 1], f"{tag}-act{c}", cfg)
                 self.grad_in[c] = world.channel(rank_of[c + 1], me, f"{tag}-grad{c}", cfg)
         self.zero_bubble = schedule.kind == Schedule.ZERO_BUBBLE
-        for chunk in chunks.values():  # the engine takes the Linear layers' weight gradients (_StageLinear)
-            for m in chunk.modules():
-                if isinstance(m, nn.Linear):
-                    m.forward = functools.partial(_stage_linear_forward, m, self)  # type: ignore[method-assign]
-                elif isinstance(m, LinearRows):  # a Linear cut by rows: its product only
-                    m.linear = functools.partial(_stage_linear_forward, m, self)  # type: ignore[method-assign]
+        for chunk in chunks.values():  # the engine takes the Linear layers' weight gradients (SinkLinear)
+            route_linears(chunk.modules(), _stage_linear_forward, self)
+            route_linears(chunk.modules(), _stage_linear_forward, self, "linear", LinearRows)  # a row cut's product
         self._param_ptrs = {p.untyped_storage().data_ptr() for ch in chunks.values() for p in ch.parameters()}
         # where a deferred weight gradient goes when its weight is not a leaf (FSDP's gathered parameters):
         # ``grad_sink(weight, grad)`` takes it, or returns False
@@ -185,18 +152,20 @@ class PipelineEngine:
 
     def weight_grad(self, param: nn.Parameter, x: torch.Tensor, g: torch.Tensor) -> None:
         """A Linear's weight gradient ``g^T @ x`` for the microbatch being back-propagated: stashed for
-        the W action (zero-bubble), else gathered with other microbatches' rows (``stash_fraction``)."""
+        the W action (zero-bubble), else gathered with other microbatches' rows (``stash_fraction``).
+        Always taken here (None for autograd)."""
         if self.zero_bubble:
             assert self._current is not None, "deferred weight gradient outside a B action"
             self._stash.setdefault(self._current, []).append((param, x, g))
-            return
+            return None
         if g.dtype != param.dtype:  # autocast: one rounded product per microbatch, as autograd's
             self._add_weight_grad(param, x, g)
-            return
+            return None
         rows = self._rows.setdefault(param, [])
         rows.append((x.reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1])))
         if sum(a.numel() + b.numel() for a, b in rows) > self.stash_fraction * param.numel():
             self._take_rows(param)
+        return None
 
     def _take_rows(self, param: nn.Parameter) -> None:
         """``param``'s gradient over every held microbatch's rows: one product ``cat(G)^T @ cat(X)``."""
@@ -303,7 +272,5 @@ class PipelineEngine:
     def close(self) -> None:
         """Restore the Linear modules the engine patched (their weight gradients were its to take)."""
         for chunk in self.chunks.values():
-            for m in chunk.modules():
-                if isinstance(m, (nn.Linear, LinearRows)):
-                    m.__dict__.pop("forward", None)
-                    m.__dict__.pop("linear", None)
+            restore_linears(chunk.modules())
+            restore_linears(chunk.modules(), "linear", LinearRows)
