@@ -52,7 +52,7 @@ class Bucket:
 class GradReducer:
     """Owns the gradient buckets of ``named_params`` on ``group`` and averages them during backward.
 
-    ``direct_min_numel``: the smallest Linear weight whose gradient :meth:`route_linears` has written
+    ``direct_min_numel``: the smallest Linear weight whose gradient :meth:`route_linears` writes
     straight into its bucket region. Below it the custom autograd node's Python costs about what the
     saved copy does.
     """
@@ -142,8 +142,9 @@ class GradReducer:
         nothing yet: ``param.grad`` is None (after ``zero_grad(set_to_none=True)``) and the region is not
         lent to an earlier use of ``param`` in this backward whose sum autograd has not yet accumulated.
         The region goes out as a new view that nothing else references, so AccumulateGrad adopts it as
-        ``param.grad`` and the hook finds it in place (autograd's own path: a fresh product, copied in).
-        Otherwise the fresh product, which autograd adds to ``param.grad`` as usual."""
+        ``param.grad`` and the hook finds it in place -- where autograd's own path allocates a fresh
+        product that the hook then copies in. Otherwise the fresh product, which autograd adds to
+        ``param.grad`` as usual."""
         g2, x2 = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
         i = self._index.get(param)
         if i is None or param.grad is not None or self._lent[i] or g2.dtype != param.dtype:
