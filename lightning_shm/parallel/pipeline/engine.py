@@ -153,19 +153,18 @@ class PipelineEngine:
     def weight_grad(self, param: nn.Parameter, x: torch.Tensor, g: torch.Tensor) -> None:
         """A Linear's weight gradient ``g^T @ x`` for the microbatch being back-propagated: stashed for
         the W action (zero-bubble), else gathered with other microbatches' rows (``stash_fraction``).
-        Always taken here (None for autograd)."""
+        Always taken here: autograd gets no weight gradient from :class:`SinkLinear` (None)."""
         if self.zero_bubble:
             assert self._current is not None, "deferred weight gradient outside a B action"
             self._stash.setdefault(self._current, []).append((param, x, g))
-            return None
+            return
         if g.dtype != param.dtype:  # autocast: one rounded product per microbatch, as autograd's
             self._add_weight_grad(param, x, g)
-            return None
+            return
         rows = self._rows.setdefault(param, [])
         rows.append((x.reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1])))
         if sum(a.numel() + b.numel() for a, b in rows) > self.stash_fraction * param.numel():
             self._take_rows(param)
-        return None
 
     def _take_rows(self, param: nn.Parameter) -> None:
         """``param``'s gradient over every held microbatch's rows: one product ``cat(G)^T @ cat(X)``."""
