@@ -153,6 +153,8 @@ def _direct(world):
     ref.load_state_dict(model.state_dict())
     g = world.group()
     reducer = GradReducer(list(model.named_parameters()), g)
+    reducer.route_linears(model.modules())  # the default limit (2^20 weights): these small layers stay as they are
+    untouched = all("forward" not in m.__dict__ for m in model.modules())
     reducer.direct_min_numel = 0  # every Linear writes its weight gradient into the bucket
     reducer.route_linears(model.modules())
     adopted, adopt = [], reducer._adopt
@@ -179,7 +181,7 @@ def _direct(world):
     restored = all("forward" not in m.__dict__ for m in model.modules())
     named = {id(p): n for n, p in model.named_parameters()}
     return err, sorted(named[i] for i in first_step_adopted), hook_saw, reducer._views[model.out.weight].data_ptr(), \
-        in_bucket, restored
+        in_bucket, untouched and restored
 
 
 def test_linear_weight_gradients_are_written_into_the_buckets():
@@ -187,7 +189,8 @@ def test_linear_weight_gradients_are_written_into_the_buckets():
     adopts that region as .grad -- nothing is copied in (the biases, autograd's, are). Gradients equal
     autograd's through gradient accumulation (later micro-steps add autograd's product to the bucket) and a
     layer applied twice (the second product must not overwrite the first in the lent region); a hook on a
-    routed weight still sees its gradient (in the bucket); close() restores the layers."""
+    routed weight still sees its gradient (in the bucket); layers under the size limit are not rerouted at
+    all; close() restores the layers."""
     for err, adopted, hook_saw, out_ptr, in_bucket, restored in launch(_direct, 2, start_method="fork"):
         assert err < 1e-5
         assert "inp.weight" not in adopted and "out.weight" not in adopted  # used once: written in place

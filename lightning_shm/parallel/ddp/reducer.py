@@ -131,9 +131,11 @@ class GradReducer:
 
     # ------------------------------------------------------------------ Linear weight gradients into the buckets
     def route_linears(self, modules: Iterable[nn.Module]) -> None:
-        """Compute the weight gradients of the large ``nn.Linear`` layers among ``modules`` straight into
-        their bucket regions (:meth:`weight_grad`). Undone by :meth:`close`."""
-        mods = [m for m in modules if isinstance(m, nn.Linear) and m.weight in self._views]
+        """Compute the weight gradients of the ``nn.Linear`` layers among ``modules`` with at least
+        ``direct_min_numel`` weights straight into their bucket regions (:meth:`weight_grad`); the others
+        are left alone (no detour on their forward). Undone by :meth:`close`."""
+        mods = [m for m in modules if isinstance(m, nn.Linear) and m.weight in self._views
+                and m.weight.numel() >= self.direct_min_numel]
         route_linears(mods, _bucket_linear_forward, self)
         self._routed.extend(mods)
 
@@ -149,8 +151,7 @@ class GradReducer:
         i = self._index.get(param)
         if i is None or param.grad is not None or self._lent[i] or g2.dtype != param.dtype:
             return g2.t().mm(x2)
-        view = self._views[param]
-        region = view.view(-1)[:].view_as(param)  # a new tensor on the bucket's memory, referenced only here
+        region = self._views[param].view_as(param)  # a new tensor on the bucket's memory, referenced only here
         torch.mm(g2.t(), x2, out=region)
         self._lent[i] = True
         return region
@@ -259,8 +260,7 @@ class GradReducer:
 
 def _bucket_linear_forward(module: nn.Linear, reducer: GradReducer, x: torch.Tensor) -> torch.Tensor:
     w = module.weight
-    if torch.is_grad_enabled() and w.requires_grad and w.numel() >= reducer.direct_min_numel \
-            and x.dtype == w.dtype and not torch.is_autocast_enabled("cpu"):
+    if torch.is_grad_enabled() and w.requires_grad and x.dtype == w.dtype and not torch.is_autocast_enabled("cpu"):
         return SinkLinear.apply(x, w, module.bias, reducer, w)
     return F.linear(x, w, module.bias)
 
