@@ -16,7 +16,9 @@ buffer (see :mod:`lightning_shm.runtime.barrier` for the ordering argument).
 the fold runs in member order):
 
 * **one-shot** (``nbytes <= oneshot_max_bytes``): publish the whole tensor, one barrier, every rank
-  folds all W slots. Cheapest in latency, so small tensors take it even inside a shared buffer.
+  folds all W slots onto its own copy (members 0 and 1 add the other's slot to theirs: one in-place
+  op at W=2, see :func:`~lightning_shm.runtime.ops.fold_onto_own`). Cheapest in latency, so small
+  tensors take it even inside a shared buffer.
 * **reduce-scatter + all-gather** (larger private tensors): per round, rank ``r`` publishes only
   the parts the others reduce, folds its own 1/W part (its own contribution read in place), posts
   the result in its slot, and after the second barrier copies the other parts' results. Each rank
@@ -37,7 +39,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from lightning_shm.runtime.barrier import ROW_WORDS, Barrier
-from lightning_shm.runtime.ops import Coll, ReduceOp, check_reducible, dtype_code, even_split, fold
+from lightning_shm.runtime.ops import Coll, ReduceOp, check_reducible, dtype_code, even_split, fold, fold_onto_own
 from lightning_shm.runtime.segment import Segment, align_up
 from lightning_shm.runtime.wait import Waiter
 
@@ -244,7 +246,7 @@ class Group:
                 across(tensor.view(-1) if tensor.is_contiguous() else tensor)
             return tensor
         flat, contiguous = _flat(tensor)
-        nbytes = flat.numel() * flat.element_size()
+        nbytes = flat.nbytes
         self._seq += 1
         self.traffic["all_reduce"] = self.traffic.get("all_reduce", 0) + nbytes
         if nbytes <= self.config.oneshot_max_bytes:  # also inside a SharedBuffer: one barrier beats two
@@ -262,12 +264,12 @@ class Group:
         return tensor
 
     def _all_reduce_oneshot(self, flat: torch.Tensor, op: ReduceOp) -> None:
-        n, b = flat.numel(), self._buf
+        n, b, r = flat.numel(), self._buf, self.index
         self._buf ^= 1
         views = self._cut(b, flat.dtype, n)[0]
-        views[self.index].copy_(flat)
+        views[r].copy_(flat)
         self._barrier.wait(self._seq, _ALL_REDUCE, dtype_code(flat.dtype), n, op)
-        fold(op, views, flat, self.size)
+        fold_onto_own(op, views, r, flat)  # flat still holds this member's contribution
 
     def _all_reduce_rsag(self, flat: torch.Tensor, op: ReduceOp,
                          across: Optional[Callable[[torch.Tensor], None]] = None) -> None:

@@ -248,22 +248,31 @@ def test_large_all_reduce_with_default_config():
 
 
 def _bitwise_identical(world):
-    """Every rank must get the *same bits* (canonical fold order), else replicas drift apart."""
+    """Every rank must get the *same bits* (canonical fold order), else replicas drift apart.
+
+    Compared as integers: ``torch.equal`` takes -0.0 for +0.0. The one-shot sizes matter most: there
+    members 0 and 1 add the other's contribution onto their own (``x1 + x0`` on member 1), which is
+    only safe for a commutative operation; max/min of +0.0 and -0.0 depend on the operand order, so
+    every member's input holds zeros of its own sign.
+    """
     g = world.group()
     out = []
-    for n in (5, 3000, 70_000):
-        x = make(world.rank, n, torch.float32)
-        g.all_reduce(x, "sum")
-        out.append(x)
+    for dtype, bits in ((torch.float32, torch.int32), (torch.float64, torch.int64)):
+        for op in ("sum", "mean", "max", "min"):
+            for n in (5, 1000, 3000, 70_000):  # one-shot (<= 4 KiB here) and reduce-scatter + all-gather
+                x = make(world.rank, n, dtype)
+                x[::3] = 0.0 if world.rank % 2 == 0 else -0.0
+                g.all_reduce(x, op)
+                out.append((dtype, op, n, x.view(bits)))
     return out
 
 
-@pytest.mark.parametrize("world_size", [3, 4])
+@pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_results_are_bitwise_identical_on_every_rank(world_size):
     results = launch(_bitwise_identical, world_size, start_method="fork", runtime=SMALL)
     for r in range(1, world_size):
-        for a, b in zip(results[0], results[r]):
-            assert torch.equal(a, b)
+        for (dtype, op, n, a), (_, _, _, b) in zip(results[0], results[r]):
+            assert torch.equal(a, b), (r, dtype, op, n)
 
 
 def _non_contiguous(world):
