@@ -841,7 +841,7 @@ def tp_worker(world: Any, model_kw: dict[str, Any], tp: int, global_batch: int) 
     groups = topo.groups(world)
     torch.manual_seed(0)
     model = MNISTClassifier(**model_kw)
-    tpm = TensorParallelState(model, groups.tp, check_plan(model, plan_for(model, None), tp))
+    tpm = TensorParallelState(model, groups.tp, check_plan(model, plan_for(model, None, tp), tp))
     reducer = GradReducer(list(model.named_parameters()), groups.dp) if groups.dp.size > 1 else None
     b = global_batch // topo.dp
     x, y = torch.randn(b, 1, 28, 28), torch.randint(0, 10, (b,))
@@ -901,11 +901,15 @@ def phases_table(models: list[str], world: int, global_batch: int, repeats: int,
     return "\n".join(lines) + "\n"
 
 
-def tp_layers_worker(world: Any, tp: bool, global_batch: int, steps: int) -> dict[str, Any]:
+TP_PAIR_PLAN = {"net.1": "column", "net.4": "row"}  # the reference MLP as a Megatron pair (split LayerNorm between)
+
+
+def tp_layers_worker(world: Any, mode: str, global_batch: int, steps: int) -> dict[str, Any]:
     """Runtime only (no Lightning): microseconds of each layer's forward, the loss, and the step's
-    forward / backward / optimizer, for one rank of shm_tp (tp = W, the whole batch) or of the ceiling
-    (the whole model, an independent process with its 1/W of the batch); ``middle_mean`` of the steps,
-    so the layers and the loss add up to the forward, the phases to the step."""
+    forward / backward / optimizer, for one rank of shm_tp (tp = W, the whole batch; ``mode`` "derived":
+    the plan shm_tp derives, "pair": :data:`TP_PAIR_PLAN`) or of the ceiling (the whole model, an
+    independent process with its 1/W of the batch); ``middle_mean`` of the steps, so the layers and the
+    loss add up to the forward, the phases to the step."""
     from torch import nn
 
     sys.path.insert(0, str(ROOT))
@@ -916,8 +920,9 @@ def tp_layers_worker(world: Any, tp: bool, global_batch: int, steps: int) -> dic
     torch.manual_seed(0)
     model = MNISTClassifier(**MODELS["reference"])
     rows = global_batch
-    if tp:
-        TensorParallelState(model, world.group(), check_plan(model, plan_for(model, None), world.size))
+    if mode != "ceiling":
+        plan = plan_for(model, TP_PAIR_PLAN if mode == "pair" else None, world.size)
+        TensorParallelState(model, world.group(), check_plan(model, plan, world.size))
     else:
         rows = global_batch // world.size
     _, seq = find_sequential(model)
@@ -942,7 +947,8 @@ def tp_layers_worker(world: Any, tp: bool, global_batch: int, steps: int) -> dic
             steps_timed.append({**{n: b - a for n, a, b in zip(names, [t0, *laps], [*laps, t1])},
                                 "forward": t1 - t0, "backward": t2 - t1, "optimizer": t3 - t2, "step": t3 - t0})
     return {"times": {n: v * 1e6 for n, v in middle_mean(steps_timed).items()},
-            "labels": {f"{i}": type(m).__name__ for i, m in enumerate(seq)}}
+            "labels": {f"{i}": type(m).__name__ + (" (gathered)" if getattr(m, "gather_output", False) else "")
+                       for i, m in enumerate(seq)}}
 
 
 def tp_layers_table(world: int, global_batch: int, repeats: int, steps: int) -> str:
@@ -952,24 +958,29 @@ def tp_layers_table(world: int, global_batch: int, repeats: int, steps: int) -> 
     (per-part medians over runs would not add up to their step)."""
     from lightning_shm.runtime import launch
 
-    runs: dict[bool, list[dict[str, float]]] = {True: [], False: []}
-    kinds: dict[bool, dict[str, str]] = {}  # layer index -> its module's class name
+    modes = ("ceiling", "derived", "pair")
+    runs: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
+    kinds: dict[str, dict[str, str]] = {}  # layer index -> its module's class name
     for _ in range(repeats):  # interleaved
-        for tp in (True, False):
-            ranks = launch(tp_layers_worker, world, tp, global_batch, steps, start_method="fork")
-            runs[tp].append({k: statistics.fmean(r["times"][k] for r in ranks) for k in ranks[0]["times"]})
-            kinds[tp] = ranks[0]["labels"]
-    med = {tp: sorted(rs, key=lambda r: r["step"])[len(rs) // 2] for tp, rs in runs.items()}
-    labels = {k: (kinds[False][k], kinds[True][k]) for k in kinds[True]}
+        for mode in modes:
+            ranks = launch(tp_layers_worker, world, mode, global_batch, steps, start_method="fork")
+            runs[mode].append({k: statistics.fmean(r["times"][k] for r in ranks) for k in ranks[0]["times"]})
+            kinds[mode] = ranks[0]["labels"]
+    med = {m: sorted(rs, key=lambda r: r["step"])[len(rs) // 2] for m, rs in runs.items()}
     lines = [f"## shm_tp's mechanics without Lightning (reference MLP, tp={world}, global batch {global_batch}; "
              f"us per step, mean of the middle half of the steps, mean over ranks, the median of {repeats} runs)\n",
-             f"| part | ceiling rank ({global_batch // world} rows, whole model) | shm_tp rank ({global_batch} rows, "
-             f"1/{world} of the split layers) | difference |", "|---|---:|---:|---:|"]
-    for k in med[True]:
-        a, b = med[False][k], med[True][k]
-        name = k if k not in labels else f"layer {k}: {labels[k][0]}" + (
-            f" -> {labels[k][1]}" if labels[k][1] != labels[k][0] else "")
-        lines.append(f"| {name} | {a:,.0f} | {b:,.0f} | {b - a:+,.0f} |")
+             f"Layer names: the ceiling's module -> shm_tp's with the derived plan / with the column -> row pair "
+             f"{TP_PAIR_PLAN}. A ceiling rank runs {global_batch // world} rows through the whole model, a shm_tp "
+             f"rank {global_batch} rows through 1/{world} of the split layers.\n",
+             "| part | ceiling | shm_tp, derived plan | difference | shm_tp, column -> row pair | difference |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for k in med["ceiling"]:
+        a, b, c = med["ceiling"][k], med["derived"][k], med["pair"][k]
+        name = k
+        if k in kinds["ceiling"]:
+            names = [kinds[m][k] for m in modes]
+            name = f"layer {k}: {names[0]}" + (f" -> {names[1]} / {names[2]}" if len(set(names)) > 1 else "")
+        lines.append(f"| {name} | {a:,.0f} | {b:,.0f} | {b - a:+,.0f} | {c:,.0f} | {c - a:+,.0f} |")
     return "\n".join(lines) + "\n"
 
 

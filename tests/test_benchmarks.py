@@ -89,14 +89,17 @@ def test_bench_strategies_times_tp_layer_by_layer(tmp_path):
     rows = {}
     for line in out.splitlines():
         cells = [c.strip() for c in line.strip("|").split("|")]
-        if len(cells) == 4 and cells[1].replace(",", "").isdigit():
+        if len(cells) == 6 and cells[1].replace(",", "").isdigit():
             rows[cells[0]] = [float(c.replace(",", "")) for c in cells[1:]]
-    # the plan's layers, named as the ceiling's and as shm_tp's
-    assert {"layer 1: Linear -> ColumnParallelLinear", "layer 2: LayerNorm -> ShardedLayerNorm",
-            "layer 4: Linear -> RowParallelLinear", "layer 5: LayerNorm", "loss", "forward", "step"} <= set(rows), out
-    for ceiling, tp, diff in rows.values():
-        assert ceiling > 0 and tp > 0 and abs(tp - ceiling - diff) <= 1, out
-    for col in (0, 1):  # means over the same steps: the parts add up to their whole (to the cells' rounding)
+    # the plans' layers, named as the ceiling's -> shm_tp's derived plan's / the column -> row pair's
+    assert {"layer 1: Linear -> ColumnParallelLinear (gathered) / ColumnParallelLinear",
+            "layer 2: LayerNorm -> LayerNorm / ShardedLayerNorm",
+            "layer 4: Linear -> Linear / RowParallelLinear", "layer 5: LayerNorm", "loss",
+            "forward", "step"} <= set(rows), out
+    for ceiling, derived, d_diff, pair, p_diff in rows.values():
+        assert min(ceiling, derived, pair) > 0, out
+        assert abs(derived - ceiling - d_diff) <= 1 and abs(pair - ceiling - p_diff) <= 1, out
+    for col in (0, 1, 3):  # means over the same steps: the parts add up to their whole (to the cells' rounding)
         parts = [v[col] for k, v in rows.items() if k.startswith("layer ") or k == "loss"]
         assert abs(sum(parts) - rows["forward"][col]) <= 0.5 * (len(parts) + 1), out
         phases = sum(rows[k][col] for k in ("forward", "backward", "optimizer"))

@@ -128,7 +128,7 @@ def validate(module: nn.Module, config: ParallelConfig, world_size: int, batch_s
                          "(automatic_optimization = False) is not supported with pipeline_parallel_size > 1")
     if next(module.parameters(), None) is None:
         return
-    plan = _tp_plan(module, config) if topo.tp > 1 else {}
+    plan = _tp_plan(module, config, topo.tp) if topo.tp > 1 else {}
     if plan:
         check_plan(module, plan, topo.tp)
     if topo.pp > 1:
@@ -152,8 +152,8 @@ def validate(module: nn.Module, config: ParallelConfig, world_size: int, batch_s
         raise ValueError(f"FSDP shards parameters by rows (dim 0); {scalars} are 0-d: store them with shape (1,)")
 
 
-def _tp_plan(module: nn.Module, config: ParallelConfig) -> dict[str, LayerPlan]:
-    return plan_for(module, config.plan, config.sequential)
+def _tp_plan(module: nn.Module, config: ParallelConfig, tp: int) -> dict[str, LayerPlan]:
+    return plan_for(module, config.plan, tp, config.sequential)
 
 
 def _pair_interiors(module: nn.Module, config: ParallelConfig, plan: Mapping[str, LayerPlan]) -> frozenset[int]:
@@ -226,7 +226,7 @@ def parallelize(module: nn.Module, config: ParallelConfig, world: World, groups:
     plain_params = [n for n, _ in module.named_parameters()]
     if config.sync_batchnorm and groups.dp_size > 1:
         convert_sync_batchnorm(module, groups.dp)
-    plan = _tp_plan(module, config) if topo.tp > 1 else {}
+    plan = _tp_plan(module, config, topo.tp) if topo.tp > 1 else {}
     splits = check_plan(module, plan, topo.tp) if plan else {}  # on the whole model, before any stage cut
     stage = engine = starts = None
     if topo.pp > 1:

@@ -59,6 +59,53 @@ def test_column_layernorm_row_match_unsharded_reference(world_size, hidden):
         assert max(errors.values()) < 1e-5, errors
 
 
+def _gathered(world, hidden):
+    """A gathered column layer on a [batch, tokens, features] input, then replicated LayerNorm and Linear.
+
+    The input needs a gradient, so the copy_to_tp all-reduce runs backward; the gathered output's
+    gradient is taken locally (every rank holds the whole of it)."""
+    g = world.group()
+    torch.manual_seed(0)
+    lin1, ln, lin2 = nn.Linear(20, hidden), nn.LayerNorm(hidden), nn.Linear(hidden, 7)
+    x = torch.randn(3, 5, 20, requires_grad=True)
+    ref = lin2(torch.relu(ln(lin1(x))))
+    ref.pow(2).sum().backward()
+    col = ColumnParallelLinear(lin1, g, gather_output=True)
+    ln2, lin3 = nn.LayerNorm(hidden), nn.Linear(hidden, 7)
+    ln2.load_state_dict(ln.state_dict())
+    lin3.load_state_dict(lin2.state_dict())
+    xp = x.detach().clone().requires_grad_(True)
+    before = dict(g.traffic)
+    out = lin3(torch.relu(ln2(col(xp))))
+    out.pow(2).sum().backward()
+    traffic = {k: v - before.get(k, 0) for k, v in g.traffic.items() if v != before.get(k, 0)}
+    with torch.no_grad():  # inference: gathered without an autograd node
+        inference = col(x.detach())
+    s, i = col.sizes, g.index
+    checks = {
+        "output": (out, ref),
+        "inference output": (inference, lin1(x).detach()),
+        "input grad": (xp.grad, x.grad),
+        "column weight grad": (col.weight.grad, _slice(lin1.weight.grad, 0, s, i)),
+        "column bias grad": (col.bias.grad, _slice(lin1.bias.grad, 0, s, i)),
+        "replicated LayerNorm weight grad": (ln2.weight.grad, ln.weight.grad),
+        "replicated Linear weight grad": (lin3.weight.grad, lin2.weight.grad),
+    }
+    return {k: float((a.double() - b.double()).abs().max()) for k, (a, b) in checks.items()}, traffic
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("hidden", [24, 31])  # 31 over 3 ranks: uneven shards 11, 10, 10 (all_gather_v)
+def test_gathered_column_matches_unsharded_reference(world_size, hidden):
+    for errors, traffic in launch(_gathered, world_size, hidden, start_method="fork"):
+        assert max(errors.values()) < 1e-5, errors
+        # forward: one gather of this rank's [3, 5, H_r] output; backward: only the input gradient's all-reduce
+        mine = 3 * 5 * even_split_sizes(hidden, world_size)[0] * 4
+        gathered = traffic.pop("all_gather", 0) + traffic.pop("all_gather_v", 0)
+        assert gathered >= 3 * 5 * min(even_split_sizes(hidden, world_size)) * 4 and gathered <= mine, traffic
+        assert traffic == {"all_reduce": 3 * 5 * 20 * 4}, traffic
+
+
 def _layernorm(world, offset, n_features):
     g = world.group()
     sizes = even_split_sizes(n_features, world.size)

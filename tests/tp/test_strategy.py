@@ -36,9 +36,19 @@ def _styles(plan):
     return {k: v.style for k, v in plan.items()}
 
 
-def test_derived_plan_pairs_linears_column_row_and_replicates_the_rest():
-    assert _styles(derive_plan(build_mlp(), "net")) == {"net.1": "column", "net.4": "row"}  # net.7 replicated
-    assert _styles(derive_plan(build_mlp([64, 32, 16]))) == {"1": "column", "4": "row", "7": "column", "10": "row"}
+def test_derived_plan_pairs_linears_column_row_gathers_before_small_ones_and_replicates_the_rest():
+    # 784-16-512-10: the second Linear (8,192 weights) is over 1/tp of the first (12,544): a column -> row pair
+    assert _styles(derive_plan(build_mlp([16, 512]), "net", 2)) == {"net.1": "column", "net.4": "row"}
+    # the reference MLP (200,704 / 16,384 / 640 weights): the first Linear gathered, the small ones replicated
+    assert _styles(derive_plan(build_mlp(), "net", 2)) == {"net.1": "column_gathered"}
+    assert _styles(derive_plan(build_mlp(), "net", 8)) == {"net.1": "column_gathered"}  # 16,384 * 8 <= 200,704
+    assert _styles(derive_plan(build_mlp(), "net", 16)) == {"net.1": "column", "net.4": "row"}  # 16,384 * 16 > it
+    assert _styles(derive_plan(build_mlp([64, 32, 16]), "", 2)) == {"1": "column_gathered"}
+    # a Linear larger than 1/tp of the gathered one (8 -> 20000: 160,000 weights) starts a new pair
+    assert _styles(derive_plan(build_mlp([256, 8, 20000]), "", 2)) == {"1": "column_gathered", "7": "column",
+                                                                        "10": "row"}
+    cnn = nn.Sequential(nn.Conv2d(1, 64, 3), nn.ReLU(), nn.Conv2d(64, 1, 1))  # Conv2d pairs are never gathered
+    assert _styles(derive_plan(cnn, "", 2)) == {"0": "column", "2": "row"}
 
 
 @pytest.fixture(scope="module")
@@ -50,9 +60,18 @@ def references():
                          ids=["tp2", "tp4", "tp3-uneven", "dp2xtp2"])
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 def test_tensor_parallel_equals_one_process(references, devices, size, optimizer):
+    """The derived plan: the reference MLP's first Linear split with its output gathered."""
     dp = devices // size
     got = train_mnist(tp(size), devices, optimizer, batch=GLOBAL_BATCH // dp)
     torch.testing.assert_close(got, references[optimizer], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("devices, size", [(2, 2), (3, 3), (4, 2)], ids=["tp2", "tp3-uneven", "dp2xtp2"])
+def test_column_row_pair_with_split_layernorm_equals_one_process(references, devices, size):
+    """The Megatron pair on the same MLP: column, split LayerNorm, ReLU, row (the wide MLP's derived plan)."""
+    dp = devices // size
+    got = train_mnist(tp(size, plan={"net.1": "column", "net.4": "row"}), devices, "adam", batch=GLOBAL_BATCH // dp)
+    torch.testing.assert_close(got, references["adam"], rtol=0, atol=1e-5)
 
 
 class RankAugmented(torch.utils.data.Dataset):
@@ -177,15 +196,15 @@ def test_user_plan_as_data_and_global_norm_clipping():
 def _param_bytes(world):
     pl.seed_everything(0)
     m = MNISTClassifier()
-    tpm = TensorParallelState(m, world.group(), check_plan(m, plan_for(m, None), world.size))
+    tpm = TensorParallelState(m, world.group(), check_plan(m, plan_for(m, None, world.size), world.size))
     return tpm.parameter_bytes(), {n: tuple(p.shape) for n, p in m.named_parameters()}
 
 
 def test_each_rank_holds_its_slices():
     (b0, shapes), (b1, _) = launch(_param_bytes, 2, start_method="fork")
-    assert shapes["net.1.weight"] == (128, 784) and shapes["net.2.weight"] == (128,)
-    assert shapes["net.4.weight"] == (64, 128) and shapes["net.4.bias"] == (64,)  # row bias replicated
-    assert shapes["net.7.weight"] == (10, 64)  # replicated
+    assert shapes["net.1.weight"] == (128, 784) and shapes["net.1.bias"] == (128,)  # the gathered column layer
+    assert shapes["net.2.weight"] == (256,) and shapes["net.4.weight"] == (64, 256)  # replicated
+    assert shapes["net.7.weight"] == (10, 64)
     full = 218_698 * 4
     assert b0 == b1 and b0 < 0.55 * full  # about half of the big matrices per rank
 
@@ -234,6 +253,11 @@ class Seq(pl.LightningModule):
         ((nn.Linear(4, 3), nn.Linear(3, 2)), None, "column layer 'net.0' has 3 output features, fewer than tp=4"),
         ((nn.Linear(4, 8), nn.Linear(8, 2)), {"net.9": "row"}, r"plan pattern 'net.9' matches no module of Seq"),
         ((nn.Linear(4, 8), nn.Linear(8, 2)), {"net.0": "diagonal"}, "must be one of"),
+        ((nn.Conv2d(1, 8, 1), nn.Flatten()), {"net.0": "column_gathered"},
+         "'net.0' is a Conv2d; only nn.Linear can be 'column_gathered'"),
+        ((nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 2)),
+         {"net.0": "column", "net.1": "column_gathered", "net.2": "row"},
+         "'column_gathered' layer 'net.1' sits between column layer 'net.0' and its row layer"),
     ],
 )
 def test_bad_plans_fail_before_launch(layers, plan, match):

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_shm.parallel.tp.layernorm import distributed_layer_norm
-from lightning_shm.parallel.tp.mappings import copy_to_tp, reduce_from_tp
+from lightning_shm.parallel.tp.mappings import copy_to_tp, gather_from_tp, reduce_from_tp
 from lightning_shm.runtime import Group, even_split
 
 
@@ -45,13 +45,16 @@ def _replicate(t: Optional[torch.Tensor]) -> Optional[nn.Parameter]:
 
 
 class ColumnParallelLinear(nn.Module):
-    """Output features split across the group; input replicated. Output stays sharded."""
+    """Output features split across the group; input replicated. Output stays sharded, or with
+    ``gather_output`` is all-gathered so the layers after it run replicated (plan style
+    ``"column_gathered"``): ``y_r [B, H_r]`` --all-gather--> ``y [B, H]`` on every rank."""
 
     split_dims = {"weight": 0, "bias": 0}
 
-    def __init__(self, full: nn.Linear, group: Group, sizes: Optional[Sequence[int]] = None) -> None:
+    def __init__(self, full: nn.Linear, group: Group, sizes: Optional[Sequence[int]] = None,
+                 gather_output: bool = False) -> None:
         super().__init__()
-        self.group = group
+        self.group, self.gather_output = group, gather_output
         self.in_features, self.full_out_features = full.in_features, full.out_features
         self.sizes = list(sizes or even_split_sizes(full.out_features, group.size))
         self.out_features = self.sizes[group.index]
@@ -59,10 +62,12 @@ class ColumnParallelLinear(nn.Module):
         self.bias = _slice(full.bias, 0, self.sizes, group.index)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(copy_to_tp(x, self.group), self.weight, self.bias)
+        y = F.linear(copy_to_tp(x, self.group), self.weight, self.bias)
+        return gather_from_tp(y, self.group, tuple(self.sizes)) if self.gather_output else y
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features} of {self.full_out_features}, tp={self.group.size}"
+        return (f"in={self.in_features}, out={self.out_features} of {self.full_out_features}, tp={self.group.size}"
+                + (", output gathered" if self.gather_output else ""))
 
 
 class RowParallelLinear(nn.Module):

@@ -4,11 +4,17 @@ Named for what they do forward and backward::
 
     copy_to_tp(x)       forward: identity          backward: all-reduce(sum)   -- before a column layer
     reduce_from_tp(x)   forward: all-reduce(sum)   backward: identity          -- after a row layer
+    gather_from_tp(y)   forward: all-gather(features)  backward: my slice      -- after a gathered column layer
 
 Why: a column-parallel layer gives every rank a slice of the outputs computed from the *whole*
 input, so the gradient w.r.t. that input is the sum of every rank's contribution (``f``'s
 backward). A row-parallel layer gives every rank a partial sum of the output, which must be summed
 forward (``g``); its gradient is already the full output gradient on every rank.
+
+``gather_from_tp`` is Megatron's ``gather_output``: every rank concatenates the members' output
+features, ``[..., H_r]`` -> ``[..., sum(H_j)]``, so what follows runs replicated. Its backward needs
+no communication: every rank computes the same replicated layers on the same batch, so each holds
+the *whole* output gradient and keeps its own features' columns.
 
 ``copy_to_tp`` skips its backward all-reduce entirely when the input needs no gradient (e.g. the
 pixels entering the first layer): autograd never calls a backward nobody needs.
@@ -44,6 +50,26 @@ class _ReduceFromTensorParallel(torch.autograd.Function):
         return grad, None
 
 
+class _GatherFromTensorParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, y: torch.Tensor, group: Group, sizes: tuple[int, ...]) -> torch.Tensor:  # type: ignore[override]
+        ctx.lo, ctx.n = sum(sizes[:group.index]), sizes[group.index]
+        return _gather_features(y, group, sizes)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+        return grad[..., ctx.lo:ctx.lo + ctx.n], None, None
+
+
+def _gather_features(y: torch.Tensor, group: Group, sizes: tuple[int, ...]) -> torch.Tensor:
+    """``[..., sizes[r]]`` on member r -> ``[..., sum(sizes)]`` on every member, members' features in order."""
+    lead = y.shape[:-1]
+    if len(set(sizes)) == 1:  # one all-gather [W, ..., H_r], then the members' blocks side by side
+        return group.all_gather(y.contiguous()).movedim(0, -2).reshape(*lead, sum(sizes))
+    parts = group.all_gather_v(y.reshape(-1))  # uneven split: lengths travel with the data
+    return torch.cat([p.view(*lead, n) for p, n in zip(parts, sizes)], dim=-1)
+
+
 def copy_to_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Identity forward, all-reduce backward (Megatron ``f``)."""
     if group.size == 1 or not (torch.is_grad_enabled() and x.requires_grad):
@@ -58,3 +84,12 @@ def reduce_from_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
     if not (torch.is_grad_enabled() and x.requires_grad):
         return group.all_reduce(x.contiguous().clone(), "sum")
     return _ReduceFromTensorParallel.apply(x, group)
+
+
+def gather_from_tp(y: torch.Tensor, group: Group, sizes: tuple[int, ...]) -> torch.Tensor:
+    """All-gather of the feature dimension forward, this rank's slice backward (Megatron ``gather_output``)."""
+    if group.size == 1:
+        return y
+    if not (torch.is_grad_enabled() and y.requires_grad):
+        return _gather_features(y, group, sizes)
+    return _GatherFromTensorParallel.apply(y, group, tuple(sizes))

@@ -7,6 +7,9 @@ component, as Hugging Face models declare their ``tp_plan`` -- to a style::
      "net.*.attn.o": "row", "net.*.mlp.fc1": "column", "net.*.mlp.fc2": "row"}
 
 * ``"column"``: ``Linear`` / ``Conv2d`` output features (channels) split; input replicated.
+* ``"column_gathered"``: a ``Linear`` split like ``"column"`` whose outputs are all-gathered, so
+  everything after it runs replicated on the whole features (Megatron's ``gather_output``; Hugging
+  Face's ``"colwise_rep"``). One collective forward, none backward, no row layer needed.
 * ``"row"``: input features (channels) split; partial outputs all-reduced; bias added once.
 * ``"replicate"``: every rank holds the whole layer (the default for anything not planned).
 * ``{"style": "column", "head_dim": 16}``: split on whole attention heads (multiples of 16). Without
@@ -14,7 +17,8 @@ component, as Hugging Face models declare their ``tp_plan`` -- to a style::
 
 Where the plan comes from, first found wins: the strategy's ``plan=``; else the module's ``tp_plan``
 attribute; else it is derived for the model's ``nn.Sequential`` (Linear layers paired column ->
-row, Conv2d layers likewise, a leftover replicated).
+row, Conv2d layers likewise, a leftover replicated; a Linear whose successor is small is gathered
+instead, see :func:`derive_plan`).
 
 Inside an ``nn.Sequential``, the children between a column layer and the row layer after it run on
 the split features: a LayerNorm becomes a distributed LayerNorm, a BatchNorm is sliced per channel,
@@ -45,7 +49,7 @@ from lightning_shm.parallel.tp.layers import (
 )
 from lightning_shm.runtime import Group
 
-STYLES = ("column", "row", "replicate")
+STYLES = ("column", "row", "replicate", "column_gathered")
 ELEMENTWISE = (nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.LeakyReLU, nn.ELU, nn.Identity, nn.Softplus,
                nn.Mish, nn.Hardswish, nn.Hardtanh, nn.ReLU6, nn.Dropout, nn.Dropout2d)
 POOLING = (nn.MaxPool2d, nn.AvgPool2d, nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d)
@@ -107,24 +111,43 @@ def resolve_plan(module: nn.Module, plan: Mapping[str, Any]) -> dict[str, LayerP
     return {n: lp for n, (_, lp) in out.items()}
 
 
-def derive_plan(seq: nn.Sequential, prefix: str = "") -> dict[str, LayerPlan]:
-    """Pair the Sequential's Linear (Conv2d) children column -> row; a leftover stays replicated."""
+def derive_plan(seq: nn.Sequential, prefix: str = "", tp: int = 2) -> dict[str, LayerPlan]:
+    """Pair the Sequential's Linear (Conv2d) children column -> row; a leftover stays replicated.
+
+    Except when the second Linear of a pair holds at most ``1/tp`` of the first's weights: then the
+    first is ``"column_gathered"``, and it and every later Linear that small stay replicated (a
+    larger one starts a new pair). Replicating such a layer costs each rank no more than its share
+    of the split one, and it saves the pair's collectives and the split LayerNorm between them --
+    small ops whose fixed cost and synchronisation dominate a small model's step. Measured on the
+    reference MLP (784-256-64-10, tp=2, Lightning, global batch 128, three interleaved runs):
+    0.93x of the ceiling with only the first Linear gathered, 0.89x with the second gathered too,
+    0.78x as a column -> row pair.
+    """
+    if tp < 1:
+        raise ValueError(f"tp must be >= 1, got {tp}")
     plan: dict[str, LayerPlan] = {}
-    pending: Optional[tuple[str, type]] = None
+    pending: Optional[tuple[str, type, nn.Module]] = None  # a layer waiting for its partner
+    replicate_upto = -1  # after a gathered Linear: Linear layers with at most this many weights stay whole
     for name, m in seq.named_children():
         q = _qual(prefix, name)
         kind = _kind(m)
+        if kind is nn.Linear and pending is None and m.weight.numel() <= replicate_upto:
+            continue
         if kind is not None and pending is not None and pending[1] is kind:
-            plan[pending[0]], plan[q] = LayerPlan("column"), LayerPlan("row")
+            if kind is nn.Linear and m.weight.numel() * tp <= pending[2].weight.numel():
+                plan[pending[0]] = LayerPlan("column_gathered")
+                replicate_upto = pending[2].weight.numel() // tp
+            else:
+                plan[pending[0]], plan[q] = LayerPlan("column"), LayerPlan("row")
             pending = None
         elif kind is not None:
-            pending = (q, kind)
+            pending = (q, kind, m)
         elif pending is not None and not isinstance(m, _BETWEEN[pending[1]]):
             pending = None  # cannot carry split features across this module
     return plan
 
 
-def plan_for(module: nn.Module, plan: Optional[Mapping[str, Any]], sequential: Optional[str] = None
+def plan_for(module: nn.Module, plan: Optional[Mapping[str, Any]], tp: int, sequential: Optional[str] = None
              ) -> dict[str, LayerPlan]:
     """The resolved plan: the given one, else the module's ``tp_plan``, else derived for its Sequential."""
     from lightning_shm.parallel.sequential import find_sequential
@@ -135,14 +158,16 @@ def plan_for(module: nn.Module, plan: Optional[Mapping[str, Any]], sequential: O
     if isinstance(own, Mapping):
         return resolve_plan(module, own)
     prefix, seq = find_sequential(module, sequential)
-    return derive_plan(seq, prefix)
+    return derive_plan(seq, prefix, tp)
 
 
 def split_sizes(name: str, layer: nn.Module, lp: LayerPlan, tp: int, parent: Optional[nn.Module]) -> list[int]:
     """Features (channels) per rank of a column or row layer; whole heads when a head_dim applies."""
     if not isinstance(layer, _SPLITTABLE):
         raise ValueError(f"'{name}' is a {type(layer).__name__}; only nn.Linear and nn.Conv2d can be '{lp.style}'")
-    if lp.style == "column":
+    if lp.style == "column_gathered" and not isinstance(layer, nn.Linear):
+        raise ValueError(f"'{name}' is a {type(layer).__name__}; only nn.Linear can be 'column_gathered'")
+    if lp.style in ("column", "column_gathered"):
         n = layer.out_features if isinstance(layer, nn.Linear) else layer.out_channels
         what = "output features" if isinstance(layer, nn.Linear) else "output channels"
     else:
@@ -166,8 +191,9 @@ def split_sizes(name: str, layer: nn.Module, lp: LayerPlan, tp: int, parent: Opt
 
 @dataclass(frozen=True)
 class LayerSplit:
-    """How one module is split: ``role`` "column" / "row" (a planned layer) or "norm" (a LayerNorm or
-    BatchNorm running on split features between a column and a row layer); features per rank."""
+    """How one module is split: ``role`` "column" / "row" / "column_gathered" (a planned layer) or
+    "norm" (a LayerNorm or BatchNorm running on split features between a column and a row layer);
+    features per rank."""
 
     role: str
     sizes: tuple[int, ...]
@@ -212,6 +238,9 @@ def _check_sequential(seq: nn.Sequential, prefix: str, splits: Mapping[str, Laye
                 raise ValueError(f"row layer '{q}' splits its inputs as {list(splits[q].sizes)} but column layer "
                                  f"'{region[0]}' produces {list(splits[region[0]].sizes)}")
             region = None
+        elif role == "column_gathered" and region is not None:
+            raise ValueError(f"'column_gathered' layer '{q}' sits between column layer '{region[0]}' and its row "
+                             "layer: it needs the whole input features")
         elif region is not None:
             if _kind(m) is not None:
                 raise ValueError(f"{type(m).__name__} '{q}' sits between column layer '{region[0]}' and its row "
@@ -242,7 +271,10 @@ def apply_plan(module: nn.Module, splits: Mapping[str, LayerSplit], group: Group
         else:
             cls = {("column", nn.Linear): ColumnParallelLinear, ("row", nn.Linear): RowParallelLinear,
                    ("column", nn.Conv2d): ColumnParallelConv2d, ("row", nn.Conv2d): RowParallelConv2d}
-            new = cls[(sp.role, _kind(layer))](layer, group, sp.sizes)
+            if sp.role == "column_gathered":
+                new = ColumnParallelLinear(layer, group, sp.sizes, gather_output=True)
+            else:
+                new = cls[(sp.role, _kind(layer))](layer, group, sp.sizes)
         replaced[name] = new
     for name, new in replaced.items():
         parent, _, attr = name.rpartition(".")
