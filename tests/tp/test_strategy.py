@@ -38,17 +38,17 @@ def _styles(plan):
 
 def test_derived_plan_pairs_linears_column_row_gathers_before_small_ones_and_replicates_the_rest():
     # 784-16-512-10: the second Linear (8,192 weights) is over 1/tp of the first (12,544): a column -> row pair
-    assert _styles(derive_plan(build_mlp([16, 512]), "net", 2)) == {"net.1": "column", "net.4": "row"}
+    assert _styles(derive_plan(build_mlp([16, 512]), 2, "net")) == {"net.1": "column", "net.4": "row"}
     # the reference MLP (200,704 / 16,384 / 640 weights): the first Linear gathered, the small ones replicated
-    assert _styles(derive_plan(build_mlp(), "net", 2)) == {"net.1": "column_gathered"}
-    assert _styles(derive_plan(build_mlp(), "net", 8)) == {"net.1": "column_gathered"}  # 16,384 * 8 <= 200,704
-    assert _styles(derive_plan(build_mlp(), "net", 16)) == {"net.1": "column", "net.4": "row"}  # 16,384 * 16 > it
-    assert _styles(derive_plan(build_mlp([64, 32, 16]), "", 2)) == {"1": "column_gathered"}
+    assert _styles(derive_plan(build_mlp(), 2, "net")) == {"net.1": "column_gathered"}
+    assert _styles(derive_plan(build_mlp(), 8, "net")) == {"net.1": "column_gathered"}  # 16,384 * 8 <= 200,704
+    assert _styles(derive_plan(build_mlp(), 16, "net")) == {"net.1": "column", "net.4": "row"}  # 16,384 * 16 > it
+    assert _styles(derive_plan(build_mlp([64, 32, 16]), 2)) == {"1": "column_gathered"}
     # a Linear larger than 1/tp of the gathered one (8 -> 20000: 160,000 weights) starts a new pair
-    assert _styles(derive_plan(build_mlp([256, 8, 20000]), "", 2)) == {"1": "column_gathered", "7": "column",
+    assert _styles(derive_plan(build_mlp([256, 8, 20000]), 2)) == {"1": "column_gathered", "7": "column",
                                                                         "10": "row"}
     cnn = nn.Sequential(nn.Conv2d(1, 64, 3), nn.ReLU(), nn.Conv2d(64, 1, 1))  # Conv2d pairs are never gathered
-    assert _styles(derive_plan(cnn, "", 2)) == {"0": "column", "2": "row"}
+    assert _styles(derive_plan(cnn, 2)) == {"0": "column", "2": "row"}
 
 
 @pytest.fixture(scope="module")
