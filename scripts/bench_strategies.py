@@ -514,6 +514,10 @@ def rows_for(model: str, world: int, gb: int, warmup: int, steps: int) -> list[R
                 strategy_kwargs={"gather": "copy", "prefetch": True}, **common),
         RunSpec(f"shm_tp (tp={world})", "shm_tp", world, strategy_kwargs={"tensor_parallel_size": world},
                 data_parallel=1, **common),
+        # the reference MLP's derived plan gathers its first Linear; the Megatron pair it used to get, beside it
+        *([RunSpec(f"shm_tp (tp={world}), column -> row pair", "shm_tp", world, data_parallel=1,
+                   strategy_kwargs={"tensor_parallel_size": world, "plan": TP_PAIR_PLAN}, **common)]
+          if model == "reference" else []),
         RunSpec(f"shm_tp (tp={world}), tp_batch broadcast", "shm_tp", world, data_parallel=1,
                 strategy_kwargs={"tensor_parallel_size": world, "tp_batch": "broadcast"}, **common),
         RunSpec(f"shm_tp (tp={world}), tp_batch off", "shm_tp", world, data_parallel=1,

@@ -119,9 +119,10 @@ def derive_plan(seq: nn.Sequential, tp: int, prefix: str = "") -> dict[str, Laye
     larger one starts a new pair). Replicating such a layer costs each rank no more than its share
     of the split one, and it saves the pair's collectives and the split LayerNorm between them --
     small ops whose fixed cost and synchronisation dominate a small model's step. Measured on the
-    reference MLP (784-256-64-10, tp=2, Lightning, both plans in the same interleaved runs, global
-    batch 128 and 256): 0.69-0.93x of the ceiling gathered against 0.66-0.78x paired; gathering the
-    second Linear (16,384 weights) too gave 0.89x against 0.93x for the first alone.
+    reference MLP (784-256-64-10, tp=2): runtime only (``bench_strategies.py --tables tp_layers``,
+    three runs) 0.79-0.82x of the ceiling's step gathered against 0.57-0.63x paired; through
+    Lightning, whose per-step costs dilute it, 0.66-0.93x against 0.66-0.78x (four runs). Gathering
+    the second Linear (16,384 weights) too gave 0.89x against 0.93x for the first alone.
     """
     if tp < 1:
         raise ValueError(f"tp must be >= 1, got {tp}")
