@@ -145,6 +145,23 @@ def test_summary_rows_exist_and_its_pipeline_row_cuts_the_wide_linear(monkeypatc
             assert pp["split_linear"] is True and pp["microbatches"] == bench.SUMMARY_M, pp
 
 
+def test_reference_rows_put_the_former_tp_pair_beside_the_derived_plan(monkeypatch):
+    """The reference MLP's derived plan gathers its first Linear; the extra row runs the column -> row pair
+    it had before, so one run compares both (the wide MLP derives that pair itself: no extra row)."""
+    from lightning_shm.models import MNISTClassifier
+    from lightning_shm.parallel.tp import plan_for
+
+    bench = _bench_module(monkeypatch)
+    ref = {s.row: s for s in bench.rows_for("reference", 2, 128, 1, 1)}
+    assert "plan" not in ref["shm_tp (tp=2)"].strategy_kwargs
+    pair = ref["shm_tp (tp=2), column -> row pair"].strategy_kwargs["plan"]
+    model = MNISTClassifier(**bench.MODELS["reference"])
+    styles = {k: v.style for k, v in plan_for(model, pair, 2).items()}
+    assert styles == {"net.1": "column", "net.4": "row"}
+    assert {k: v.style for k, v in plan_for(model, None, 2).items()} == {"net.1": "column_gathered"}
+    assert not [s.row for s in bench.rows_for("wide", 2, 128, 1, 1) if "pair" in s.row]
+
+
 def test_bench_stage_grads_prints_both_variants():
     out = run(["scripts/bench_stage_grads.py", "--quick"])
     rows = [line for line in out.splitlines() if re.match(r"\| \(256, 512\) \| 64 \| [48] \|", line)]
