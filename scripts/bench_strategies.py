@@ -18,9 +18,11 @@ Rows (same global batch everywhere, synthetic MNIST-shaped data held in memory):
   step runs at the slower rank's pace; this row measures what that costs in the same run.
 
 Every process iterates over the same MNIST-sized synthetic array (60,000 samples; epochs repeat).
-Each configuration runs in its own fresh process; throughput is measured over steady-state steps
-after a warm-up (start-up and process spawning excluded), ceiling processes start their measured
-window together (file barrier). Prints a markdown table, writes it and a PNG to ``--out-dir``.
+Each configuration runs in its own process, forked from a server that imported torch and lightning
+once (the driver waits until every process a run started has exited before the next); throughput is
+measured over steady-state steps after a warm-up (start-up and process spawning excluded), ceiling
+processes start their measured window together (file barrier). Prints a markdown table, writes it
+and a PNG to ``--out-dir``.
 """
 
 from __future__ import annotations
@@ -430,19 +432,102 @@ def fixed_cost_table(res: dict[str, list[dict[str, float]]]) -> str:
 
 
 # ---------------------------------------------------------------------- driver
-def launch_child(spec: RunSpec, env: Optional[dict[str, str]] = None) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, __file__, "--run-one", json.dumps(asdict(spec))], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+class PreloadedChild:
+    """One measured run in a process forked from a server that imported torch, lightning and
+    lightning_shm once (:mod:`lightning_shm.runtime.forkserver`), instead of a fresh interpreter that
+    imports them again: ~9 s per run on a slow day here, 27 runs in ``--summary``. Only steady-state
+    steps are timed, so the rows measure the same thing either way; the fixed-cost rows, which time a
+    fresh interpreter's start, keep ``subprocess``.
+
+    Popen's surface, as :func:`collect` uses it: ``communicate()`` -> (stdout, stderr), ``returncode``
+    (negative: killed by that signal), ``kill()``. The server's fds 0-2 are not ours, so the child
+    writes stdout and stderr to files in a private directory, read back once it has exited."""
+
+    def __init__(self, spec: RunSpec, env: Optional[dict[str, str]] = None) -> None:
+        import multiprocessing
+
+        from lightning_shm.runtime import forkserver
+        from lightning_shm.strategies.launcher import FORKSERVER_PRELOAD
+
+        ctx = multiprocessing.get_context("forkserver")
+        forkserver.ensure_running(ctx, FORKSERVER_PRELOAD)
+        self._dir = Path(tempfile.mkdtemp(prefix="bench_child_"))
+        self._proc = ctx.Process(target=forked_run_one, args=(json.dumps(asdict(spec)), dict(env or os.environ),
+                                                               str(self._dir)))
+        self._proc.start()
+
+    @property
+    def pid(self) -> Optional[int]:
+        return self._proc.pid
+
+    @property
+    def returncode(self) -> Optional[int]:
+        return self._proc.exitcode
+
+    def kill(self) -> None:
+        self._proc.kill()
+        self._kill_group()
+
+    def communicate(self) -> tuple[str, str]:
+        self._proc.join()
+        self._wait_for_group()
+        try:
+            return tuple((self._dir / name).read_text() if (self._dir / name).exists() else ""  # type: ignore
+                         for name in ("stdout", "stderr"))
+        finally:
+            for f in self._dir.iterdir():
+                f.unlink()
+            self._dir.rmdir()
+
+    def _wait_for_group(self, timeout_s: float = 60.0) -> None:
+        """Return once every process the child started has exited (its process group is empty): a
+        strategy's own fork server outlives the fit by its interpreter's shutdown (1-2 s of CPU), which
+        would otherwise run beside the next row's measured steps. Stragglers after ``timeout_s`` are killed."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(self._proc.pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.01)
+        self._kill_group()
+
+    def _kill_group(self) -> None:
+        try:
+            os.killpg(self._proc.pid, 9)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
-def collect(proc: subprocess.Popen) -> dict[str, Any]:
+def forked_run_one(spec_json: str, env: dict[str, str], out_dir: str) -> None:
+    """:func:`run_one` in a fork-server child: the driver's environment, working directory and thread
+    count (a fresh interpreter would take them from ``env`` at start-up), output into ``out_dir``; a
+    process group of its own, so that the driver can wait for (or kill) everything it starts."""
+    os.setpgrp()
+    for fd, name in ((1, "stdout"), (2, "stderr")):
+        f = os.open(os.path.join(out_dir, name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.dup2(f, fd)
+        os.close(f)
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(ROOT)
+    if env.get("OMP_NUM_THREADS"):
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    print(json.dumps(run_one(RunSpec(**json.loads(spec_json)))), flush=True)
+
+
+def launch_child(spec: RunSpec, env: Optional[dict[str, str]] = None) -> PreloadedChild:
+    return PreloadedChild(spec, env)
+
+
+def collect(proc: Any) -> dict[str, Any]:
     out, err = proc.communicate()
     if proc.returncode != 0:
         raise RuntimeError(f"benchmark child failed:\n{err[-3000:]}")
     return json.loads(out.strip().splitlines()[-1])
 
 
-def collect_all(procs: list[subprocess.Popen]) -> list[dict[str, Any]]:
+def collect_all(procs: list[Any]) -> list[dict[str, Any]]:
     """Every child's result, in order. The first child to fail stops the others -- whichever it is:
     they would wait for it (the ceiling's start file, a lock-step barrier) -- and its error is raised."""
     from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
@@ -542,7 +627,6 @@ def rows_for(model: str, world: int, gb: int, warmup: int, steps: int) -> list[R
 
 def main(argv: Optional[list[str]] = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--run-one", help=argparse.SUPPRESS)
     p.add_argument("--fixed-cost-one", nargs=2, help=argparse.SUPPRESS)
     p.add_argument("--breakdown-one", nargs=5, help=argparse.SUPPRESS)
     p.add_argument("--summary", action="store_true", help="the short run (under 5 minutes on 2 cores) that ends "
@@ -567,9 +651,6 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--repeats", type=int, default=None, help="alternating repeats; the median is reported")
     p.add_argument("--out-dir", type=Path, default=Path("outputs/bench_strategies"))
     args = p.parse_args(argv)
-    if args.run_one:
-        print(json.dumps(run_one(RunSpec(**json.loads(args.run_one)))))
-        return
     if args.breakdown_one:
         model, M, schedule, gb, split = args.breakdown_one
         print(json.dumps(breakdown_one(model, int(M), schedule, int(gb), bool(int(split)))))
@@ -1069,7 +1150,8 @@ SUMMARY_WANTED = {"reference": ("ddp", "tp", "ceiling", "lockstep"), "wide": ("d
 def summary(global_batch: int, repeats: int) -> None:
     """The rows the performance targets name, medians of ``repeats`` interleaved runs, and one line.
     With one thread per worker (cores // 2 == 1) forked workers are the same workers as the default
-    fork server's, and start in a fraction of a second: the rows use them to stay under 5 minutes."""
+    fork server's, and start in a fraction of a second: the rows use them to stay under 5 minutes, as
+    they use preloaded children (:class:`PreloadedChild`)."""
     from lightning_shm.parallel.pipeline import PipelineSchedule, Schedule
 
     t_start = time.time()

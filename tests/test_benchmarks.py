@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -131,6 +132,44 @@ def test_a_failing_ceiling_child_stops_the_others(monkeypatch):
     with pytest.raises(RuntimeError, match="child 1 broke"):
         bench_strategies.measure(spec)
     assert started[0].returncode == -9  # the waiting child (collected first) was killed, not waited for
+
+
+def test_preloaded_children_take_their_environment_and_leave_nothing_running(monkeypatch):
+    """Measured runs are forked from a server that imported torch and lightning once. Each must run with the
+    environment it is given (the ceiling's one thread per process), raise its own failure, and leave no
+    process behind once collected: a strategy's own fork server, still shutting down, ran beside the next
+    row's measured steps and slowed the ceiling after a shm_ddp row (measured 2026-12-02)."""
+    bench = _bench_module(monkeypatch)
+    single = bench.RunSpec("single", "single", 1, "reference", 32, 1, 1)
+    for threads in (1, 2):
+        result = bench.collect(bench.launch_child(single, {**os.environ, "OMP_NUM_THREADS": str(threads)}))
+        assert result["threads"] == threads and result["samples_per_s"] > 0
+    since = _ticks_since_boot()
+    ddp = bench.launch_child(bench.RunSpec("shm_ddp", "shm_ddp", 2, "reference", 32, 1, 1))  # starts a fork server
+    assert bench.collect(ddp)["samples_per_s"] > 0
+    assert _processes_started_since(since) == [], "a process the child started outlived its collection"
+    with pytest.raises(RuntimeError, match="KeyError: 'no-such-model'"):
+        bench.collect(bench.launch_child(bench.RunSpec("single", "single", 1, "no-such-model", 32, 1, 1)))
+
+
+def _ticks_since_boot() -> int:
+    return int(float(Path("/proc/uptime").read_text().split()[0]) * os.sysconf("SC_CLK_TCK"))
+
+
+def _processes_started_since(tick: int) -> list[str]:
+    """Command lines of the live multiprocessing processes (fork servers, their children) started at or
+    after ``tick``, other than this process's own fork server and resource tracker."""
+    me, found = os.getpid(), []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            cmd = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # exited meanwhile
+            continue
+        state, ppid, start = fields[0], int(fields[1]), int(fields[19])
+        if start >= tick and ppid != me and state != "Z" and int(stat.parent.name) != me and "multiprocessing" in cmd:
+            found.append(cmd)
+    return found
 
 
 def test_summary_rows_exist_and_its_pipeline_row_cuts_the_wide_linear(monkeypatch):
