@@ -12,7 +12,7 @@ several microbatches' rows first.
 Data movement of :class:`SinkLinear` (``x [..., in]``, ``g = dL/dy [..., out]``)::
 
     forward:  y = x @ W^T + b                     saves x and W (what F.linear's node saves)
-    backward: dx = g @ W,  db = sum over rows of g
+    backward: dx = g @ W,  db = sum over rows of g   (dx through sink.padded: see PaddedWeights)
               dW = sink.weight_grad(W, x, g)       the sink computes or stashes g^T @ x; what it
                                                    returns (or None) is W's gradient for autograd,
                                                    so W's hooks and AccumulateGrad still run on it
@@ -28,7 +28,53 @@ import torch.nn.functional as F
 from torch import nn
 
 
+class PaddedWeights:
+    """``dx = g @ W`` through a copy of ``W`` whose rows lie 64 bytes further apart, when ``W``'s rows are a
+    multiple of 8 KiB apart: MKL's product in that layout (``W`` not transposed) slows down at such
+    strides for up to 128 rows of ``g`` -- cache-set aliasing while it packs ``W``, presumably. One thread
+    here, ms plain / through the copy (the copy alone): ``g[128, 2048] @ W[2048, 4096]`` 66.9 / 31.9 (8.9),
+    ``g[32, 2048] @ W[2048, 4096]`` 21.4 / 11.0, ``W[2048, 2048]`` at 128 rows 34.1 / 14.5, at 256 rows
+    the plain product is as fast (51.5 / 54.1); 12 and 20 KiB strides gain less, 4 KiB ones nothing; the
+    forward's ``x @ W^T`` is unaffected.
+
+    A copy serves every microbatch of a step (the pipeline) and is made again when ``W`` has changed in
+    place since (its version counter); the owner calls :meth:`clear` at the end of each step, so it
+    holds the copies' memory (one weight each) only while it back-propagates."""
+
+    min_numel = 1 << 20  # smaller weights: the copy costs what it saves
+    max_rows = 128  # measured slow up to here; at 256 rows the plain product is as fast
+    stride_multiple = 8192  # bytes between W's rows
+    pad_bytes = 64
+
+    def __init__(self) -> None:
+        self._copies: dict[int, tuple[int, torch.Tensor]] = {}  # W's data_ptr -> (W's version, copy)
+
+    def wanted(self, g: torch.Tensor, w: torch.Tensor) -> bool:
+        return (w.dim() == 2 and w.stride(1) == 1 and w.numel() >= self.min_numel and g.dtype == w.dtype
+                and (w.stride(0) * w.element_size()) % self.stride_multiple == 0
+                and g.numel() // g.shape[-1] <= self.max_rows)
+
+    def input_grad(self, g: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if not self.wanted(g, w):
+            return g.matmul(w)
+        held = self._copies.get(w.data_ptr())
+        if held is None or held[0] != w._version or held[1].shape != w.shape or held[1].dtype != w.dtype:
+            pad = self.pad_bytes // w.element_size()
+            copy = torch.empty(w.shape[0], w.shape[1] + pad, dtype=w.dtype)[:, :w.shape[1]]
+            copy.copy_(w)
+            held = self._copies[w.data_ptr()] = (w._version, copy)
+        return g.reshape(-1, g.shape[-1]).mm(held[1]).view(*g.shape[:-1], w.shape[1])
+
+    def clear(self) -> None:
+        self._copies.clear()
+
+    def __len__(self) -> int:
+        return len(self._copies)
+
+
 class WeightGradSink(Protocol):
+    padded: PaddedWeights  # the input gradient's re-strided weights, cleared by the sink after each step
+
     def weight_grad(self, param: nn.Parameter, x: torch.Tensor, g: torch.Tensor) -> Optional[torch.Tensor]:
         """``param``'s gradient ``g^T @ x`` (rows flattened): returned for autograd, or taken (None)."""
 
@@ -49,7 +95,7 @@ class SinkLinear(torch.autograd.Function):
     @torch.amp.custom_bwd(device_type="cpu")
     def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         x, weight = ctx.saved_tensors
-        gx = g.matmul(weight) if ctx.needs_input_grad[0] else None
+        gx = ctx.sink.padded.input_grad(g, weight) if ctx.needs_input_grad[0] else None
         gb = g.reshape(-1, g.shape[-1]).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         gw = ctx.sink.weight_grad(ctx.param, x.detach().to(g.dtype), g.detach())
         return gx, gw, gb, None, None

@@ -52,22 +52,38 @@ def test_equal_to_lightning_ddp_spawn_over_gloo():
     torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
 
 
-def test_linear_weight_gradients_written_into_the_buckets_keep_parity(monkeypatch, tmp_path):
+@pytest.mark.parametrize("padded", [False, True], ids=["plain", "padded"])
+def test_linear_weight_gradients_written_into_the_buckets_keep_parity(monkeypatch, tmp_path, padded):
     """shm_ddp computes large Linear weight gradients straight into their buckets (GradReducer.route_linears,
     from 2^20 elements); with that limit at 0 every Linear of the MNIST module takes the path in the forked
-    workers: parity with one process holds, also over accumulated micro-steps."""
+    workers: parity with one process holds, also over accumulated micro-steps. ``padded``: the input
+    gradients of the weights whose rows lie a multiple of 256 bytes apart (the rule's 8 KiB, lowered: the
+    MNIST layers' are 3,136, 1,024 and 256 bytes) go through re-strided copies (PaddedWeights)."""
     from lightning_shm.parallel.ddp import GradReducer
+    from lightning_shm.parallel.linear_grads import PaddedWeights
 
     taken, write = tmp_path / "taken", GradReducer.weight_grad
+    copied, product = tmp_path / "copied", PaddedWeights.input_grad
 
     def spy(self, param, x, g):
         with open(taken, "a") as f:
             f.write("x".join(map(str, param.shape)) + "\n")
         return write(self, param, x, g)
 
+    def spy_copy(self, g, w):
+        if self.wanted(g, w):
+            with open(copied, "a") as f:
+                f.write("x".join(map(str, w.shape)) + "\n")
+        return product(self, g, w)
+
     monkeypatch.setattr(GradReducer, "direct_min_numel", 0)
     monkeypatch.setattr(GradReducer, "weight_grad", spy)
+    monkeypatch.setattr(PaddedWeights, "input_grad", spy_copy)
+    if padded:
+        monkeypatch.setattr(PaddedWeights, "min_numel", 0)
+        monkeypatch.setattr(PaddedWeights, "stride_multiple", 256)
     ref = train_mnist("auto", 1, "adam", batch=GLOBAL_BATCH, ref=True, accumulate=2)
     got = train_mnist("shm_ddp_fork", 2, "adam", batch=GLOBAL_BATCH // 2, accumulate=2)
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
     assert set(taken.read_text().split()) == {"256x784", "64x256", "10x64"}
+    assert (set(copied.read_text().split()) if copied.exists() else set()) == ({"64x256", "10x64"} if padded else set())

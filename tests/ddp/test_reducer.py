@@ -157,6 +157,9 @@ def _direct(world):
     untouched = all("forward" not in m.__dict__ for m in model.modules())
     reducer.direct_min_numel = 0  # every Linear writes its weight gradient into the bucket
     reducer.route_linears(model.modules())
+    reducer.padded.min_numel, reducer.padded.stride_multiple = 0, 32  # input gradients of the 8-wide layers too
+    copies, product = [], reducer.padded.input_grad
+    reducer.padded.input_grad = lambda g, w: (product(g, w), copies.append(len(reducer.padded)))[0]
     adopted, adopt = [], reducer._adopt
     reducer._adopt = lambda p: adopted.append(p) or adopt(p)
     hook_saw = []
@@ -169,6 +172,7 @@ def _direct(world):
             with reducer.no_sync() if micro < 2 else contextlib.nullcontext():
                 model(xs[world.rank] * (micro + 1)).square().sum().backward()
                 reducer.post_backward()
+                assert len(reducer.padded) == 0 or micro < 2  # the copies dropped when the synced backward ends
             if step == 0 and micro == 0:
                 first_step_adopted = {id(p) for p in adopted}
     in_bucket = all(p.grad.data_ptr() == reducer._views[p].data_ptr() for p in model.parameters())
@@ -180,6 +184,7 @@ def _direct(world):
     reducer.close()
     restored = all("forward" not in m.__dict__ for m in model.modules())
     named = {id(p): n for n, p in model.named_parameters()}
+    assert max(copies) > 0  # the re-strided copies were used
     return err, sorted(named[i] for i in first_step_adopted), hook_saw, reducer._views[model.out.weight].data_ptr(), \
         in_bucket, untouched and restored
 
@@ -188,7 +193,8 @@ def test_linear_weight_gradients_are_written_into_the_buckets():
     """route_linears: a Linear's weight gradient is computed straight into its bucket region and autograd
     adopts that region as .grad -- nothing is copied in (the biases, autograd's, are). Gradients equal
     autograd's through gradient accumulation (later micro-steps add autograd's product to the bucket) and a
-    layer applied twice (the second product must not overwrite the first in the lent region); a hook on a
+    layer applied twice (the second product must not overwrite the first in the lent region), with the input
+    gradients through re-strided weight copies (dropped after each synced backward); a hook on a
     routed weight still sees its gradient (in the bucket); layers under the size limit are not rerouted at
     all; close() restores the layers."""
     for err, adopted, hook_saw, out_ptr, in_bucket, restored in launch(_direct, 2, start_method="fork"):

@@ -244,3 +244,41 @@ def test_weight_gradients_are_taken_over_the_gathered_rows_of_several_microbatch
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
     if fraction == 0.5:  # the last B ends with four microbatches' grad_output rows held (4 x 16 KiB storages)
         assert engine.peak_activation_bytes >= _stage_step(0.0)[1].peak_activation_bytes + 3 * 4 * 1024 * 4
+
+
+def test_input_gradients_through_restrided_weight_copies_equal_autograds():
+    """A weight whose rows lie a multiple of 8 KiB apart gives its input gradient through a copy with longer
+    rows (linear_grads.PaddedWeights): one copy serves every microbatch of a step, the engine drops it at
+    the step's end, and after an SGD step the next step's gradients still equal autograd's."""
+    from torch import nn
+
+    from lightning_shm.parallel.pipeline import PipelineSchedule, Schedule
+    from lightning_shm.parallel.pipeline.engine import PipelineEngine
+
+    def make() -> nn.Sequential:
+        return nn.Sequential(nn.Linear(16, 2048), nn.ReLU(), nn.Linear(2048, 24), nn.ReLU(), nn.Linear(24, 5))
+
+    torch.manual_seed(0)
+    net, ref = make(), make()
+    ref.load_state_dict(net.state_dict())
+    engine = PipelineEngine({0: net}, PipelineSchedule(Schedule.ONE_F_ONE_B, 1, 4, 1), 0, [0], world=None)
+    engine.in_place_min_numel = 0
+    engine.padded.min_numel = 0  # the [24, 2048] weight (rows 8 KiB apart) is small: take it anyway
+    calls, real = [], engine.padded.input_grad
+    engine.padded.input_grad = lambda g, w: (real(g, w), calls.append((tuple(w.shape), len(engine.padded))))[0]
+    for step in range(2):
+        x, y = torch.randn(16, 16), torch.randint(0, 5, (16,))
+        net.zero_grad(set_to_none=True)
+        engine.train_step(_PlainIO(x, y, 4))
+        assert len(engine.padded) == 0  # dropped at the step's end
+        ref.zero_grad(set_to_none=True)
+        torch.nn.functional.cross_entropy(ref(x), y).backward()
+        for (name, p), q in zip(net.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=f"step {step}: {name}")
+        with torch.no_grad():
+            for p, q in zip(net.parameters(), ref.parameters()):
+                p.sub_(0.5 * p.grad)
+                q.sub_(0.5 * q.grad)
+    engine.close()
+    assert [c for c in calls if c[0] == (24, 2048)] == [((24, 2048), 1)] * 8  # every microbatch, one copy per step
+    assert ((5, 24), 0) in calls  # a weight outside the rule: the plain product

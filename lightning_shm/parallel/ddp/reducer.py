@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_shm.parallel.linear_grads import SinkLinear, restore_linears, route_linears
+from lightning_shm.parallel.linear_grads import PaddedWeights, SinkLinear, restore_linears, route_linears
 from lightning_shm.runtime.group import Group, SharedBuffer
 
 
@@ -105,6 +105,7 @@ class GradReducer:
         self._ready = [False] * len(params)
         self._lent = [False] * len(params)  # bucket region handed to autograd as the gradient, not yet accumulated
         self._routed: list[nn.Module] = []
+        self.padded = PaddedWeights()  # routed Linears' input gradients (SinkLinear); cleared after each backward
         self._attach_grads(zero=True)
 
     def __deepcopy__(self, memo: dict) -> "GradReducer":
@@ -216,6 +217,7 @@ class GradReducer:
             self._reset()
 
     def _reset(self) -> None:
+        self.padded.clear()
         self._synced_since_post = True
         self._in_backward = False
         self._next = 0
@@ -247,6 +249,7 @@ class GradReducer:
         self._handles.clear()
         restore_linears(self._routed)
         self._routed.clear()
+        self.padded.clear()
         for p, v in self._views.items():
             if p.grad is not None and p.grad.data_ptr() == v.data_ptr():
                 p.grad = p.grad.clone()

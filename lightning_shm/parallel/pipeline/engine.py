@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_shm.parallel.linear_grads import SinkLinear, restore_linears, route_linears
+from lightning_shm.parallel.linear_grads import PaddedWeights, SinkLinear, restore_linears, route_linears
 from lightning_shm.parallel.pipeline.row_cut import LinearRows
 from lightning_shm.parallel.pipeline.schedules import Action, PipelineSchedule, Schedule, Timed
 from lightning_shm.runtime import Channel, ChannelConfig, World
@@ -112,6 +112,7 @@ class PipelineEngine:
         self._store: dict[tuple[int, int], tuple[torch.Tensor, Any]] = {}
         self._saved: dict[tuple[int, int], dict[int, int]] = {}  # (m, c) -> {storage ptr: bytes}
         self._stash: dict[tuple[int, int], list[tuple[nn.Parameter, torch.Tensor, torch.Tensor]]] = {}
+        self.padded = PaddedWeights()  # SinkLinear's input gradients: one re-strided weight per step, every microbatch
         self._rows: dict[nn.Parameter, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # outside zero-bubble
         self._current: Optional[tuple[int, int]] = None
         self._last_b: tuple[int, int] = (0, 0)
@@ -138,6 +139,7 @@ class PipelineEngine:
             for param in list(self._rows):
                 self._take_rows(param)
             self._record("W", *self._last_b, t0)
+        self.padded.clear()
         if self._store or self._stash:
             raise RuntimeError(f"pipeline rank {self.pp_index}: schedule left work undone {list(self._store)}")
 
@@ -261,6 +263,7 @@ class PipelineEngine:
         self.peak_activation_bytes = max(self.peak_activation_bytes, sum(alive.values()))
 
     def _reset(self) -> None:
+        self.padded.clear()
         self.timeline = []
         self.peak_activation_bytes = 0
         self._store.clear()
@@ -270,6 +273,7 @@ class PipelineEngine:
 
     def close(self) -> None:
         """Restore the Linear modules the engine patched (their weight gradients were its to take)."""
+        self.padded.clear()
         for chunk in self.chunks.values():
             restore_linears(chunk.modules())
             restore_linears(chunk.modules(), "linear", LinearRows)
