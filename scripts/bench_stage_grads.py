@@ -3,6 +3,7 @@ one in-place product per microbatch) against autograd's, side by side.
 
     python scripts/bench_stage_grads.py           # four layer sizes, M = 4 and 8, 4 alternating repeats (~1 min)
     python scripts/bench_stage_grads.py --quick   # one small layer, two repeats
+    python scripts/bench_stage_grads.py --bound   # the wide MLP, per-sample cost by microbatch size (~1 min)
 
 A stage back-propagates M microbatches per step. Autograd computes each Linear's weight gradient as
 a fresh ``grad_output^T @ input`` per microbatch and adds it to ``.grad``. The engine (through
@@ -14,6 +15,14 @@ Linear(out, 10); the engine's variants take every weight (``in_place_min_numel =
 the engine with its Linear patch removed (``close()``). Medians of steps, per alternating repeat.
 The sizes bracket the engine's default ``in_place_min_numel`` (2^20): below it the custom autograd
 node costs about what the engine's products save.
+
+``--bound``: what the microbatch size alone costs a pipeline. A ceiling rank trains the whole model on
+global batch / 2 rows at once; at P=2 each stage trains half of it on all global-batch rows, cut into M
+microbatches. Timing the whole model in one process at both sizes (step = forward, backward, SGD step;
+the ceiling with autograd's Linear, the stage through the engine, with and without the re-strided
+weight copies of ``linear_grads.PaddedWeights``) gives ``e = 2 x ceiling step / stage-like step``: the
+pipeline's per-sample compute against the ceiling's, so ``samples/s <= e x (1 - bubble) x ceiling``
+even with balanced stages and free hand-overs. Steps of all rows alternate; medians.
 """
 
 from __future__ import annotations
@@ -60,12 +69,56 @@ def step_ms(net: nn.Module, x: torch.Tensor, y: torch.Tensor, M: int, mode: str,
 MODES = ("gathered", "per microbatch", "autograd")
 
 
+def microbatch_bound(hidden: list[int], global_batch: int, rounds: int) -> None:
+    """The ``--bound`` table (module docstring)."""
+    from lightning_shm.models import build_mlp
+    from lightning_shm.parallel.linear_grads import PaddedWeights
+
+    torch.manual_seed(0)
+    net = build_mlp(hidden)
+    opt = torch.optim.SGD(net.parameters(), lr=0.0)  # the step's memory traffic, weights unchanged
+    # the second row: what the ceiling would gain from the copies (it trains with stock PyTorch)
+    rows = {"ceiling rank (autograd)": (global_batch // 2, 1, None),
+            "ceiling rank, re-strided": (global_batch // 2, 1, True)}
+    for M in (1, 4, 8):
+        rows[f"stage-like, M={M}"] = (global_batch, M, False)
+        rows[f"stage-like, M={M}, re-strided"] = (global_batch, M, True)
+    data = {n: (torch.randn(n, 1, 28, 28), torch.randint(0, 10, (n,))) for n in {r[0] for r in rows.values()}}
+    times: dict[str, list[float]] = {name: [] for name in rows}
+    for i in range(rounds + 1):
+        for name, (n, M, padded) in rows.items():
+            engine = PipelineEngine({0: net}, PipelineSchedule(Schedule.ONE_F_ONE_B, 1, M, 1), 0, [0], world=None)
+            if padded is None:
+                engine.close()
+            engine.padded.min_numel = PaddedWeights.min_numel if padded else 1 << 62
+            net.zero_grad(set_to_none=True)
+            t0 = time.perf_counter()
+            engine.train_step(_PlainIO(*data[n], M))
+            opt.step()
+            if i:  # the first round warms up
+                times[name].append(time.perf_counter() - t0)
+            engine.close()
+    med = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+    ceiling = med["ceiling rank (autograd)"]
+    print(f"## Per-sample cost at the pipeline's microbatch size: MLP {hidden}, global batch {global_batch}, "
+          f"1 thread; ms per step, median of {rounds}\n")
+    print("| row | rows x microbatches | step ms | e = 2 x ceiling / step (ceiling rows: ceiling / step) |")
+    print("|---|---|---:|---:|")
+    for name, (n, M, _) in rows.items():
+        e = ceiling / med[name] if name.startswith("ceiling") else 2 * ceiling / med[name]
+        print(f"| {name} | {n // M} x {M} | {med[name]:.1f} | {e:.2f} |")
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--repeats", type=int, default=None)
+    p.add_argument("--bound", action="store_true", help="the per-sample cost table of the wide MLP (module docstring)")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
+    if args.bound:
+        microbatch_bound([256, 64] if args.quick else [4096, 4096], 256, args.repeats or (2 if args.quick else 8))
+        return
     shapes = [(256, 512, 64)] if args.quick else [(784, 256, 64), (1024, 1024, 64), (2048, 4096, 128),
                                                    (4096, 4096, 128)]
     repeats, steps = args.repeats or (2 if args.quick else 4), 2 if args.quick else 3

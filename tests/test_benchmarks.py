@@ -205,3 +205,13 @@ def test_bench_stage_grads_prints_both_variants():
     out = run(["scripts/bench_stage_grads.py", "--quick"])
     rows = [line for line in out.splitlines() if re.match(r"\| \(256, 512\) \| 64 \| [48] \|", line)]
     assert len(rows) == 2 and all(line.rstrip().endswith("x |") for line in rows)
+
+
+def test_bench_stage_grads_prints_the_microbatch_bound():
+    out = run(["scripts/bench_stage_grads.py", "--bound", "--quick"])
+    rows = {c[0]: c[1:] for c in ([x.strip() for x in line.strip("|").split("|")] for line in out.splitlines())
+            if len(c) == 4 and (c[0].startswith("ceiling") or c[0].startswith("stage-like"))}
+    assert rows["ceiling rank (autograd)"] == ["128 x 1", rows["ceiling rank (autograd)"][1], "1.00"], out
+    for M in (1, 4, 8):
+        for name in (f"stage-like, M={M}", f"stage-like, M={M}, re-strided"):
+            assert rows[name][0] == f"{256 // M} x {M}" and float(rows[name][1]) > 0 and float(rows[name][2]) > 0, out
