@@ -38,8 +38,10 @@ class PaddedWeights:
     forward's ``x @ W^T`` is unaffected.
 
     A copy serves every microbatch of a step (the pipeline) and is made again when ``W`` has changed in
-    place since (its version counter); the owner calls :meth:`clear` at the end of each step, so it
-    holds the copies' memory (one weight each) only while it back-propagates."""
+    place since (its version counter). The owner calls :meth:`clear` at the end of each step: that holds
+    the copies' memory (one weight each) only while it back-propagates, and it is what keeps a copy from
+    outliving its weight's values where the version counter cannot see the change (a weight in shared
+    memory that another process rewrites)."""
 
     min_numel = 1 << 20  # smaller weights: the copy costs what it saves
     max_rows = 128  # measured slow up to here; at 256 rows the plain product is as fast
