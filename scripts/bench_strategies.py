@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -472,8 +473,8 @@ class PreloadedChild:
         self._proc.join()
         self._wait_for_group()
         try:
-            return tuple((self._dir / name).read_text() if (self._dir / name).exists() else ""  # type: ignore
-                         for name in ("stdout", "stderr"))
+            out, err = ((self._dir / n).read_text() if (self._dir / n).exists() else "" for n in ("stdout", "stderr"))
+            return out, err
         finally:
             for f in self._dir.iterdir():
                 f.unlink()
@@ -494,7 +495,7 @@ class PreloadedChild:
 
     def _kill_group(self) -> None:
         try:
-            os.killpg(self._proc.pid, 9)
+            os.killpg(self._proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
 
