@@ -452,9 +452,9 @@ class PreloadedChild:
 
         ctx = multiprocessing.get_context("forkserver")
         forkserver.ensure_running(ctx, FORKSERVER_PRELOAD)
-        self._dir = Path(tempfile.mkdtemp(prefix="bench_child_"))
+        self._tmp = tempfile.TemporaryDirectory(prefix="bench_child_")  # removed by communicate() or when dropped
         self._proc = ctx.Process(target=forked_run_one, args=(json.dumps(asdict(spec)), dict(env or os.environ),
-                                                               str(self._dir)))
+                                                               self._tmp.name))
         self._proc.start()
 
     @property
@@ -472,13 +472,9 @@ class PreloadedChild:
     def communicate(self) -> tuple[str, str]:
         self._proc.join()
         self._wait_for_group()
-        try:
-            out, err = ((self._dir / n).read_text() if (self._dir / n).exists() else "" for n in ("stdout", "stderr"))
-            return out, err
-        finally:
-            for f in self._dir.iterdir():
-                f.unlink()
-            self._dir.rmdir()
+        with self._tmp as d:
+            out, err = (Path(d, n).read_text() if Path(d, n).exists() else "" for n in ("stdout", "stderr"))
+        return out, err
 
     def _wait_for_group(self, timeout_s: float = 60.0) -> None:
         """Return once every process the child started has exited (its process group is empty): a
