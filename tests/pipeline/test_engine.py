@@ -282,3 +282,42 @@ def test_input_gradients_through_restrided_weight_copies_equal_autograds():
     engine.close()
     assert [c for c in calls if c[0] == (24, 2048)] == [((24, 2048), 1)] * 8  # every microbatch, one copy per step
     assert {held for shape, held in calls if shape == (5, 24)} == {0, 1}  # outside the rule: never a copy of its own
+
+
+def test_a_forward_hands_its_output_over_before_its_bookkeeping():
+    """The next stage may be waiting for a forward's output: the engine sends it as soon as the chunk has
+    run -- after the action's end is recorded (the hand-over is not the action's time), before the
+    (input, output) stash and the peak-memory tally. Stage 0 of a 1F1B P=2, M=2 step with fake channels."""
+    from lightning_shm.parallel.pipeline import PipelineSchedule, Schedule
+    from lightning_shm.parallel.pipeline.engine import PipelineEngine
+
+    seen = []
+
+    class FakeChannel:
+        def __init__(self, name: str) -> None:
+            self.name, self.sent = name, []
+
+        def send(self, t: torch.Tensor) -> None:
+            m = len(self.sent)
+            seen.append((m, (m, 0) in engine._store, engine.peak_activation_bytes,
+                         [(r.kind, r.mb) for r in engine.timeline]))
+            self.sent.append(t.clone())
+
+        def recv(self) -> torch.Tensor:  # stage 1's input gradient for the microbatch being back-propagated
+            return torch.ones_like(channels["pp-act0"].sent[0])
+
+    channels: dict[str, FakeChannel] = {}
+
+    class FakeWorld:
+        def channel(self, src: int, dst: int, name: str, cfg) -> FakeChannel:
+            return channels.setdefault(name, FakeChannel(name))
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU())
+    engine = PipelineEngine({0: net}, PipelineSchedule(Schedule.ONE_F_ONE_B, 2, 2, 1), 0, [0, 1], FakeWorld())
+    engine.train_step(_PlainIO(torch.randn(4, 8), torch.zeros(4, dtype=torch.long), 2))
+    engine.close()
+    assert [(m, stored) for m, stored, _, _ in seen] == [(0, False), (1, False)]
+    assert seen[0][2] == 0  # nothing tallied yet at the first send
+    assert seen[0][3] == [("F", 0)] and seen[1][3] == [("F", 0), ("F", 1)]
+    assert engine.peak_activation_bytes > 0 and not engine._store

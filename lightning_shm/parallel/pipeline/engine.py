@@ -211,14 +211,14 @@ class PipelineEngine:
         with grad_ctx, io.forward_context(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = io.last_forward(m, x, chunk) if last else chunk(x)
         self._record("F", m, c, t0)
+        if not last:  # first: the next stage may be waiting for it, the bookkeeping below is not
+            self.act_out[c].send(out.detach())
         if training:
             self._store[(m, c)] = (x, out)
             if self.checkpointing:  # only the chunk input is kept
                 saved = {x.untyped_storage().data_ptr(): x.untyped_storage().nbytes()}
             self._saved[(m, c)] = saved
             self._update_peak()
-        if not last:
-            self.act_out[c].send(out.detach())
 
     def _backward(self, a: Action, io: StageIO, training: bool) -> None:
         m, c = a.mb, a.chunk
