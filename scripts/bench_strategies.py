@@ -693,7 +693,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     if "tp" in tables:
         lines.append(tp_table([2, 4], args.models, args.global_batch))
     if "pipeline" in tables:
-        lines.append(pipeline_table([2, 4], [4, 8], args.global_batch, 3 if args.quick else 5))
+        lines.append(pipeline_table([2, 4], [4, 8], args.global_batch, 4 if args.quick else 11))
     if "fixed" in tables:
         lines.append(fixed_cost_table(fixed_costs(1 if args.quick else 3)))
     if "layouts" in tables:
@@ -1070,16 +1070,28 @@ PIPE_HIDDEN = [512] * 8  # 9 Linear layers: every chunk of P=4 x 2 virtual stage
 
 
 def pipeline_table(stages: list[int], microbatches: list[int], batch: int, steps: int) -> str:
-    """Per schedule: throughput, measured vs ideal bubble, peak activation memory per stage."""
+    """Per schedule: throughput, measured vs ideal bubble, hand-overs, peak activation memory per stage.
+
+    Bubbles are medians over the steps after the first, each step against the ideal at its own
+    stage times: one step's timeline moves by points on a VM whose vCPUs stall now and then."""
     sys.path.insert(0, str(ROOT))
-    from lightning_shm.parallel.pipeline import PipelineSchedule, Schedule, bubble_fraction, measured_costs, simulate
+    from lightning_shm.parallel.pipeline import (
+        PipelineSchedule,
+        Schedule,
+        bubble_fraction,
+        handover_delays,
+        measured_costs,
+        simulate,
+    )
     from lightning_shm.parallel.pipeline.driver import train_pipeline
     from lightning_shm.runtime import launch
 
     lines = [f"## Pipeline schedules (runtime only; MLP {PIPE_HIDDEN[0]}x{len(PIPE_HIDDEN)}, batch {batch}, "
-             f"{os.cpu_count()} cores)\n",
-             "| schedule | P | M | samples/s | measured bubble | ideal at the measured stage times | ideal bubble "
-             "| textbook | peak activations per stage (MiB) |", "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+             f"{os.cpu_count()} cores, medians of {steps - 1} steps)\n",
+             "| schedule | P | M | samples/s | measured bubble | ideal at the measured stage times | measured - that "
+             "| hand-over (us) | ideal bubble | textbook | peak activations per stage (MiB) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    med = statistics.median
     for P in stages:
         for M in microbatches:
             for kind in Schedule:
@@ -1089,13 +1101,18 @@ def pipeline_table(stages: list[int], microbatches: list[int], batch: int, steps
                 except ValueError:
                     continue
                 res = launch(train_pipeline, P, PIPE_HIDDEN, kind.value, M, v, steps, batch, start_method="fork")
-                step = statistics.median(max(r.step_seconds[i] for r in res) for i in range(1, steps))
-                recs = [rec for r in res for rec in r.timeline]
-                bubble = bubble_fraction(recs)
-                at_costs = bubble_fraction(simulate(sched, measured_costs(recs)))  # this run's stage (im)balance
+                step = med(max(r.step_seconds[i] for r in res) for i in range(1, steps))
+                bubble, at_costs, handover = [], [], []
+                for i in range(1, steps):
+                    recs = [rec for r in res for rec in r.timelines[i]]
+                    bubble.append(bubble_fraction(recs))
+                    at_costs.append(bubble_fraction(simulate(sched, measured_costs(recs))))  # this step's (im)balance
+                    handover += handover_delays(sched, recs)
+                gap = med(b - a for b, a in zip(bubble, at_costs))
                 mem = " / ".join(f"{r.peak_activation_bytes / 2**20:.1f}" for r in res)
-                lines.append(f"| {kind.value} | {P} | {M} | {batch / step:,.0f} | {bubble:.1%} | {at_costs:.1%} | "
-                             f"{sched.ideal_bubble():.1%} | {sched.formula_bubble():.1%} | {mem} |")
+                lines.append(f"| {kind.value} | {P} | {M} | {batch / step:,.0f} | {med(bubble):.1%} "
+                             f"| {med(at_costs):.1%} | {gap * 100:+.1f} | {med(handover) * 1e6:,.0f} "
+                             f"| {sched.ideal_bubble():.1%} | {sched.formula_bubble():.1%} | {mem} |")
     return "\n".join(lines) + "\n"
 
 

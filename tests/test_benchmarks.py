@@ -114,6 +114,19 @@ def _bench_module(monkeypatch):
     return bench_strategies
 
 
+def test_pipeline_table_reports_medians_over_steps_and_hand_overs(monkeypatch):
+    """Runtime-only schedules at P=2: every schedule gets a row whose bubble lies between its ideal at the
+    measured stage times and 1, and whose hand-over delay -- the runtime's cost between actions -- was measured."""
+    table = _bench_module(monkeypatch).pipeline_table([2], [4], 64, 3)
+    assert "medians of 2 steps" in table
+    rows = [line.split("|")[1:-1] for line in table.splitlines() if line.startswith("| ") and " P " not in line]
+    assert sorted(r[0].strip() for r in rows) == sorted(["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"])
+    for r in rows:
+        bubble, at_costs, gap = (float(r[i].strip().rstrip("%")) for i in (4, 5, 6))
+        assert 0 < bubble < 100 and gap == pytest.approx(bubble - at_costs, abs=0.15)  # 2 steps: medians are means
+        assert float(r[7].replace(",", "")) > 0  # hand-over us: a copy through a channel is never free
+
+
 def test_a_failing_ceiling_child_stops_the_others(monkeypatch):
     """A ceiling child that fails must not leave the driver waiting for a peer that waits for it (at the
     start file or a lock-step barrier): the peer is killed and the failure raised, whichever child fails."""

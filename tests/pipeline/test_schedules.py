@@ -9,11 +9,13 @@ from torch import nn
 
 from lightning_shm.models import build_mlp
 from lightning_shm.parallel.pipeline import (
+    Action,
     PipelineSchedule,
     Schedule,
     Timed,
     balanced_split,
     bubble_fraction,
+    handover_delays,
     measured_costs,
     plan_chunks,
     simulate,
@@ -143,3 +145,17 @@ def test_simulate_takes_measured_per_chunk_costs():
     assert measured_costs(timeline) == costs
     jittered = [Timed(t.rank, t.action, t.start, t.end + (0.5 if t.action.mb == 0 else 0.0)) for t in timeline]
     assert measured_costs(jittered) == costs  # one slow microbatch does not move the median
+
+
+def test_handover_delays_are_the_waits_on_another_rank_beyond_the_ideal():
+    """GPipe P=2, M=1 by hand: stage 1's F starts 0.5 after stage 0's F ended, stage 0's B 0.2 after
+    stage 1's B; stage 1's B follows its own F (no channel) and is not counted."""
+    s = PipelineSchedule(Schedule.GPIPE, 2, 1)
+    timeline = [Timed(0, Action("F", 0, 0), 0.0, 1.0), Timed(1, Action("F", 0, 1), 1.5, 2.5),
+                Timed(1, Action("B", 0, 1), 2.5, 4.0), Timed(0, Action("B", 0, 0), 4.2, 5.0)]
+    assert handover_delays(s, timeline) == pytest.approx([0.5, 0.2])
+    # the simulated ideal hands over instantly: every wait on another rank is 0
+    for kind in Schedule:
+        sched = PipelineSchedule(kind, 2, 4, 2 if kind == Schedule.INTERLEAVED_1F1B else 1)
+        delays = handover_delays(sched, simulate(sched, {"F": 1.0, "B": 2.0, "W": 1.0}))
+        assert delays and max(map(abs, delays)) < 1e-12

@@ -5,6 +5,7 @@ from lightning_shm.parallel.pipeline.schedules import (
     Schedule,
     Timed,
     bubble_fraction,
+    handover_delays,
     measured_costs,
     simulate,
 )
@@ -13,6 +14,6 @@ from lightning_shm.parallel.pipeline.stage import CapturedInput, PipelineStage, 
 
 __all__ = [
     "Action", "CapturedInput", "PipelineEngine", "PipelineSchedule", "PipelineStage",
-    "Schedule", "StageIO", "Timed", "balanced_split", "bubble_fraction", "layer_costs_by_time", "measured_costs",
-    "plan_chunks", "simulate", "split_batch",
+    "Schedule", "StageIO", "Timed", "balanced_split", "bubble_fraction", "handover_delays", "layer_costs_by_time",
+    "measured_costs", "plan_chunks", "simulate", "split_batch",
 ]

@@ -2,7 +2,7 @@
 
 Runs in each worker of :func:`lightning_shm.runtime.launch`: builds the MLP from the same seed on
 every rank, keeps this rank's chunks, and trains a few steps on synthetic data with cross-entropy,
-returning the timeline of the last step and the measured step times.
+returning every step's timeline (``timelines``; ``timeline`` is the last) and the measured step times.
 """
 
 from __future__ import annotations
@@ -27,11 +27,12 @@ from lightning_shm.runtime import World
 @dataclass
 class DriverResult:
     rank: int
-    timeline: list[Timed]
+    timeline: list[Timed]  # the last step's
     step_seconds: list[float]
     peak_activation_bytes: int
     chunk_starts: list[int]
     params: dict[str, torch.Tensor] = field(default_factory=dict)
+    timelines: list[list[Timed]] = field(default_factory=list)  # every step's, in order
 
 
 class _PlainIO:
@@ -74,6 +75,7 @@ def train_pipeline(world: World, hidden: list[int], schedule: str, microbatches:
     opt = torch.optim.SGD(stage.parameters(), lr=lr)
     data = torch.Generator().manual_seed(seed + 1)
     times: list[float] = []
+    timelines: list[list[Timed]] = []
     peak = 0
     for _ in range(steps):
         x = torch.randn(batch, 784, generator=data)
@@ -84,10 +86,11 @@ def train_pipeline(world: World, hidden: list[int], schedule: str, microbatches:
         engine.train_step(_PlainIO(x, y, microbatches))
         opt.step()
         times.append(time.perf_counter() - t0)
+        timelines.append(list(engine.timeline))
         peak = max(peak, engine.peak_activation_bytes)
     params = {n: p.detach().clone() for n, p in stage.named_parameters()} if return_params else {}
     engine.close()
-    return DriverResult(world.rank, list(engine.timeline), times, peak, list(starts), params)
+    return DriverResult(world.rank, timelines[-1] if timelines else [], times, peak, list(starts), params, timelines)
 
 
 def reference_params(hidden: list[int], steps: int = 5, batch: int = 256, lr: float = 0.05,

@@ -278,3 +278,21 @@ def measured_costs(timeline: Sequence[Timed]) -> dict[tuple[int, str], float]:
     for t in timeline:
         durations.setdefault((t.action.chunk, t.action.kind), []).append(t.end - t.start)
     return {k: statistics.median(v) for k, v in durations.items()}
+
+
+def handover_delays(schedule: PipelineSchedule, timeline: Sequence[Timed]) -> list[float]:
+    """For each action that waited on another rank: its start minus the end of the action it waited for.
+
+    :func:`simulate` starts such an action the moment its dependency ends; a run pays the hand-over
+    in between (the sender's copy into the channel, the receiver noticing it and copying it out,
+    bookkeeping on both). An action whose own rank's previous action ended later is not counted:
+    it did not wait on the channel."""
+    end = {(t.kind, t.mb, t.chunk): t.end for t in timeline}
+    out: list[float] = []
+    previous_end: dict[int, float] = {}
+    for t in sorted(timeline, key=lambda t: t.start):
+        ready = [end[d] for d in _deps(t.action, schedule.chunks) if d in end]
+        if ready and max(ready) > previous_end.get(t.rank, float("-inf")):
+            out.append(t.start - max(ready))
+        previous_end[t.rank] = t.end
+    return out
