@@ -32,6 +32,7 @@ import errno
 import fcntl
 import logging
 import mmap
+import multiprocessing.util
 import os
 import re
 import secrets
@@ -88,9 +89,13 @@ class _Owner:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         self.fd = fd
         atexit.register(self.release)
+        # a multiprocessing child (fork / forkserver: a sweep's trial, a benchmark run) leaves with
+        # os._exit after its target, skipping atexit; it does run multiprocessing's finalizers
+        multiprocessing.util.Finalize(None, self.release, exitpriority=0)
 
     def release(self) -> None:
-        """Drop the lock file (at exit of the creating process only: forked children inherit atexit)."""
+        """Drop the lock file (at exit of the creating process only: forked children inherit atexit
+        handlers and multiprocessing finalizers)."""
         if os.getpid() != self.pid or self.fd < 0:
             return
         _unlink_quietly(self.lock_name)

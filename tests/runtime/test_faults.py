@@ -370,3 +370,30 @@ def test_spawned_worker_dying_at_start_up_surfaces_its_own_error(tmp_path):
     assert out.returncode != 0
     assert "WorkerDiedError" in out.stderr, out.stderr[-3000:]
     assert "last lines rank" in out.stderr and "bootstrapping phase" in out.stderr, out.stderr[-3000:]
+
+
+def _train_in_a_sweep_trial(q) -> None:
+    """A multiprocessing child that launches a world of its own (a hyperparameter sweep's trial)."""
+    from lightning_shm.runtime.segment import owner_token
+
+    q.put((owner_token(), launch(_rank_of, 2, start_method="fork")))
+
+
+def _rank_of(world) -> int:
+    return world.rank
+
+
+@pytest.mark.parametrize("context", ["fork", "forkserver"])
+def test_a_multiprocessing_child_that_trained_leaves_no_lock_file(context):
+    """multiprocessing's fork / forkserver children leave with os._exit, skipping atexit: the owner's lock
+    file is dropped by a multiprocessing finalizer too, which those children run."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context(context)
+    q = ctx.Queue()
+    p = ctx.Process(target=_train_in_a_sweep_trial, args=(q,))
+    p.start()
+    token, ranks = q.get(timeout=120)
+    p.join(timeout=60)
+    assert p.exitcode == 0 and ranks == [0, 1]
+    assert not [n for n in os.listdir(SHM_DIR) if n.startswith(f"{PREFIX}_{token}")], "lock file left"
