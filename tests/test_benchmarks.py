@@ -115,8 +115,9 @@ def _bench_module(monkeypatch):
 
 
 def test_pipeline_table_reports_medians_over_steps_and_hand_overs(monkeypatch):
-    """Runtime-only schedules at P=2: every schedule gets a row whose bubble lies between its ideal at the
-    measured stage times and 1, and whose hand-over delay -- the runtime's cost between actions -- was measured."""
+    """Runtime-only schedules at P=2: every schedule gets a row with a bubble, the gap to its ideal at the
+    measured stage times (a median of per-step differences: with 2 steps, the difference of the medians),
+    and a hand-over delay -- the runtime's cost between actions -- that was measured."""
     table = _bench_module(monkeypatch).pipeline_table([2], [4], 64, 3)
     assert "medians of 2 steps" in table
     rows = [line.split("|")[1:-1] for line in table.splitlines() if line.startswith("| ") and " P " not in line]
