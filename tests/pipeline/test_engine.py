@@ -84,6 +84,9 @@ def _check_timeline(results, P, M, V):
 def test_timelines_are_consistent(schedule, M, v):
     P = 4
     results = launch(train_pipeline, P, HIDDEN, schedule, M, v, 2, 64, start_method="fork")
+    for res in results:  # one timeline per step, each its own step's; ``timeline`` is the last
+        assert len(res.timelines) == 2 and res.timeline is res.timelines[-1]
+        assert max(t.end for t in res.timelines[0]) <= min(t.start for t in res.timelines[1])
     _check_timeline(results, P, M, P * v)
     kinds = {rec.kind for res in results for rec in res.timeline}
     assert kinds == ({"F", "B", "W"} if schedule == "zero_bubble" else {"F", "B"})

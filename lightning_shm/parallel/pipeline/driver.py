@@ -27,12 +27,16 @@ from lightning_shm.runtime import World
 @dataclass
 class DriverResult:
     rank: int
-    timeline: list[Timed]  # the last step's
+    timelines: list[list[Timed]]  # every step's, in order
     step_seconds: list[float]
     peak_activation_bytes: int
     chunk_starts: list[int]
     params: dict[str, torch.Tensor] = field(default_factory=dict)
-    timelines: list[list[Timed]] = field(default_factory=list)  # every step's, in order
+
+    @property
+    def timeline(self) -> list[Timed]:
+        """The last step's."""
+        return self.timelines[-1] if self.timelines else []
 
 
 class _PlainIO:
@@ -86,11 +90,11 @@ def train_pipeline(world: World, hidden: list[int], schedule: str, microbatches:
         engine.train_step(_PlainIO(x, y, microbatches))
         opt.step()
         times.append(time.perf_counter() - t0)
-        timelines.append(list(engine.timeline))
+        timelines.append(engine.timeline)  # train_step starts a new list each step
         peak = max(peak, engine.peak_activation_bytes)
     params = {n: p.detach().clone() for n, p in stage.named_parameters()} if return_params else {}
     engine.close()
-    return DriverResult(world.rank, timelines[-1] if timelines else [], times, peak, list(starts), params, timelines)
+    return DriverResult(world.rank, timelines, times, peak, list(starts), params)
 
 
 def reference_params(hidden: list[int], steps: int = 5, batch: int = 256, lr: float = 0.05,

@@ -291,8 +291,8 @@ def handover_delays(schedule: PipelineSchedule, timeline: Sequence[Timed]) -> li
     out: list[float] = []
     previous_end: dict[int, float] = {}
     for t in sorted(timeline, key=lambda t: t.start):
-        ready = [end[d] for d in _deps(t.action, schedule.chunks) if d in end]
-        if ready and max(ready) > previous_end.get(t.rank, float("-inf")):
-            out.append(t.start - max(ready))
+        ready = max((end[d] for d in _deps(t.action, schedule.chunks) if d in end), default=None)
+        if ready is not None and ready > previous_end.get(t.rank, float("-inf")):
+            out.append(t.start - ready)
         previous_end[t.rank] = t.end
     return out
