@@ -227,6 +227,35 @@ def test_spawn_start_method_end_to_end():
     assert not torch.equal(flat_params(model), before) and t.state.finished
 
 
+class _Transformed(torch.utils.data.Dataset):
+    """A dataset with a lambda transform, as users write them: it does not pickle."""
+
+    def __init__(self, base: torch.utils.data.Dataset) -> None:
+        self.base, self.transform = base, lambda x: x * 0.5
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __getitem__(self, i: int):
+        x, y = self.base[i]
+        return self.transform(x), y
+
+
+class _LoadedByWorkers(pl.LightningDataModule):
+    def train_dataloader(self) -> DataLoader:  # built in the rank, loaded by DataLoader worker processes
+        return DataLoader(_Transformed(mnist_like(32)), batch_size=8, num_workers=1)
+
+
+def test_dataloader_workers_are_forked_in_the_ranks_as_in_one_process():
+    """The default strategy's ranks come from a fork server; their DataLoader workers must still be forked
+    (no pickling of the dataset, no re-import of torch): see tests/runtime/test_children.py."""
+    model = MNISTClassifier()
+    before = flat_params(model).clone()
+    t = trainer(strategy="shm_ddp", devices=2, max_epochs=1)
+    t.fit(model, datamodule=_LoadedByWorkers())
+    assert t.state.finished and not torch.equal(flat_params(model), before)
+
+
 class ConfigureModel(pl.LightningModule):
     """Weights created in configure_model with a rank-dependent seed must still agree after setup."""
 
