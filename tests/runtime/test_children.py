@@ -35,8 +35,7 @@ class _Unpicklable(Dataset):
 
 def _children(world) -> dict:
     method = mp.get_start_method()
-    batches = [] if method != "fork" else \
-        [b.tolist() for b in DataLoader(_Unpicklable(), batch_size=2, num_workers=1)]
+    batches = [b.tolist() for b in DataLoader(_Unpicklable(), batch_size=2, num_workers=1)]  # raises unless forked
     # a child forked from this rank must die of SIGTERM, not turn it into a stop request for the run
     ctx = mp.get_context("fork")
     started = ctx.Event()
