@@ -15,16 +15,34 @@ def find_sequential(module: nn.Module, name: Optional[str] = None) -> tuple[str,
             seq = module.get_submodule(name) if name else module
         except AttributeError:
             raise ValueError(f"{type(module).__name__} has no submodule '{name}'") from None
+        if _compiled(seq):
+            raise ValueError(_compiled_message(f"'{name}'"))
         if not isinstance(seq, nn.Sequential):
             raise ValueError(f"'{name}' is a {type(seq).__name__}, not an nn.Sequential")
         return name, seq
     if isinstance(module, nn.Sequential):
         return "", module
+    if _compiled(module):  # its one child, `_orig_mod`, would pass for the Sequential below
+        raise ValueError(_compiled_message("the model"))
     for n, child in module.named_children():
         if isinstance(child, nn.Sequential):
             return n, child
+    compiled = [n for n, child in module.named_children() if _compiled(child)]
+    if compiled:
+        raise ValueError(_compiled_message(f"'{compiled[0]}'"))
     raise ValueError(f"{type(module).__name__} has no top-level nn.Sequential to split; pass sequential='<attribute "
                      "name>' or build the model around an nn.Sequential")
+
+
+def _compiled(m: nn.Module) -> bool:
+    """A ``torch.compile``'d Sequential (torch's ``OptimizedModule`` keeps the original as ``_orig_mod``)."""
+    return isinstance(getattr(m, "_orig_mod", None), nn.Sequential)
+
+
+def _compiled_message(what: str) -> str:
+    return (f"{what} is a torch.compile'd nn.Sequential: the Sequential is what this strategy splits (into "
+            "pipeline stages, tensor-parallel layers), and a compiled module cannot be cut. Pass the model "
+            "uncompiled.")
 
 
 def replace_submodule(root: nn.Module, path: str, new: nn.Module) -> None:

@@ -249,6 +249,21 @@ def test_model_without_sequential():
         trainer(strategy=pp(2), devices=2, max_epochs=1).fit(BoringModel())
 
 
+def test_a_compiled_sequential_is_named_not_missed():
+    """torch.compile wraps the Sequential in an OptimizedModule: say so, not "no nn.Sequential"."""
+    from lightning_shm.parallel.sequential import find_sequential
+
+    model = MNISTClassifier()
+    model.net = torch.compile(model.net)  # lazy: nothing is compiled until it runs
+    msg = "is a torch.compile'd nn.Sequential.*Pass the model uncompiled"
+    with pytest.raises(ValueError, match="'net' " + msg):
+        trainer(strategy=pp(2), devices=2, max_epochs=1).fit(model, loader(mnist_like(16), 8))
+    with pytest.raises(ValueError, match="'net' " + msg):
+        find_sequential(model, "net")
+    with pytest.raises(ValueError, match="the model " + msg):
+        find_sequential(torch.compile(nn.Sequential(nn.Linear(2, 2))))
+
+
 def test_more_stages_than_layers():
     class Small(MNISTClassifier):
         def __init__(self):

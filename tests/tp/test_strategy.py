@@ -280,6 +280,13 @@ def test_model_without_sequential():
         trainer(strategy=tp(2), devices=2, max_epochs=1).fit(NoSeq(), DataLoader(torch.randn(8, 2)))
 
 
+def test_a_compiled_sequential_is_named_not_missed():
+    model = MNISTClassifier()
+    model.net = torch.compile(model.net)
+    with pytest.raises(ValueError, match="'net' is a torch.compile'd nn.Sequential"):
+        trainer(strategy=tp(2), devices=2, max_epochs=1).fit(model, loader(mnist_like(16), 8))
+
+
 # ---------------------------------------------------------------------- plans by qualified name on nested models
 def test_transformer_plan_expands_over_every_block():
     from lightning_shm.parallel.tp import check_plan, resolve_plan
