@@ -87,3 +87,36 @@ def test_linear_weight_gradients_written_into_the_buckets_keep_parity(monkeypatc
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
     assert set(taken.read_text().split()) == {"256x784", "64x256", "10x64"}
     assert (set(copied.read_text().split()) if copied.exists() else set()) == ({"64x256", "10x64"} if padded else set())
+
+
+class CompiledClassifier(MNISTClassifier):
+    """The MNIST module with its Sequential compiled (dynamo traces it; the eager backend runs the graph)."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.net = torch.compile(self.net, backend="eager")
+
+
+@pytest.mark.parametrize("direct", [False, True], ids=["autograd", "into-buckets"])
+def test_a_compiled_model_equals_one_process_uncompiled(monkeypatch, tmp_path, direct):
+    """torch.compile'd forward: gradients still reach the buckets (through autograd's accumulation, or
+    computed into them by GradReducer.route_linears with its limit at 0)."""
+    from lightning_shm.parallel.ddp import GradReducer
+
+    taken, write = tmp_path / "taken", GradReducer.weight_grad
+
+    def spy(self, param, x, g):
+        with open(taken, "a") as f:
+            f.write("x".join(map(str, param.shape)) + "\n")
+        return write(self, param, x, g)
+
+    monkeypatch.setattr(GradReducer, "weight_grad", spy)
+    if direct:
+        monkeypatch.setattr(GradReducer, "direct_min_numel", 0)
+    ref = train_mnist("auto", 1, "sgd", batch=GLOBAL_BATCH, ref=True)
+    got = train_mnist("shm_ddp_fork", 2, "sgd", batch=GLOBAL_BATCH // 2, model_cls=CompiledClassifier)
+    pl.seed_everything(SEED)
+    assert (got - flat_params(MNISTClassifier()).double()).abs().max() > 1e-3, "training did nothing"
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
+    routed = set(taken.read_text().split()) if taken.exists() else set()
+    assert routed == ({"256x784", "64x256", "10x64"} if direct else set())
