@@ -84,6 +84,14 @@ class SchedClassifier(MNISTClassifier):
         return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)}
 
 
+class CompiledClassifier(MNISTClassifier):
+    """The MNIST module with its Sequential compiled (dynamo traces it; the eager backend runs the graph)."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.net = torch.compile(self.net, backend="eager")
+
+
 # ---------------------------------------------------------------------- checkpoint / resume runs
 def fit_adam64(strategy: Any, devices: int, epochs: int, batch: int, ds: TensorDataset, *, ckpt_dir: Any = None,
                ckpt_path: Any = None, monitor: Optional[str] = None) -> tuple[torch.Tensor, Optional[str]]:

@@ -13,7 +13,7 @@ import torch
 
 import lightning_shm  # noqa: F401
 from lightning_shm.models import MNISTClassifier
-from tests.helpers import GLOBAL_BATCH, SEED, SchedClassifier, flat_params, train_mnist
+from tests.helpers import GLOBAL_BATCH, SEED, CompiledClassifier, SchedClassifier, flat_params, train_mnist
 
 
 @pytest.fixture(scope="module")
@@ -87,14 +87,6 @@ def test_linear_weight_gradients_written_into_the_buckets_keep_parity(monkeypatc
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
     assert set(taken.read_text().split()) == {"256x784", "64x256", "10x64"}
     assert (set(copied.read_text().split()) if copied.exists() else set()) == ({"64x256", "10x64"} if padded else set())
-
-
-class CompiledClassifier(MNISTClassifier):
-    """The MNIST module with its Sequential compiled (dynamo traces it; the eager backend runs the graph)."""
-
-    def __init__(self, **kw):
-        super().__init__(**kw)
-        self.net = torch.compile(self.net, backend="eager")
 
 
 @pytest.mark.parametrize("direct", [False, True], ids=["autograd", "into-buckets"])

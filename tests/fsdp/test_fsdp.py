@@ -20,6 +20,7 @@ from lightning_shm.runtime import launch
 from tests.helpers import (
     GLOBAL_BATCH,
     SEED,
+    CompiledClassifier,
     SchedClassifier,
     check_plain_checkpoint,
     fit_adam64,
@@ -53,6 +54,13 @@ def test_fsdp_equals_one_process_and_ddp(references, world_size, optimizer):
 def test_fsdp_variants_equal_one_process(references, kwargs):
     got = train_mnist(SHMFSDPStrategy(start_method="fork", **kwargs), 2, "adam", batch=GLOBAL_BATCH // 2)
     torch.testing.assert_close(got, references["adam"], rtol=0, atol=1e-5)
+
+
+def test_a_compiled_model_equals_one_process_uncompiled(references):
+    """torch.compile'd Sequential (eager backend): dynamo traces the units' forward hooks too; the result
+    must not change."""
+    got = train_mnist("shm_fsdp_fork", 2, "sgd", batch=GLOBAL_BATCH // 2, model_cls=CompiledClassifier)
+    torch.testing.assert_close(got, references["sgd"], rtol=0, atol=1e-5)
 
 
 def test_global_norm_clipping_scheduler_and_accumulation():
