@@ -460,8 +460,7 @@ def _start_children_as_the_user_would(method: Optional[str]) -> None:
 
 
 def _default_sigterm() -> None:
-    with contextlib.suppress(ValueError):  # forked from a thread other than the main one: signals stay as they were
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # allowed in any forked child: its one thread is its main thread
 
 
 def _keep_freed_memory() -> None:
