@@ -37,7 +37,7 @@ from lightning_shm.parallel.pipeline import PipelineEngine, PipelineSchedule, Pi
 from lightning_shm.parallel.pipeline.row_cut import apply_row_cuts, plan_cuts, stage_rows
 from lightning_shm.parallel.pipeline.split import validate_split_points
 from lightning_shm.parallel.placement import Placement
-from lightning_shm.parallel.sequential import find_sequential, replace_submodule
+from lightning_shm.parallel.sequential import compiled_original, find_sequential, replace_submodule
 from lightning_shm.parallel.state import ModelState
 from lightning_shm.parallel.tp import LayerPlan, TensorParallelState, check_plan, plan_for
 from lightning_shm.runtime import ParallelGroups, ReduceOp, Topology, World
@@ -131,6 +131,8 @@ def validate(module: nn.Module, config: ParallelConfig, world_size: int, batch_s
     plan = _tp_plan(module, config, topo.tp) if topo.tp > 1 else {}
     if plan:
         check_plan(module, plan, topo.tp)
+    elif topo.tp > 1:
+        raise ValueError(_nothing_to_split(module, config, topo.tp))
     if topo.pp > 1:
         _, seq = find_sequential(module, config.sequential)
         V = config.pipeline.chunks
@@ -150,6 +152,16 @@ def validate(module: nn.Module, config: ParallelConfig, world_size: int, batch_s
     scalars = [n for n, p in module.named_parameters() if p.dim() == 0]
     if config.shard and topo.dp > 1 and scalars:
         raise ValueError(f"FSDP shards parameters by rows (dim 0); {scalars} are 0-d: store them with shape (1,)")
+
+
+def _nothing_to_split(module: nn.Module, config: ParallelConfig, tp: int) -> str:
+    """tp ranks that split nothing would all compute the whole model on the same batch: refused."""
+    prefix, seq = find_sequential(module, config.sequential)
+    compiled = [f"{prefix}.{n}" if prefix else n for n, c in seq.named_children() if compiled_original(c) is not None]
+    hint = f" ({compiled} are torch.compile'd: compiling hides a layer from the plan)" if compiled else ""
+    return (f"tensor_parallel_size={tp} but the plan splits no layer of {type(module).__name__}: the plan derived "
+            f"for its nn.Sequential pairs nn.Linear / nn.Conv2d children and found none to split{hint}. Pass "
+            "plan={...}, give the model a tp_plan, or use tensor_parallel_size=1.")
 
 
 def _tp_plan(module: nn.Module, config: ParallelConfig, tp: int) -> dict[str, LayerPlan]:

@@ -34,9 +34,15 @@ def find_sequential(module: nn.Module, name: Optional[str] = None) -> tuple[str,
                      "name>' or build the model around an nn.Sequential")
 
 
+def compiled_original(m: nn.Module) -> Optional[nn.Module]:
+    """The module ``torch.compile`` wrapped, if ``m`` is such a wrapper (torch's ``OptimizedModule`` keeps
+    it as ``_orig_mod``), else None."""
+    inner = getattr(m, "_orig_mod", None)
+    return inner if isinstance(inner, nn.Module) else None
+
+
 def _compiled(m: nn.Module) -> bool:
-    """A ``torch.compile``'d Sequential (torch's ``OptimizedModule`` keeps the original as ``_orig_mod``)."""
-    return isinstance(getattr(m, "_orig_mod", None), nn.Sequential)
+    return isinstance(compiled_original(m), nn.Sequential)
 
 
 def _compiled_message(what: str) -> str:

@@ -287,6 +287,22 @@ def test_a_compiled_sequential_is_named_not_missed():
         trainer(strategy=tp(2), devices=2, max_epochs=1).fit(model, loader(mnist_like(16), 8))
 
 
+def test_a_plan_that_splits_nothing_is_refused():
+    """Every rank of the tp group would compute the whole model on the same batch (seen: a Sequential whose
+    Linear layers were compiled one by one got an empty derived plan)."""
+    model = MNISTClassifier()
+    for i, child in enumerate(model.net):
+        if isinstance(child, nn.Linear):
+            model.net[i] = torch.compile(child)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 but the plan splits no layer of MNISTClassifier.*"
+                                         r"\['net.1', 'net.4', 'net.7'\] are torch.compile'd"):
+        trainer(strategy=tp(2), devices=2, max_epochs=1).fit(model, loader(mnist_like(16), 8))
+    one = MNISTClassifier()
+    one.net = nn.Sequential(nn.Flatten(), nn.Linear(784, 10))  # one Linear: no pair, nothing gathered
+    with pytest.raises(ValueError, match="splits no layer of MNISTClassifier: the plan derived for its nn.Sequential"):
+        trainer(strategy=tp(2), devices=2, max_epochs=1).fit(one, loader(mnist_like(16), 8))
+
+
 # ---------------------------------------------------------------------- plans by qualified name on nested models
 def test_transformer_plan_expands_over_every_block():
     from lightning_shm.parallel.tp import check_plan, resolve_plan
