@@ -264,6 +264,22 @@ def test_a_compiled_sequential_is_named_not_missed():
         find_sequential(torch.compile(nn.Sequential(nn.Linear(2, 2))))
 
 
+class _LayersCompiled(MNISTClassifier):
+    """Each Linear compiled on its own: the Sequential stays cuttable."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        for i, child in enumerate(self.net):
+            if isinstance(child, nn.Linear):
+                self.net[i] = torch.compile(child, backend="eager")
+
+
+def test_compiled_layers_inside_the_sequential_equal_one_process(references):
+    """zero_bubble defers W only for plain nn.Linear; a compiled one keeps autograd's whole backward in B."""
+    got = train_mnist(pp(2, "zero_bubble"), 2, "sgd", batch=GLOBAL_BATCH, model_cls=_LayersCompiled)
+    torch.testing.assert_close(got, references["sgd"], rtol=0, atol=2e-5)
+
+
 def test_more_stages_than_layers():
     class Small(MNISTClassifier):
         def __init__(self):
