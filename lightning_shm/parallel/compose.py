@@ -156,6 +156,10 @@ def validate(module: nn.Module, config: ParallelConfig, world_size: int, batch_s
 
 def _nothing_to_split(module: nn.Module, config: ParallelConfig, tp: int) -> str:
     """tp ranks that split nothing would all compute the whole model on the same batch: refused."""
+    if config.plan is not None or isinstance(getattr(module, "tp_plan", None), Mapping):
+        given = "plan=" if config.plan is not None else f"{type(module).__name__}.tp_plan"
+        return (f"tensor_parallel_size={tp} but the plan given ({given}) splits no layer: every tp rank would "
+                "compute the whole model. Name the layers to split, or use tensor_parallel_size=1.")
     prefix, seq = find_sequential(module, config.sequential)
     compiled = [f"{prefix}.{n}" if prefix else n for n, c in seq.named_children() if compiled_original(c) is not None]
     hint = f" ({compiled} are torch.compile'd: compiling hides a layer from the plan)" if compiled else ""

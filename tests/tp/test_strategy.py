@@ -301,6 +301,8 @@ def test_a_plan_that_splits_nothing_is_refused():
     one.net = nn.Sequential(nn.Flatten(), nn.Linear(784, 10))  # one Linear: no pair, nothing gathered
     with pytest.raises(ValueError, match="splits no layer of MNISTClassifier: the plan derived for its nn.Sequential"):
         trainer(strategy=tp(2), devices=2, max_epochs=1).fit(one, loader(mnist_like(16), 8))
+    with pytest.raises(ValueError, match=r"the plan given \(plan=\) splits no layer"):
+        trainer(strategy=tp(2, plan={}), devices=2, max_epochs=1).fit(MNISTClassifier(), loader(mnist_like(16), 8))
 
 
 # ---------------------------------------------------------------------- plans by qualified name on nested models
