@@ -7,6 +7,8 @@ shuffles the training DistributedSampler with seed PL_GLOBAL_SEED), and == Light
 
 from __future__ import annotations
 
+from typing import Callable
+
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -52,6 +54,22 @@ def test_equal_to_lightning_ddp_spawn_over_gloo():
     torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
 
 
+def _record_routed_weights(monkeypatch, path) -> Callable[[], set[str]]:
+    """Make every forked rank note the shape of each weight whose gradient GradReducer computes into its
+    bucket; returns a reader of the shapes noted."""
+    from lightning_shm.parallel.ddp import GradReducer
+
+    write = GradReducer.weight_grad
+
+    def spy(self, param, x, g):
+        with open(path, "a") as f:
+            f.write("x".join(map(str, param.shape)) + "\n")
+        return write(self, param, x, g)
+
+    monkeypatch.setattr(GradReducer, "weight_grad", spy)
+    return lambda: set(path.read_text().split()) if path.exists() else set()
+
+
 @pytest.mark.parametrize("padded", [False, True], ids=["plain", "padded"])
 def test_linear_weight_gradients_written_into_the_buckets_keep_parity(monkeypatch, tmp_path, padded):
     """shm_ddp computes large Linear weight gradients straight into their buckets (GradReducer.route_linears,
@@ -62,13 +80,8 @@ def test_linear_weight_gradients_written_into_the_buckets_keep_parity(monkeypatc
     from lightning_shm.parallel.ddp import GradReducer
     from lightning_shm.parallel.linear_grads import PaddedWeights
 
-    taken, write = tmp_path / "taken", GradReducer.weight_grad
+    routed = _record_routed_weights(monkeypatch, tmp_path / "taken")
     copied, product = tmp_path / "copied", PaddedWeights.input_grad
-
-    def spy(self, param, x, g):
-        with open(taken, "a") as f:
-            f.write("x".join(map(str, param.shape)) + "\n")
-        return write(self, param, x, g)
 
     def spy_copy(self, g, w):
         if self.wanted(g, w):
@@ -77,7 +90,6 @@ def test_linear_weight_gradients_written_into_the_buckets_keep_parity(monkeypatc
         return product(self, g, w)
 
     monkeypatch.setattr(GradReducer, "direct_min_numel", 0)
-    monkeypatch.setattr(GradReducer, "weight_grad", spy)
     monkeypatch.setattr(PaddedWeights, "input_grad", spy_copy)
     if padded:
         monkeypatch.setattr(PaddedWeights, "min_numel", 0)
@@ -85,7 +97,7 @@ def test_linear_weight_gradients_written_into_the_buckets_keep_parity(monkeypatc
     ref = train_mnist("auto", 1, "adam", batch=GLOBAL_BATCH, ref=True, accumulate=2)
     got = train_mnist("shm_ddp_fork", 2, "adam", batch=GLOBAL_BATCH // 2, accumulate=2)
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
-    assert set(taken.read_text().split()) == {"256x784", "64x256", "10x64"}
+    assert routed() == {"256x784", "64x256", "10x64"}
     assert (set(copied.read_text().split()) if copied.exists() else set()) == ({"64x256", "10x64"} if padded else set())
 
 
@@ -95,14 +107,7 @@ def test_a_compiled_model_equals_one_process_uncompiled(monkeypatch, tmp_path, d
     computed into them by GradReducer.route_linears with its limit at 0)."""
     from lightning_shm.parallel.ddp import GradReducer
 
-    taken, write = tmp_path / "taken", GradReducer.weight_grad
-
-    def spy(self, param, x, g):
-        with open(taken, "a") as f:
-            f.write("x".join(map(str, param.shape)) + "\n")
-        return write(self, param, x, g)
-
-    monkeypatch.setattr(GradReducer, "weight_grad", spy)
+    routed = _record_routed_weights(monkeypatch, tmp_path / "taken")
     if direct:
         monkeypatch.setattr(GradReducer, "direct_min_numel", 0)
     ref = train_mnist("auto", 1, "sgd", batch=GLOBAL_BATCH, ref=True)
@@ -110,5 +115,4 @@ def test_a_compiled_model_equals_one_process_uncompiled(monkeypatch, tmp_path, d
     pl.seed_everything(SEED)
     assert (got - flat_params(MNISTClassifier()).double()).abs().max() > 1e-3, "training did nothing"
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
-    routed = set(taken.read_text().split()) if taken.exists() else set()
-    assert routed == ({"256x784", "64x256", "10x64"} if direct else set())
+    assert routed() == ({"256x784", "64x256", "10x64"} if direct else set())

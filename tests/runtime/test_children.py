@@ -44,12 +44,12 @@ def _children(world) -> dict:
     assert started.wait(30)
     child.terminate()  # SIGTERM, as a DataLoader does to a worker that does not exit in time
     child.join(10)
-    if child.is_alive():  # it survived SIGTERM: fail, do not hang
+    survived = child.is_alive()
+    if survived:  # fail, do not hang
         child.kill()
         child.join()
-        return dict(method=method, batches=batches, child_exitcode="survived SIGTERM", stop=world.stop_requested())
-    return dict(method=method, batches=batches, child_exitcode=child.exitcode, stop=world.stop_requested(),
-                own_sigterm_is_default=signal.getsignal(signal.SIGTERM) == signal.SIG_DFL)
+    return dict(method=method, batches=batches, child_exitcode="survived SIGTERM" if survived else child.exitcode,
+                stop=world.stop_requested(), own_sigterm_is_default=signal.getsignal(signal.SIGTERM) == signal.SIG_DFL)
 
 
 def _wait_forever(started) -> None:

@@ -303,6 +303,10 @@ def test_a_plan_that_splits_nothing_is_refused():
         trainer(strategy=tp(2), devices=2, max_epochs=1).fit(one, loader(mnist_like(16), 8))
     with pytest.raises(ValueError, match=r"the plan given \(plan=\) splits no layer"):
         trainer(strategy=tp(2, plan={}), devices=2, max_epochs=1).fit(MNISTClassifier(), loader(mnist_like(16), 8))
+    own = MNISTClassifier()
+    own.tp_plan = {}
+    with pytest.raises(ValueError, match=r"the plan given \(MNISTClassifier.tp_plan\) splits no layer"):
+        trainer(strategy=tp(2), devices=2, max_epochs=1).fit(own, loader(mnist_like(16), 8))
 
 
 # ---------------------------------------------------------------------- plans by qualified name on nested models
