@@ -156,8 +156,8 @@ def test_bad_grid_names_every_size():
 
 def test_pipeline_cut_never_splits_a_tensor_parallel_pair():
     """Explicit split points inside a column -> row pair would send split features across stages."""
-    with pytest.raises(ValueError, match=r"split points \[3\] fall between a tensor-parallel column layer and its "
-                                         r"row layer"):
+    with pytest.raises(ValueError, match=r"split point 3 is refused: it falls between a tensor-parallel column layer "
+                                         r"and its row layer"):
         trainer(strategy=mp(1, 2, 2, split_points=[3], plan={"net.1": "column", "net.4": "row"}), devices=4,
                 max_epochs=1).fit(
             MNISTClassifier(), loader(mnist_like(16), 8))

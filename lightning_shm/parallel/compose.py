@@ -35,9 +35,15 @@ from lightning_shm.parallel.fsdp.policy import PolicyFn
 from lightning_shm.parallel.fsdp.unit import check_gather
 from lightning_shm.parallel.pipeline import PipelineEngine, PipelineSchedule, PipelineStage, Schedule
 from lightning_shm.parallel.pipeline.row_cut import apply_row_cuts, plan_cuts, stage_rows
-from lightning_shm.parallel.pipeline.split import validate_split_points
+from lightning_shm.parallel.pipeline.split import plan_chunks, validate_split_points
 from lightning_shm.parallel.placement import Placement
-from lightning_shm.parallel.sequential import compiled_original, find_sequential, replace_submodule
+from lightning_shm.parallel.sequential import (
+    compiled_original,
+    find_sequential,
+    layers_of,
+    replace_submodule,
+    shared_spans,
+)
 from lightning_shm.parallel.state import ModelState
 from lightning_shm.parallel.tp import LayerPlan, TensorParallelState, check_plan, plan_for
 from lightning_shm.runtime import ParallelGroups, ReduceOp, Topology, World
@@ -140,11 +146,14 @@ def validate(module: nn.Module, config: ParallelConfig, world_size: int, batch_s
             raise ValueError(f"{len(seq)} layers in the nn.Sequential cannot form {V} pipeline chunks "
                              f"(stages={config.pipeline.stages} x virtual_stages={config.pipeline.virtual}); use "
                              "fewer stages")
+        no_cut = _no_cut(module, config, plan)
         if config.split_points is not None:
-            validate_split_points(config.split_points, len(seq), V, _pair_interiors(module, config, plan))
+            validate_split_points(config.split_points, len(seq), V, no_cut)
+        elif no_cut:  # some cut must remain (the workers' planner measures costs; feasibility needs none)
+            plan_chunks(seq, V, stages=config.pipeline.stages, forbidden=no_cut)
         if batch_size is not None and batch_size % config.microbatches:
             raise ValueError(f"batch size {batch_size} is not divisible by microbatches={config.microbatches}")
-    if config.shard and topo.dp > 1 and config.policy.fn is not None:
+    if config.shard and topo.dp > 1:  # units of the whole model: a policy's mistakes show before any stage cut
         layers = _layers(module, config)
         if not find_units(module, config.policy, layers):
             raise ValueError(f"the FSDP unit policy selected no module with parameters in {type(module).__name__}: "
@@ -161,7 +170,7 @@ def _nothing_to_split(module: nn.Module, config: ParallelConfig, tp: int) -> str
         return (f"tensor_parallel_size={tp} but the plan given ({given}) splits no layer: every tp rank would "
                 "compute the whole model. Name the layers to split, or use tensor_parallel_size=1.")
     prefix, seq = find_sequential(module, config.sequential)
-    compiled = [f"{prefix}.{n}" if prefix else n for n, c in seq.named_children() if compiled_original(c) is not None]
+    compiled = [f"{prefix}.{n}" if prefix else n for n, c in layers_of(seq) if compiled_original(c) is not None]
     hint = f" ({compiled} are torch.compile'd: compiling hides a layer from the plan)" if compiled else ""
     return (f"tensor_parallel_size={tp} but the plan splits no layer of {type(module).__name__}: the plan derived "
             f"for its nn.Sequential pairs nn.Linear / nn.Conv2d children and found none to split{hint}. Pass "
@@ -172,21 +181,28 @@ def _tp_plan(module: nn.Module, config: ParallelConfig, tp: int) -> dict[str, La
     return plan_for(module, config.plan, tp, config.sequential)
 
 
-def _pair_interiors(module: nn.Module, config: ParallelConfig, plan: Mapping[str, LayerPlan]) -> frozenset[int]:
-    """Indices of the pipelined Sequential at which no stage may start: inside a column -> row pair."""
-    if not plan:
-        return frozenset()
+def _no_cut(module: nn.Module, config: ParallelConfig, plan: Mapping[str, LayerPlan]) -> dict[int, str]:
+    """Indices of the pipelined Sequential at which no stage may start, each with why: inside a
+    tensor-parallel column -> row pair (its split activation must not cross stages), or between two
+    layers that share a parameter (each stage would train its own copy; the stages do not sum their
+    gradients)."""
     prefix, seq = find_sequential(module, config.sequential)
-    inside, out = False, set()
-    for i, (name, _) in enumerate(seq.named_children()):
+    layers = layers_of(seq)
+    out: dict[int, str] = {}
+    for span in shared_spans([(f"{prefix}.{n}" if prefix else n, c) for n, c in layers]):
+        for i in range(span.first + 1, span.last + 1):
+            out.setdefault(i, f"{span}: both must sit on one pipeline stage (each stage would train its own "
+                              "copy)")
+    inside = False
+    for i, (name, _) in enumerate(layers):
         style = plan.get(f"{prefix}.{name}" if prefix else name)
         if inside:
-            out.add(i)
+            out.setdefault(i, "it falls between a tensor-parallel column layer and its row layer")
         if style is not None and style.style == "column":
             inside = True
         elif style is not None and style.style == "row":
             inside = False
-    return frozenset(out)
+    return out
 
 
 def _layers(module: nn.Module, config: ParallelConfig) -> Optional[list[tuple[str, nn.Module]]]:
@@ -195,7 +211,7 @@ def _layers(module: nn.Module, config: ParallelConfig) -> Optional[list[tuple[st
         prefix, seq = find_sequential(module, config.sequential)
     except ValueError:
         return None
-    return [(f"{prefix}.{n}" if prefix else n, c) for n, c in seq.named_children()]
+    return [(f"{prefix}.{n}" if prefix else n, c) for n, c in layers_of(seq)]
 
 
 # ---------------------------------------------------------------------- composition (each worker)
@@ -251,7 +267,7 @@ def parallelize(module: nn.Module, config: ParallelConfig, world: World, groups:
     if stage is not None:
         stage.refresh_chunks()  # the chunks run the tensor-parallel layers that replaced the plain ones
     # the sequence FSDP groups into units, as it is now (tp layers in place): the stage's layers or the Sequential's
-    layers = ([(f"{_stage_path(module, stage)}.{n}", c) for n, c in stage.named_children()] if stage is not None
+    layers = ([(f"{_stage_path(module, stage)}.{n}", c) for n, c in layers_of(stage)] if stage is not None
               else _layers(module, config))
     placements: dict[str, Placement] = tp.placements() if tp is not None else {}
     fsdp = reducer = None
@@ -304,7 +320,7 @@ def _split_pipeline(module: nn.Module, config: ParallelConfig, world: World, gro
                     log: Callable[[str], None]) -> tuple[PipelineStage, list[int]]:
     path, seq = find_sequential(module, config.sequential)
     sched = config.pipeline
-    forbidden = _pair_interiors(module, config, plan)
+    forbidden = _no_cut(module, config, plan)
     if groups.world.index == 0:  # measure once (global rank 0), everyone uses the same cut
         sample = sample if config.balance == "time" else None
         chosen: Any = plan_cuts(seq, sched.chunks, config.split_points, sample, stages=sched.stages,
@@ -312,7 +328,7 @@ def _split_pipeline(module: nn.Module, config: ParallelConfig, world: World, gro
     else:
         chosen = None
     cuts, how = groups.world.broadcast_object(chosen, src_member=0)
-    layers, starts = apply_row_cuts(list(seq.named_children()), cuts)
+    layers, starts = apply_row_cuts(layers_of(seq), cuts)
     log(f"pipeline: {sched.chunks} chunks of {len(seq)} layers start at {[c[0] for c in cuts]} (split by {how}), "
         f"schedule {sched.kind.value}, {sched.microbatches} microbatches")
     pp_index = groups.coords.pp

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from dataclasses import dataclass
+from typing import Optional, Sequence
 
 from torch import nn
 
@@ -55,3 +56,58 @@ def replace_submodule(root: nn.Module, path: str, new: nn.Module) -> None:
     parent_path, _, attr = path.rpartition(".")
     parent = root.get_submodule(parent_path) if parent_path else root
     setattr(parent, attr, new)
+
+
+def layers_of(seq: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(name, layer)`` in the order the Sequential's forward runs them. A module placed at two positions
+    (one layer applied twice, ALBERT-style sharing) appears at both: ``named_children()`` lists it once,
+    which drops the second application and shifts every later index."""
+    return list(seq._modules.items())
+
+
+def parameter_holders(module: nn.Module, prefix: str = "") -> dict[int, list[tuple[str, nn.Module]]]:
+    """Per parameter (by id): every ``(qualified name, module holding it)`` -- several for weights tied
+    between modules or a module reachable under two names."""
+    out: dict[int, list[tuple[str, nn.Module]]] = {}
+    for mname, m in module.named_modules(prefix=prefix, remove_duplicate=False):
+        for attr, p in m._parameters.items():
+            if p is not None:
+                out.setdefault(id(p), []).append((f"{mname}.{attr}" if mname else attr, m))
+    return out
+
+
+@dataclass(frozen=True)
+class SharedSpan:
+    """Layers of a Sequential (``positions``, at least two) that hold the same parameter (``names``: its
+    qualified names, one per holder): a module placed twice, or weights tied between two modules."""
+
+    positions: tuple[int, ...]
+    names: tuple[str, ...]
+
+    @property
+    def first(self) -> int:
+        return self.positions[0]
+
+    @property
+    def last(self) -> int:
+        return self.positions[-1]
+
+    def __str__(self) -> str:
+        return f"layers {self.first} and {self.last} share one parameter ({' = '.join(self.names)})"
+
+
+def shared_spans(layers: Sequence[tuple[str, nn.Module]]) -> list[SharedSpan]:
+    """Every parameter held at more than one position of ``layers`` (``(qualified name, layer)``), as the
+    span from its first to its last holder. Parallelisms that give layers to different owners (pipeline
+    stages, FSDP units, tensor-parallel pieces) must keep each span with one owner: two copies of a
+    parameter would each get only their own layers' gradient and drift apart."""
+    where: dict[int, list[tuple[int, str]]] = {}
+    for i, (lname, layer) in enumerate(layers):
+        for pid, held in parameter_holders(layer, lname).items():
+            where.setdefault(pid, []).extend((i, name) for name, _ in held)
+    spans = []
+    for holders in where.values():
+        positions = tuple(sorted({i for i, _ in holders}))
+        if len(positions) > 1:
+            spans.append(SharedSpan(positions, tuple(dict.fromkeys(n for _, n in holders))))
+    return sorted(spans, key=lambda s: (s.first, s.last))

@@ -8,6 +8,12 @@ like torch FSDP's ``auto_wrap_policy``.
 
 A unit is a list of consecutive modules executed one after the other; its parameters are those of
 the modules' subtrees not claimed by a nested unit.
+
+Shared parameters (a layer placed twice, weights tied between two layers): a unit gathers its
+parameters around its own modules' forward only, so every module holding a parameter must run inside
+the unit that holds it. Units of the Sequential's layers that share one are joined into one unit (with
+the layers between them, as torch FSDP asks its users to wrap the common parent); a unit policy that
+separates them is refused, naming the parameter.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from typing import Callable, Optional, Union
 
 from torch import nn
 
-from lightning_shm.parallel.sequential import find_sequential
+from lightning_shm.parallel.sequential import find_sequential, layers_of, parameter_holders, shared_spans
 
 PolicyFn = Callable[[str, nn.Module], bool]
 
@@ -72,7 +78,7 @@ def find_units(module: nn.Module, policy: UnitPolicy,
         if layers is None:
             try:
                 prefix, seq = find_sequential(module)
-                layers = [(f"{prefix}.{n}" if prefix else n, c) for n, c in seq.named_children()]
+                layers = [(f"{prefix}.{n}" if prefix else n, c) for n, c in layers_of(seq)]
             except ValueError:
                 layers = []
         if layers:
@@ -91,6 +97,7 @@ def find_units(module: nn.Module, policy: UnitPolicy,
                 roots.append(group)
             elif group and roots:  # trailing parameter-free modules belong to the last unit
                 roots[-1].extend(group)
+            roots = _join_shared(roots, layers)
     claimed: set[int] = set()
     units: list[UnitSpec] = []
     for mods in roots:  # nested roots first would claim their own params: process deepest names first
@@ -112,7 +119,43 @@ def find_units(module: nn.Module, policy: UnitPolicy,
                 u.params.append((f"{owner_name}.{a}" if owner_name else a, owner, a, p))
             units.append(u)
     units = [u for u in units if u.params]
+    _check_shared(module, units)
     for u in units:  # execution order within a unit = parameter registration order
         order = {id(p): i for i, (_, p) in enumerate(module.named_parameters())}
         u.params.sort(key=lambda t: order[id(t[3])])
     return units
+
+
+def _join_shared(roots: list[list[tuple[str, nn.Module]]],
+                 layers: list[tuple[str, nn.Module]]) -> list[list[tuple[str, nn.Module]]]:
+    """Consecutive layer groups -> the same, with the groups from the first to the last holder of each
+    shared parameter (and the layers between them) joined into one."""
+    position = {name: i for i, (name, _) in enumerate(layers)}
+    ranges = [[position[r[0][0]], position[r[-1][0]]] for r in roots]
+    for span in shared_spans(layers):
+        a = next(k for k, (lo, hi) in enumerate(ranges) if lo <= span.first <= hi)
+        b = next(k for k, (lo, hi) in enumerate(ranges) if lo <= span.last <= hi)
+        if a != b:
+            ranges[a:b + 1] = [[ranges[a][0], ranges[b][1]]]
+    return [layers[lo:hi + 1] for lo, hi in ranges]
+
+
+def _check_shared(module: nn.Module, units: list[UnitSpec]) -> None:
+    """Every module holding a unit's parameter must run inside that unit (deepest unit wins), else
+    ValueError naming the parameter and both units."""
+    inside: dict[int, UnitSpec] = {}
+    for unit in sorted(units, key=lambda u: min((n.count(".") if n else -1) for n, _ in u.modules)):
+        for _, m in unit.modules:
+            for sub in m.modules():
+                inside[id(sub)] = unit
+    holders = parameter_holders(module)
+    for unit in units:
+        for pname, *_, p in unit.params:
+            for hname, m in holders[id(p)]:
+                other = inside.get(id(m))
+                if other is not unit:
+                    raise ValueError(
+                        f"'{pname}' and '{hname}' are one parameter, but FSDP unit '{unit.name}' holds it and "
+                        f"'{hname}' runs in {f'unit {other.name!r}' if other else 'no unit'}: a unit gathers its "
+                        "parameters only around its own modules. Choose units that put every module holding it "
+                        "in one unit (e.g. a policy that selects their common parent).")

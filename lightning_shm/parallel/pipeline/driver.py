@@ -21,6 +21,7 @@ from lightning_shm.parallel.pipeline.engine import PipelineEngine
 from lightning_shm.parallel.pipeline.row_cut import apply_row_cuts, plan_cuts
 from lightning_shm.parallel.pipeline.schedules import PipelineSchedule, Schedule, Timed
 from lightning_shm.parallel.pipeline.stage import PipelineStage
+from lightning_shm.parallel.sequential import layers_of
 from lightning_shm.runtime import World
 
 
@@ -72,7 +73,7 @@ def train_pipeline(world: World, hidden: list[int], schedule: str, microbatches:
     sample = torch.randn(64, 784)
     cuts = plan_cuts(seq, sched.chunks, split_points, sample, stages=P, split_linear=split_linear)[0] \
         if world.rank == 0 else None
-    layers, starts = apply_row_cuts(list(seq.named_children()), g.broadcast_object(cuts, src_member=0))
+    layers, starts = apply_row_cuts(layers_of(seq), g.broadcast_object(cuts, src_member=0))
     stage = PipelineStage(layers, starts, sched.chunks_of(world.rank))
     engine = PipelineEngine(stage.chunks, sched, world.rank, list(range(P)), world, tag=f"drv-{schedule}",
                             activation_checkpointing=checkpointing)

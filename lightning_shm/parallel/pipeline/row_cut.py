@@ -20,13 +20,14 @@ and cuts them again on load.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from lightning_shm.parallel.pipeline.split import (
+    NO_CUT_RULES,
     balanced_split,
     empty_rank,
     layer_costs_by_params,
@@ -153,7 +154,8 @@ def stage_rows(module: nn.Module) -> dict[str, tuple[int, int, int]]:
 
 def plan_cuts(seq: nn.Sequential, parts: int, split_points: Optional[Sequence[int]] = None,
               sample: Optional[torch.Tensor] = None, stages: Optional[int] = None,
-              forbidden: frozenset[int] = frozenset(), split_linear: bool = False) -> tuple[list[tuple[int, int]], str]:
+              forbidden: Mapping[int, str] = NO_CUT_RULES, split_linear: bool = False
+              ) -> tuple[list[tuple[int, int]], str]:
     """Chunk starts as ``(layer, row)`` and how they were chosen: :func:`~.split.plan_chunks` at layer
     boundaries, or with ``split_linear`` a boundary inside a Linear where that balances the chunks better
     (without it, ``how`` says when it would)."""

@@ -12,10 +12,13 @@ rank c % P.
 from __future__ import annotations
 
 import time
-from typing import Optional, Sequence
+from types import MappingProxyType
+from typing import Mapping, Optional, Sequence
 
 import torch
 from torch import nn
+
+NO_CUT_RULES: Mapping[int, str] = MappingProxyType({})
 
 
 def layer_costs_by_params(seq: nn.Sequential) -> list[float]:
@@ -49,13 +52,13 @@ def layer_costs_by_time(seq: nn.Sequential, sample: torch.Tensor, repeats: int =
 
 
 def balanced_split(costs: Sequence[float], parts: int, required: Optional[Sequence[bool]] = None,
-                   forbidden: frozenset[int] = frozenset()) -> list[int]:
+                   forbidden: Mapping[int, str] = NO_CUT_RULES) -> list[int]:
     """Start index of each of ``parts`` contiguous, non-empty chunks minimising the largest chunk cost.
 
     With ``required``, every chunk must contain at least one layer marked True (e.g. one that owns
     parameters: an optimizer cannot be built over none). No chunk starts at an index in
-    ``forbidden`` (e.g. inside a tensor-parallel column -> row pair, whose split activation must not
-    cross a stage boundary).
+    ``forbidden`` (index -> why: inside a tensor-parallel column -> row pair, whose split activation
+    must not cross a stage boundary; between two layers that share a parameter).
     """
     n = len(costs)
     if parts < 1:
@@ -82,7 +85,8 @@ def balanced_split(costs: Sequence[float], parts: int, required: Optional[Sequen
                     best[k][i], cut[k][i] = v, j
     if best[parts][n] == inf:
         raise ValueError(f"{n} layers cannot be cut into {parts} chunks that each hold a parameter"
-                         + (f" without cutting at {sorted(forbidden)}" if forbidden else ""))
+                         + (f" without starting one at {sorted(forbidden)}, where "
+                            + "; ".join(dict.fromkeys(forbidden.values())) if forbidden else ""))
     starts, i = [], n
     for k in range(parts, 0, -1):
         starts.append(cut[k][i])
@@ -91,7 +95,7 @@ def balanced_split(costs: Sequence[float], parts: int, required: Optional[Sequen
 
 
 def validate_split_points(points: Sequence[int], n_layers: int, parts: int,
-                          forbidden: frozenset[int] = frozenset()) -> list[int]:
+                          forbidden: Mapping[int, str] = NO_CUT_RULES) -> list[int]:
     """Explicit split points (start indices of chunks 1..parts-1) -> chunk starts."""
     pts = list(points)
     if len(pts) != parts - 1:
@@ -100,16 +104,16 @@ def validate_split_points(points: Sequence[int], n_layers: int, parts: int,
     if any(b <= a for a, b in zip(starts, starts[1:])) or starts[-1] >= n_layers:
         raise ValueError(f"split points {pts} must be strictly increasing within 1..{n_layers - 1} "
                          f"({n_layers} layers)")
-    bad = sorted(set(pts) & forbidden)
+    bad = [p for p in pts if p in forbidden]
     if bad:
-        raise ValueError(f"split points {bad} fall between a tensor-parallel column layer and its row layer "
-                         f"(no stage may start at {sorted(forbidden)})")
+        raise ValueError(f"split point {bad[0]} is refused: {forbidden[bad[0]]} (no stage may start at "
+                         f"{sorted(forbidden)})")
     return starts
 
 
 def plan_chunks(seq: nn.Sequential, parts: int, split_points: Optional[Sequence[int]] = None,
                 sample: Optional[torch.Tensor] = None, stages: Optional[int] = None,
-                forbidden: frozenset[int] = frozenset(),
+                forbidden: Mapping[int, str] = NO_CUT_RULES,
                 costs: Optional[Sequence[float]] = None) -> tuple[list[int], str]:
     """Chunk start indices and how they were chosen ("explicit" / "measured time" / "parameter count").
 
@@ -150,7 +154,7 @@ def empty_rank(starts: Sequence[int], has_params: Sequence[bool], parts: int, st
 
 
 def _search_rank_feasible(costs: Sequence[float], has_params: Sequence[bool], parts: int,
-                          stages: int, forbidden: frozenset[int] = frozenset(),
+                          stages: int, forbidden: Mapping[int, str] = NO_CUT_RULES,
                           limit: int = 200_000) -> Optional[list[int]]:
     """Exhaustive search (small Sequentials only) for the most balanced cut giving every rank parameters."""
     import itertools
@@ -164,7 +168,7 @@ def _search_rank_feasible(costs: Sequence[float], has_params: Sequence[bool], pa
         prefix.append(prefix[-1] + c)
     best, best_cost = None, float("inf")
     for cuts in itertools.combinations(range(1, n), parts - 1):
-        if forbidden.intersection(cuts):
+        if any(c in forbidden for c in cuts):
             continue
         starts = [0, *cuts]
         if empty_rank(starts, has_params, parts, stages) is not None:

@@ -25,6 +25,8 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import torch
 from torch import nn
 
+from lightning_shm.parallel.sequential import layers_of
+
 
 class CapturedInput(BaseException):
     """Carries the Sequential's input out of the user's step (BaseException: user ``except Exception`` can't eat it)."""
@@ -43,7 +45,7 @@ class PipelineStage(nn.Module):
     def __init__(self, seq: nn.Sequential | Sequence[tuple[str, nn.Module]], starts: Sequence[int],
                  chunk_ids: Sequence[int]) -> None:
         super().__init__()
-        children = list(seq.named_children()) if isinstance(seq, nn.Module) else list(seq)
+        children = layers_of(seq) if isinstance(seq, nn.Module) else list(seq)
         bounds = list(starts) + [len(children)]
         names: dict[int, list[str]] = {}
         for c in chunk_ids:

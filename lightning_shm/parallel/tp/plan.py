@@ -38,6 +38,7 @@ from typing import Any, Mapping, Optional
 
 from torch import nn
 
+from lightning_shm.parallel.sequential import find_sequential, layers_of, parameter_holders, shared_spans
 from lightning_shm.parallel.tp.layers import (
     ColumnParallelConv2d,
     ColumnParallelLinear,
@@ -129,13 +130,20 @@ def derive_plan(seq: nn.Sequential, tp: int, prefix: str = "") -> dict[str, Laye
     plan: dict[str, LayerPlan] = {}
     pending: Optional[tuple[str, type, nn.Module]] = None  # a layer waiting for its partner
     replicate_upto = -1  # after a gathered Linear: Linear layers with at most this many weights stay whole
-    for name, m in seq.named_children():
+    layers = layers_of(seq)
+    shared = {i for span in shared_spans(layers) for i in span.positions}  # split, they would stop sharing
+    for i, (name, m) in enumerate(layers):
         q = _qual(prefix, name)
         kind = _kind(m)
         if kind is nn.Linear and pending is None and m.weight.numel() <= replicate_upto:
             continue
-        if kind is not None and pending is not None and pending[1] is kind:
-            if kind is nn.Linear and m.weight.numel() * tp <= pending[2].weight.numel():
+        pair = kind is not None and pending is not None and pending[1] is kind
+        gathered = pair and kind is nn.Linear and m.weight.numel() * tp <= pending[2].weight.numel()
+        if i in shared and not gathered:  # a layer sharing a parameter stays whole (a gathered pair keeps it so)
+            pending = None
+            continue
+        if pair:
+            if gathered:
                 plan[pending[0]] = LayerPlan("column_gathered")
                 replicate_upto = pending[2].weight.numel() // tp
             else:
@@ -151,8 +159,6 @@ def derive_plan(seq: nn.Sequential, tp: int, prefix: str = "") -> dict[str, Laye
 def plan_for(module: nn.Module, plan: Optional[Mapping[str, Any]], tp: int, sequential: Optional[str] = None
              ) -> dict[str, LayerPlan]:
     """The resolved plan: the given one, else the module's ``tp_plan``, else derived for its Sequential."""
-    from lightning_shm.parallel.sequential import find_sequential
-
     if plan is not None:
         return resolve_plan(module, plan)
     own = getattr(module, "tp_plan", None)
@@ -206,10 +212,17 @@ def check_plan(module: nn.Module, plan: Mapping[str, LayerPlan], tp: int) -> dic
     Raises ValueError naming the module and the sizes. Computed on the plain model (a pipeline then
     applies the part its stage holds)."""
     mods = dict(module.named_modules())
+    holders = parameter_holders(module)
     out: dict[str, LayerSplit] = {}
     for name, lp in plan.items():
         if lp.style == "replicate":
             continue
+        for pname, p in mods[name].named_parameters(prefix=name):
+            others = [h for h, _ in holders[id(p)] if h != pname and not h.startswith(f"{name}.")]
+            if others:
+                raise ValueError(f"'{name}' ({lp.style}) holds '{pname}', which is also '{others[0]}': splitting the "
+                                 "layer gives each rank a piece of its own, and the other holder would keep training "
+                                 "the whole tensor apart from it. Leave the layer replicated, or untie the weights.")
         parent = mods.get(name.rpartition(".")[0]) if "." in name else module
         out[name] = LayerSplit(lp.style, tuple(split_sizes(name, mods[name], lp, tp, parent)))
     for prefix, seq in [(n, m) for n, m in module.named_modules() if isinstance(m, nn.Sequential)]:
@@ -221,7 +234,7 @@ def _check_sequential(seq: nn.Sequential, prefix: str, splits: Mapping[str, Laye
     """Pairs inside a Sequential: what runs between them, and the norms there to split."""
     region: Optional[tuple[str, type]] = None  # (column layer, its kind) while inside a pair
     norms: dict[str, LayerSplit] = {}
-    for name, m in seq.named_children():
+    for name, m in layers_of(seq):
         q = _qual(prefix, name)
         role = splits[q].role if q in splits else "replicate"
         if role == "column":

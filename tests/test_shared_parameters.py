@@ -1,0 +1,182 @@
+"""Parameters shared between layers -- one layer applied twice (ALBERT-style) and weights tied between
+two layers (GPT-2's embedding / head) -- under every strategy.
+
+Every parallelism gives layers to owners (pipeline stages, FSDP units, tensor-parallel pieces); a
+parameter held by two layers must stay with one owner, or each copy trains on its own layers' gradient
+only. What must hold: where the layout allows it the run equals one process; where it cannot (a cut
+between the holders, a split tied layer) the run is refused before any worker starts, naming the
+parameter.
+"""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+
+import lightning_shm.strategies.launcher as strategy_launcher
+from lightning_shm import SHMDDPStrategy, SHMFSDPStrategy, SHMModelParallel, SHMPipeline, SHMTensorParallel
+from lightning_shm.models import MNISTClassifier
+from lightning_shm.parallel.ddp import GradReducer
+from lightning_shm.parallel.fsdp import UnitPolicy, find_units
+from lightning_shm.parallel.pipeline.stage import PipelineStage
+from lightning_shm.parallel.sequential import layers_of, shared_spans
+from lightning_shm.parallel.tp import derive_plan
+from tests.helpers import GLOBAL_BATCH, flat_params, loader, mnist_like, train_mnist, trainer
+
+
+class AppliedTwice(MNISTClassifier):
+    """``net.3`` and ``net.5`` are one Linear: the layer runs twice per forward."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        shared = nn.Linear(32, 32)
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(784, 32), nn.ReLU(), shared, nn.ReLU(), shared, nn.ReLU(),
+                                 nn.Linear(32, 10))
+
+
+class Tied(MNISTClassifier):
+    """``net.3`` and ``net.7`` are two Linear layers with one weight (each its own bias)."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        a, b = nn.Linear(32, 32), nn.Linear(32, 32)
+        b.weight = a.weight
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(784, 32), nn.ReLU(), a, nn.ReLU(), nn.Linear(32, 32),
+                                 nn.ReLU(), b, nn.ReLU(), nn.Linear(32, 10))
+
+
+MODELS = {"applied-twice": AppliedTwice, "tied": Tied}
+RUNS = {  # name: (strategy, devices, data-parallel ranks)
+    "ddp": (lambda: SHMDDPStrategy(start_method="fork"), 2, 2),
+    "fsdp": (lambda: SHMFSDPStrategy(start_method="fork"), 2, 2),
+    "tp2": (lambda: SHMTensorParallel(start_method="fork", tensor_parallel_size=2), 2, 1),
+    "pp2-1f1b": (lambda: SHMPipeline(start_method="fork", pipeline_parallel_size=2, microbatches=4), 2, 1),
+    "pp2-zero-bubble": (lambda: SHMPipeline(start_method="fork", pipeline_parallel_size=2, microbatches=4,
+                                            schedule="zero_bubble", balance="params"), 2, 1),
+    "dp2xpp2-shard": (lambda: SHMModelParallel(start_method="fork", data_parallel_size=2, pipeline_parallel_size=2,
+                                               data_parallel="shard", microbatches=2), 4, 2),
+}
+
+
+@pytest.fixture(scope="module")
+def references():
+    return {name: train_mnist("auto", 1, "sgd", batch=GLOBAL_BATCH, ref=True, model_cls=cls)
+            for name, cls in MODELS.items()}
+
+
+@pytest.mark.parametrize("run", list(RUNS))
+@pytest.mark.parametrize("model", list(MODELS))
+def test_shared_parameters_train_as_in_one_process(references, model, run):
+    strategy, devices, dp = RUNS[run]
+    got = train_mnist(strategy(), devices, "sgd", batch=GLOBAL_BATCH // dp, model_cls=MODELS[model])
+    torch.testing.assert_close(got, references[model], rtol=0, atol=1e-5)
+
+
+def test_tied_linear_weight_gradients_computed_into_the_buckets_add_up(references, monkeypatch):
+    """With every Linear's weight gradient written into the DDP buckets by the layer itself, the two
+    layers holding one weight must add their products, not overwrite each other's."""
+    monkeypatch.setattr(GradReducer, "direct_min_numel", 0)
+    got = train_mnist(SHMDDPStrategy(start_method="fork"), 2, "sgd", batch=GLOBAL_BATCH // 2, model_cls=Tied)
+    torch.testing.assert_close(got, references["tied"], rtol=0, atol=1e-5)
+
+
+def _fit_tied(strategy, devices, epochs, batch, ckpt_dir=None, ckpt_path=None):
+    pl.seed_everything(1)
+    model = Tied(optimizer="adam", lr=1e-3)
+    callbacks = [ModelCheckpoint(dirpath=ckpt_dir)] if ckpt_dir else []
+    t = trainer(strategy=strategy, devices=devices, max_epochs=epochs, enable_checkpointing=bool(callbacks),
+                callbacks=callbacks, precision="64-true")
+    t.fit(model, loader(mnist_like(48, seed=1), batch), ckpt_path=ckpt_path)
+    return flat_params(model), (callbacks[0].best_model_path if callbacks else None)
+
+
+@pytest.mark.parametrize("run", ["fsdp", "pp2-1f1b", "dp2xpp2-shard"])
+def test_tied_checkpoint_is_plain_and_resumes(tmp_path, run):
+    """One entry per name of the tied weight (as one process saves it), one optimizer state for it, and a
+    resumed run equal to an uninterrupted one."""
+    strategy, devices, dp = RUNS[run]
+    whole, _ = _fit_tied(strategy(), devices, 2, 24 // dp)
+    _, path = _fit_tied(strategy(), devices, 1, 24 // dp, ckpt_dir=tmp_path)
+    resumed, _ = _fit_tied(strategy(), devices, 2, 24 // dp, ckpt_path=path)
+    torch.testing.assert_close(resumed, whole, rtol=0, atol=1e-12)
+    ckpt = torch.load(path, weights_only=False)
+    plain = Tied(optimizer="adam", lr=1e-3)
+    assert list(ckpt["state_dict"]) == list(plain.state_dict())
+    assert torch.equal(ckpt["state_dict"]["net.3.weight"], ckpt["state_dict"]["net.7.weight"])
+    torch.optim.Adam(plain.parameters(), lr=1e-3).load_state_dict(ckpt["optimizer_states"][0])
+    single = Tied.load_from_checkpoint(path)
+    assert single.net[3].weight is single.net[7].weight
+
+
+def test_a_layer_applied_twice_keeps_both_positions():
+    """``named_children()`` lists a module once: a stage or plan built from it would drop the second
+    application and shift every later layer (seen: the pipeline's chunks ran 7 of 8 layers)."""
+    seq = AppliedTwice().net
+    assert [n for n, _ in layers_of(seq)] == [str(i) for i in range(8)]
+    stage = PipelineStage(seq, [0, 2], [1])
+    assert stage.chunk_names[1] == ["2", "3", "4", "5", "6", "7"]
+    x = torch.randn(3, 32)
+    torch.testing.assert_close(stage.chunks[1](x), seq[2:](x), rtol=0, atol=0)
+    assert [(s.positions, s.names) for s in shared_spans(layers_of(seq))] == [
+        ((3, 5), ("3.weight", "5.weight")), ((3, 5), ("3.bias", "5.bias"))]
+
+
+def test_fsdp_joins_the_units_between_tied_layers():
+    units = [u.name for u in find_units(Tied(), UnitPolicy())]
+    assert units == ["net.1", "net.3+net.4+net.5+net.6+net.7", "net.9"]
+    twice = [u.name for u in find_units(AppliedTwice(), UnitPolicy())]
+    assert twice == ["net.1", "net.3+net.4+net.5", "net.7"]
+
+
+def test_derived_tensor_parallel_plan_leaves_tied_layers_whole():
+    a, b = nn.Linear(64, 64), nn.Linear(64, 64)
+    b.weight = a.weight
+    seq = nn.Sequential(a, nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), b)
+    plan = {n: lp.style for n, lp in derive_plan(seq, 2).items()}
+    assert plan == {"2": "column", "4": "row"}
+
+
+@pytest.fixture
+def no_worker_starts(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("a worker was about to start")
+
+    monkeypatch.setattr(strategy_launcher, "Launcher", refuse)
+
+
+class TiedEnds(MNISTClassifier):
+    """The first and the last Linear share one weight: every pipeline cut would separate them (refused
+    before training, so the logits' width does not matter)."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        a, b = nn.Linear(784, 32), nn.Linear(784, 32)
+        b.weight = a.weight
+        self.net = nn.Sequential(nn.Flatten(), a, nn.ReLU(), nn.Linear(32, 784), b)
+
+
+@pytest.mark.parametrize("model, strategy, devices, match", [
+    (Tied, lambda: SHMPipeline(start_method="fork", pipeline_parallel_size=2, microbatches=2, split_points=[5]), 2,
+     r"split point 5 is refused: layers 3 and 7 share one parameter \(net.3.weight = net.7.weight\): both must sit "
+     r"on one pipeline stage"),
+    (AppliedTwice, lambda: SHMPipeline(start_method="fork", pipeline_parallel_size=2, microbatches=2,
+                                       split_points=[4]), 2,
+     r"split point 4 is refused: layers 3 and 5 share one parameter \(net.3.weight = net.5.weight\)"),
+    (TiedEnds, lambda: SHMPipeline(start_method="fork", pipeline_parallel_size=2, microbatches=2), 2,
+     r"5 layers cannot be cut into 2 chunks that each hold a parameter without starting one at \[2, 3, 4\], where "
+     r"layers 1 and 4 share one parameter \(net.1.weight = net.4.weight\)"),
+    (Tied, lambda: SHMTensorParallel(start_method="fork", tensor_parallel_size=2,
+                                     plan={"net.5": "column", "net.7": "row"}), 2,
+     r"'net.7' \(row\) holds 'net.7.weight', which is also 'net.3.weight'"),
+    (Tied, lambda: SHMFSDPStrategy(start_method="fork", unit_policy=lambda name, m: isinstance(m, nn.Linear)), 2,
+     r"'net.3.weight' and 'net.7.weight' are one parameter, but FSDP unit 'net.3' holds it and 'net.7.weight' runs "
+     r"in unit 'net.7'"),
+], ids=["pipeline-cut-between-tied", "pipeline-cut-between-applications", "pipeline-no-cut-left", "tp-splits-tied",
+        "fsdp-policy-separates-tied"])
+def test_layouts_that_would_separate_a_shared_parameter_are_refused(no_worker_starts, model, strategy, devices,
+                                                                    match):
+    with pytest.raises(ValueError, match=match):
+        trainer(strategy=strategy(), devices=devices, max_epochs=1).fit(model(), loader(mnist_like(8), 4))
