@@ -106,7 +106,9 @@ class _GatherUnit(torch.autograd.Function):
     def forward(ctx: Any, unit: "FSDPUnit", key: int, full: torch.Tensor,  # type: ignore[override]
                 *shards: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.unit, ctx.key = unit, key
-        return tuple(unit.params_of(full))
+        params = unit.params_of(full)
+        ctx.mark_non_differentiable(*[p for p, b in zip(params, unit.blocks) if not b.shard.requires_grad])
+        return tuple(params)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
@@ -115,7 +117,7 @@ class _GatherUnit(torch.autograd.Function):
         if unit.held is not None:
             unit.accumulate(grads)
             return (*nothing, *[None] * len(unit.blocks))
-        shard_grads = unit.reduce_scatter([g.contiguous() for g in grads])
+        shard_grads = unit.reduce_scatter([g.contiguous() if g is not None else None for g in grads])
         full = unit.pending.pop(ctx.key, None)
         if full is not None:
             unit.free(full)
@@ -163,16 +165,17 @@ class FSDPUnit:
             self.common = group.alloc_common(full, self.dtype, tag=f"fsdp-unit{index}")
         else:
             self.buffer = group.alloc_shared(region, self.dtype, tag=f"fsdp-unit{index}")
-        requires_grad = spec.params[0][3].requires_grad
         for b, (*_, p) in zip(self.blocks, spec.params):
             mine = self._block(r, b)
             lo = b.row_start(r) * b.row_numel
             mine.copy_(p.detach().reshape(-1)[lo:lo + mine.numel()])
-            b.shard = nn.Parameter(mine.view(b.rows[r], *b.shape[1:]), requires_grad=requires_grad)
+            b.shard = nn.Parameter(mine.view(b.rows[r], *b.shape[1:]), requires_grad=p.requires_grad)
             for owner, attr in b.owners:  # the model now holds the block under the parameter's own name
                 owner._parameters[attr] = b.shard
+        self.trainable = [b for b in self.blocks if b.shard.requires_grad]  # frozen ones: no gradient at all
         self._live: Optional[torch.Tensor] = None  # full flat parameters of the current forward
         self._live_grad = False  # ... taken through _GatherUnit (a backward will come)
+        self._frozen_inputs: list[torch.Tensor] = []  # a frozen unit's inputs that carry a gradient
         # full tensors awaiting their backward, by application. Held strongly here: autograd keeps
         # only views of them (the Python object, and any weakref to it, would die after forward).
         self.pending: dict[int, torch.Tensor] = {}
@@ -278,14 +281,16 @@ class FSDPUnit:
                     owner.__dict__[attr] = params[i]
 
     # ------------------------------------------------------------------ reduce-scatter
-    def reduce_scatter(self, grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Each parameter's full gradient -> the mean over ranks of this rank's rows: one collective for
-        the whole unit (a Linear's weight and bias: one barrier per round, not two)."""
+    def reduce_scatter(self, grads: Sequence[Optional[torch.Tensor]]) -> list[Optional[torch.Tensor]]:
+        """Each trainable parameter's full gradient -> the mean over ranks of this rank's rows: one
+        collective for the whole unit (a Linear's weight and bias: one barrier per round, not two).
+        ``grads`` has an entry per block; frozen blocks' entries are ignored and get None."""
         r = self.group.index
-        parts = self.group.reduce_scatter_coalesced(
-            [g.reshape(-1) for g in grads], "mean",
-            sizes=[[k * b.row_numel for k in b.rows] for b in self.blocks], across=self.across)
-        return [part.view(b.rows[r], *b.shape[1:]) for b, part in zip(self.blocks, parts)]
+        taken = [(b, g) for b, g in zip(self.blocks, grads) if b.shard.requires_grad]
+        parts = iter(self.group.reduce_scatter_coalesced(
+            [g.reshape(-1) for _, g in taken], "mean",
+            sizes=[[k * b.row_numel for k in b.rows] for b, _ in taken], across=self.across))
+        return [next(parts).view(b.rows[r], *b.shape[1:]) if b.shard.requires_grad else None for b in self.blocks]
 
     # ------------------------------------------------------------------ a whole pipeline step
     def hold(self) -> None:
@@ -298,7 +303,8 @@ class FSDPUnit:
         if self._held_grad is None:
             self._held_grad = torch.zeros(self.numel, dtype=self.dtype)
         for b, g in zip(self.blocks, grads):
-            self._held_grad[b.full_offset:b.full_offset + b.numel].view(b.shape).add_(g)
+            if b.shard.requires_grad:
+                self._held_grad[b.full_offset:b.full_offset + b.numel].view(b.shape).add_(g)
 
     def add_to_held_grad(self, tensor: torch.Tensor, grad: torch.Tensor) -> bool:
         """``tensor`` is a view of the held full parameters: add ``grad`` at its place in the step's gradient."""
@@ -356,7 +362,11 @@ class FSDPUnit:
     # ------------------------------------------------------------------ hooks
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
         full = self.held if self.held is not None else self.gather_new()
-        self._live_grad = torch.is_grad_enabled() and self.blocks[0].shard.requires_grad
+        grad = torch.is_grad_enabled()
+        self._live_grad = grad and bool(self.trainable)
+        # a unit without trainable parameters still takes part in backward when its input carries a
+        # gradient: the input's gradient needs the weights (y = x @ W^T -> dx = dy @ W)
+        self._frozen_inputs = [t for t in _tensors(args) if t.requires_grad] if grad and not self.trainable else []
         if self._live_grad:
             key, self._next_key = self._next_key, self._next_key + 1
             params = _GatherUnit.apply(self, key, full, *self.shards)
@@ -373,7 +383,7 @@ class FSDPUnit:
         full = self._live
         if full is None or self.held is not None:  # held: stays gathered for the next microbatch
             return output
-        if self._live_grad:
+        if self._live_grad or self._frozen_inputs:
             fired = [False]
 
             def pre_backward(grad: torch.Tensor) -> torch.Tensor:
@@ -387,11 +397,25 @@ class FSDPUnit:
             for t in _tensors(output):
                 if t.requires_grad:
                     t.register_hook(pre_backward)
+            if not self._live_grad:  # frozen: no _GatherUnit backward frees it; the input's gradient comes
+                self._free_after_backward(full)  # after this unit's backward
             if self.reshard_after_forward:
                 self.free(full)
         else:  # no backward will come (validation, predict): free now
             self.free(full)
         return output
+
+    def _free_after_backward(self, full: torch.Tensor) -> None:
+        key, self._next_key = self._next_key, self._next_key + 1
+        self.pending[key] = full
+
+        def after_backward(grad: torch.Tensor) -> None:
+            if self.pending.pop(key, None) is not None:
+                self.free(full)
+
+        for t in self._frozen_inputs:
+            t.register_hook(after_backward)
+        self._frozen_inputs = []
 
     # ------------------------------------------------------------------ clean-up
     def drop_pending(self) -> None:
@@ -442,9 +466,6 @@ def _check_unit(spec: UnitSpec) -> None:
     if len(dtypes) != 1:
         raise ValueError(f"FSDP unit '{spec.name}' mixes dtypes {sorted(map(str, dtypes))}; one flat "
                          "parameter needs one dtype")
-    if len({p.requires_grad for *_, p in spec.params}) != 1:
-        raise ValueError(f"FSDP unit '{spec.name}' mixes trainable and frozen parameters; put them in "
-                         "separate units (unit policy)")
     scalars = [name for name, _, _, p in spec.params if p.dim() == 0]
     if scalars:
         raise ValueError(f"FSDP shards parameters by rows (dim 0); {scalars} are 0-d: store them with shape (1,)")

@@ -1,0 +1,99 @@
+"""Fine-tuning: some parameters frozen (``requires_grad=False``) under every strategy.
+
+A frozen parameter gets no gradient and never changes; the others train as in one process. FSDP
+units may mix both (a LayerNorm with a frozen bias; BitFit trains only the biases): a unit reduces
+and stores gradients for its trainable parameters only, and autograd computes none for the frozen
+ones.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_shm import SHMDDPStrategy, SHMFSDPStrategy, SHMModelParallel, SHMPipeline, SHMTensorParallel
+from lightning_shm.models import MNISTClassifier
+from lightning_shm.parallel.fsdp import FSDPState
+from lightning_shm.runtime import launch
+from tests.helpers import GLOBAL_BATCH, train_mnist
+
+
+class FrozenParts(MNISTClassifier):
+    """The second Linear frozen whole, the first LayerNorm's bias frozen (its weight trains)."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.net[4].requires_grad_(False)
+        self.net[2].bias.requires_grad_(False)
+
+
+class BitFit(MNISTClassifier):
+    """Only the biases train (BitFit): every unit of FSDP holds frozen and trainable parameters."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        for name, p in self.named_parameters():
+            p.requires_grad_(name.endswith("bias"))
+
+
+MODELS = {"frozen-parts": FrozenParts, "bitfit": BitFit}
+RUNS = {  # name: (strategy, devices, data-parallel ranks)
+    "ddp": (lambda: SHMDDPStrategy(start_method="fork"), 2, 2),
+    "fsdp": (lambda: SHMFSDPStrategy(start_method="fork"), 2, 2),
+    "fsdp-copy": (lambda: SHMFSDPStrategy(start_method="fork", gather="copy"), 2, 2),
+    "tp2": (lambda: SHMTensorParallel(start_method="fork", tensor_parallel_size=2), 2, 1),
+    "pp2-zero-bubble": (lambda: SHMPipeline(start_method="fork", pipeline_parallel_size=2, microbatches=4,
+                                            schedule="zero_bubble"), 2, 1),
+    "dp2xpp2-shard": (lambda: SHMModelParallel(start_method="fork", data_parallel_size=2, pipeline_parallel_size=2,
+                                               data_parallel="shard", microbatches=2), 4, 2),
+}
+
+
+@pytest.fixture(scope="module")
+def references():
+    return {name: train_mnist("auto", 1, "adam", batch=GLOBAL_BATCH, ref=True, model_cls=cls)
+            for name, cls in MODELS.items()}
+
+
+@pytest.mark.parametrize("run", list(RUNS))
+@pytest.mark.parametrize("model", list(MODELS))
+def test_frozen_parameters_stay_and_the_rest_trains_as_in_one_process(references, model, run):
+    strategy, devices, dp = RUNS[run]
+    got = train_mnist(strategy(), devices, "adam", batch=GLOBAL_BATCH // dp, model_cls=MODELS[model])
+    torch.testing.assert_close(got, references[model], rtol=0, atol=1e-5)
+
+
+def _unit_step(world, model_cls, gather):
+    torch.manual_seed(0)
+    model = model_cls()
+    sharded = FSDPState(model, world.group(), gather=gather)
+    seen = {}
+
+    def record(m, args):  # after the unit's own pre-hook: the full parameters the layer computes with
+        seen.update(weight=m.weight.requires_grad, bias=m.bias.requires_grad)
+
+    hook = model.net[1].register_forward_pre_hook(record)
+    loss = nn.functional.cross_entropy(model(torch.randn(8, 1, 28, 28)), torch.zeros(8, dtype=torch.long))
+    hook.remove()
+    loss.backward()
+    grads = {n: p.grad is not None for n, p in model.named_parameters()}
+    live = sharded.stats.live  # full parameters still allocated after backward
+    sharded.close()
+    return seen, grads, live
+
+
+@pytest.mark.parametrize("gather", ["view", "copy"])
+def test_a_mixed_unit_computes_and_reduces_gradients_of_its_trainable_parameters_only(gather):
+    for seen, grads, live in launch(_unit_step, 2, BitFit, gather, start_method="fork"):
+        assert seen == {"weight": False, "bias": True}  # autograd computes no weight gradient at all
+        assert grads == {n: n.endswith("bias") for n in grads}
+        assert live == 0
+
+
+def test_a_frozen_unit_is_gathered_again_for_the_input_gradient_and_freed_after_it():
+    """gather="copy" frees a unit's full parameters after its forward; a frozen Linear between trainable
+    layers still needs its weight in backward (for the gradient of its input)."""
+    for seen, grads, live in launch(_unit_step, 2, FrozenParts, "copy", start_method="fork"):
+        assert grads["net.1.weight"] and not grads["net.4.weight"] and not grads["net.2.bias"]
+        assert live == 0
