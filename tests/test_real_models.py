@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader
 
 from lightning_shm import SHMDDPStrategy, SHMFSDPStrategy, SHMModelParallel, SHMPipeline, SHMTensorParallel
 from lightning_shm.models import MNISTClassifier
+from lightning_shm.models.transformer import TRANSFORMER_TP_PLAN, Block
 from tests.helpers import GLOBAL_BATCH, STEPS, flat_params, loader, mnist_like, train_mnist, trainer
 
 TRANSFORMER = functools.partial(MNISTClassifier, arch="transformer", dim=16, depth=6, heads=4)
@@ -154,3 +155,45 @@ def test_every_rank_validates_with_rank_0s_batchnorm_statistics(strategy):
     t = trainer(strategy=strategy, devices=2, max_epochs=2)
     t.fit(model, loader(ds, GLOBAL_BATCH // 2), DataLoader(ds, batch_size=GLOBAL_BATCH // 2))
     assert float(t.callback_metrics["buffer_spread"]) == 0.0
+
+
+# ---------------------------------------------------------------------- the user's own activation checkpointing
+class _Checkpointed(torch.nn.Module):
+    """A block whose forward runs under ``torch.utils.checkpoint``: its activations are recomputed in backward."""
+
+    def __init__(self, inner: torch.nn.Module, reentrant: bool) -> None:
+        super().__init__()
+        self.inner, self.reentrant = inner, reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=self.reentrant)
+
+
+def _checkpointed_transformer(reentrant: bool):
+    def build(**kw):
+        model = TRANSFORMER(**kw)
+        for i, block in enumerate(model.net):
+            if isinstance(block, Block):
+                model.net[i] = _Checkpointed(block, reentrant)
+        model.tp_plan = {k.replace("net.*.", "net.*.inner."): v for k, v in TRANSFORMER_TP_PLAN.items()}
+        return model
+    return build
+
+
+CHECKPOINTED_RUNS = {
+    **{k: TRANSFORMER_RUNS[k] for k in ("ddp", "fsdp-unit-per-block", "tp2", "dp2xtp2xpp2-shard")},
+    "fsdp-copy": (lambda: SHMFSDPStrategy(start_method="fork", gather="copy"), 2, 2),
+    "pp2": (lambda: SHMPipeline(start_method="fork", pipeline_parallel_size=2, microbatches=4), 2, 1),
+}
+
+
+@pytest.mark.parametrize("name", list(CHECKPOINTED_RUNS))
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_blocks_checkpointed_by_the_user_equal_one_process(name, reentrant):
+    """FSDP frees a unit's full parameters after forward and gathers them again for backward; the
+    recomputed forward inside backward must see the full parameters, not the rank's rows."""
+    strategy, devices, dp = CHECKPOINTED_RUNS[name]
+    build = _checkpointed_transformer(reentrant)
+    ref = train_mnist("auto", 1, "sgd", batch=GLOBAL_BATCH, ref=True, model_cls=build)
+    got = train_mnist(strategy(), devices, "sgd", batch=GLOBAL_BATCH // dp, model_cls=build)
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)

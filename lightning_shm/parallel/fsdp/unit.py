@@ -174,6 +174,7 @@ class FSDPUnit:
                 owner._parameters[attr] = b.shard
         self.trainable = [b for b in self.blocks if b.shard.requires_grad]  # frozen ones: no gradient at all
         self._live: Optional[torch.Tensor] = None  # full flat parameters of the current forward
+        self._live_params: Sequence[torch.Tensor] = ()  # ... as the modules see them (_set_views)
         self._live_grad = False  # ... taken through _GatherUnit (a backward will come)
         self._frozen_inputs: list[torch.Tensor] = []  # a frozen unit's inputs that carry a gradient
         # full tensors awaiting their backward, by application. Held strongly here: autograd keeps
@@ -261,7 +262,7 @@ class FSDPUnit:
                 self.stats.release(full)
                 storage.resize_(0)
         if self._live is full:
-            self._live = None
+            self._live, self._live_params = None, ()
             self._set_views(None)
 
     def params_of(self, full: torch.Tensor) -> list[torch.Tensor]:
@@ -331,7 +332,7 @@ class FSDPUnit:
         if self.held is not None:
             self.free(self.held)
             self.held = None
-        self._live = None
+        self._live, self._live_params = None, ()
         self._set_views(None)
 
     # ------------------------------------------------------------------ prefetch
@@ -374,13 +375,13 @@ class FSDPUnit:
                 self.pending[key] = full
         else:
             params = self.params_of(full)
-        self._live = full
+        self._live, self._live_params = full, params
         self._set_views(params)
         if self.next_unit is not None:
             self.next_unit.prefetch_gather()
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
-        full = self._live
+        full, params = self._live, self._live_params
         if full is None or self.held is not None:  # held: stays gathered for the next microbatch
             return output
         if self._live_grad or self._frozen_inputs:
@@ -390,6 +391,10 @@ class FSDPUnit:
                 if not fired[0]:
                     fired[0] = True
                     self.regather(full)
+                    # the modules see this forward's full parameters again until the unit's backward
+                    # ends (free): activation checkpointing runs their forward once more inside it
+                    self._live, self._live_params = full, params
+                    self._set_views(params)
                     if self.prev_unit is not None:
                         self.prev_unit.prefetch_regather()
                 return grad
@@ -429,7 +434,7 @@ class FSDPUnit:
         if self.held is not None:
             self.free(self.held)
             self.held = None
-            self._live = None
+            self._live, self._live_params = None, ()
             self._set_views(None)
 
     def remove_hooks(self) -> None:
