@@ -3,7 +3,7 @@
 Used by pipeline stages (activations forward, activation gradients backward). Unlike a barrier,
 only the two ends synchronise, and the sender runs ahead by up to ``slots`` messages::
 
-    words:  [head (sender) .. | tail (receiver) .. | slot headers: nbytes dtype ndim shape[6] frag]
+    words:  [head (sender) .. | tail (receiver) .. | slot headers: nbytes dtype ndim shape[6] frag group]
     data:   [slot 0 payload | slot 1 payload | ... ]
 
 * send: wait until ``tail > count - slots`` (the slot was consumed), copy the payload, write the
@@ -18,7 +18,8 @@ microbatch). This is the hand-over between two stages, on the critical path of e
 it is three tensor operations on each end, not a byte view, a slice and a copy per fragment.
 
 Each message carries its dtype and shape; a tensor larger than a slot travels as fragments through
-consecutive slots, so any size works with a bounded segment.
+consecutive slots, so any size works with a bounded segment. A tuple of tensors (:meth:`Channel.send_obj`)
+travels as consecutive messages whose ``group`` word counts the parts still to come (a lone tensor: 0).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from lightning_shm.runtime.segment import Segment, align_up
 from lightning_shm.runtime.wait import Waiter
 
 _HEAD, _TAIL, _HDR0, _HDR_WORDS, _MAX_DIMS = 0, 16, 32, 16, 6
+_FRAG, _GROUP = 3 + _MAX_DIMS, 4 + _MAX_DIMS  # header words after the shape
 _DTYPE_OF = {code: dt for dt, code in DTYPE_CODE.items()}
 
 
@@ -72,9 +74,24 @@ class Channel:
                          for s in range(config.slots)]
         self._count = self._w[_HEAD] if self._is_sender else self._w[_TAIL]
         self._views: dict[tuple[int, torch.dtype, tuple[int, ...]], torch.Tensor] = {}
+        self._last_group = 0  # the group word of the last message received
         self.bytes_sent = 0
 
-    def send(self, tensor: torch.Tensor) -> None:
+    def send_obj(self, obj: torch.Tensor | tuple[torch.Tensor, ...]) -> None:
+        """A tensor, or a tuple of tensors (received as a tuple by :meth:`recv_obj`)."""
+        if isinstance(obj, torch.Tensor):
+            self.send(obj)
+            return
+        for i, t in enumerate(obj):
+            self.send(t, group=len(obj) - i)
+
+    def recv_obj(self) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        first = self.recv()
+        if not self._last_group:
+            return first
+        return (first, *[self.recv() for _ in range(self._last_group - 1)])
+
+    def send(self, tensor: torch.Tensor, group: int = 0) -> None:
         if not self._is_sender:
             raise RuntimeError(f"rank {self.dst_rank} is the receiving end of channel {self.src_rank}->{self.dst_rank}")
         if tensor.dim() > _MAX_DIMS:
@@ -82,14 +99,14 @@ class Channel:
         t = tensor.detach() if tensor.requires_grad else tensor
         nbytes = t.numel() * t.element_size()
         if nbytes > self.config.slot_bytes:
-            self._send_fragments(t.contiguous().view(-1).view(torch.uint8), t)
+            self._send_fragments(t.contiguous().view(-1).view(torch.uint8), t, group)
             return
         c = self._count  # one slot: copied straight into a view of the slot shaped like the message
         self._wait_slot_free(c)
         slot = c % self.config.slots
         if nbytes:
             self._view(slot, t.dtype, t.shape).copy_(t)
-        self._publish(c, slot, nbytes, t, 0)
+        self._publish(c, slot, nbytes, t, 0, group)
         self.bytes_sent += nbytes
 
     def recv(self, out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -101,7 +118,7 @@ class Channel:
             self._waiter.wait_ge(w, _HEAD, c + 1, lambda: self._timeout("recv", c), lambda: [self.src_rank])
         slot = c % self.config.slots
         h = _HDR0 + slot * _HDR_WORDS
-        nbytes, dtype = w[h], _DTYPE_OF[w[h + 1]]
+        nbytes, dtype, self._last_group = w[h], _DTYPE_OF[w[h + 1]], w[h + _GROUP]
         shape = tuple(w[h + 3 + d] for d in range(w[h + 2]))
         if out is not None and (tuple(out.shape) != shape or out.dtype != dtype or not out.is_contiguous()):
             raise ValueError(f"recv: message is {shape} {dtype}, out is {tuple(out.shape)} {out.dtype}")
@@ -137,7 +154,7 @@ class Channel:
             self._waiter.wait_ge(w, _TAIL, c - self.config.slots + 1, lambda: self._timeout("send", c),
                                  lambda: [self.dst_rank])
 
-    def _publish(self, c: int, slot: int, nbytes: int, t: torch.Tensor, frag: int) -> None:
+    def _publish(self, c: int, slot: int, nbytes: int, t: torch.Tensor, frag: int, group: int) -> None:
         """Header first, then ``head``: a reader that sees the new head sees header and payload."""
         w, h = self._w, _HDR0 + slot * _HDR_WORDS
         w[h] = nbytes
@@ -145,11 +162,12 @@ class Channel:
         w[h + 2] = t.dim()
         for d, size in enumerate(t.shape):
             w[h + 3 + d] = size
-        w[h + 3 + _MAX_DIMS] = frag
+        w[h + _FRAG] = frag
+        w[h + _GROUP] = group
         w[_HEAD] = c + 1  # publish
         self._count = c + 1
 
-    def _send_fragments(self, raw: torch.Tensor, t: torch.Tensor) -> None:
+    def _send_fragments(self, raw: torch.Tensor, t: torch.Tensor, group: int) -> None:
         """A message larger than a slot: its bytes through consecutive slots, one fragment each."""
         nbytes, sb, S = raw.numel(), self.config.slot_bytes, self.config.slots
         for f in range(math.ceil(nbytes / sb)):
@@ -157,7 +175,7 @@ class Channel:
             self._wait_slot_free(c)
             L = min(sb, nbytes - f * sb)
             self._payload[c % S][:L].copy_(raw[f * sb:f * sb + L])
-            self._publish(c, c % S, nbytes, t, f)
+            self._publish(c, c % S, nbytes, t, f, group)
         self.bytes_sent += nbytes
 
     def _recv_fragments(self, raw: torch.Tensor, nbytes: int) -> None:

@@ -300,13 +300,13 @@ def test_a_forward_hands_its_output_over_before_its_bookkeeping():
         def __init__(self, name: str) -> None:
             self.name, self.sent = name, []
 
-        def send(self, t: torch.Tensor) -> None:
+        def send_obj(self, t: torch.Tensor) -> None:
             m = len(self.sent)
             seen.append((m, (m, 0) in engine._store, engine.peak_activation_bytes,
                          [(r.kind, r.mb) for r in engine.timeline]))
             self.sent.append(t.clone())
 
-        def recv(self) -> torch.Tensor:  # stage 1's input gradient for the microbatch being back-propagated
+        def recv_obj(self) -> torch.Tensor:  # stage 1's input gradient for the microbatch being back-propagated
             return torch.ones_like(channels["pp-act0"].sent[0])
 
     channels: dict[str, FakeChannel] = {}

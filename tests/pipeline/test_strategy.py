@@ -56,6 +56,60 @@ def test_dp2_x_pp2_equals_one_process_with_the_global_batch(references, schedule
     torch.testing.assert_close(got, references["adam"], rtol=0, atol=2e-5)
 
 
+class _Gate(nn.Module):
+    """Hands ``(hidden, skip, mask)`` on -- a float pair and an integer mask -- as ``nn.Sequential`` lets
+    a layer do in one process; the next one takes the tuple back."""
+
+    def __init__(self, d: int, takes_tuple: bool, gives_tuple: bool) -> None:
+        super().__init__()
+        self.lin, self.takes, self.gives = nn.Linear(d, d), takes_tuple, gives_tuple
+
+    def forward(self, x):
+        if self.takes:
+            h, skip, mask = x
+            x = h * mask.to(h.dtype) + skip
+        h = self.lin(x)
+        return (h, x, (h > 0).long()) if self.gives else h
+
+
+class TupleHandOvers(MNISTClassifier):
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(784, 32), _Gate(32, False, True), _Gate(32, True, True),
+                                 _Gate(32, True, True), _Gate(32, True, False), nn.Linear(32, 10))
+
+
+@pytest.mark.parametrize("run", [
+    *[(s, 2, {}) for s in SCHEDULES], ("1f1b", 3, {}), ("1f1b", 2, {"activation_checkpointing": True}),
+    ("zero_bubble", 4, {"dp": 2}), ("1f1b", 2, {"split_points": None})])
+def test_tuples_handed_between_layers_and_stages_equal_one_process(run):
+    """Every cut between the _Gate layers sends a tuple (two float tensors and a long one) forward and its
+    float parts' gradients back; the long part's 'gradient' (zeros) goes back too and is ignored. The last
+    run lets the planner time the layers (it runs them on tuples too)."""
+    schedule, P, kw = run
+    dp = kw.pop("dp", 1)
+    chunks = P * (2 if schedule == "interleaved_1f1b" else 1)
+    kw = {"split_points": [3, 4, 5][:chunks - 1], **kw}
+    ref = train_mnist("auto", 1, "sgd", batch=GLOBAL_BATCH, ref=True, model_cls=TupleHandOvers)
+    got = train_mnist(pp(P, schedule, **kw), P * dp, "sgd", batch=GLOBAL_BATCH // dp, model_cls=TupleHandOvers)
+    torch.testing.assert_close(got, ref, rtol=0, atol=2e-5)
+
+
+def test_a_layer_returning_neither_a_tensor_nor_a_tuple_of_them_is_named():
+    class Dict(nn.Module):
+        def forward(self, x):
+            return {"h": x}
+
+    class Model(MNISTClassifier):
+        def __init__(self, **kw):
+            super().__init__(**kw)
+            self.net = nn.Sequential(nn.Flatten(), nn.Linear(784, 32), Dict(), nn.Linear(32, 10))
+
+    with pytest.raises(TypeError, match="a pipeline hands a tensor or a tuple of tensors from layer to layer and "
+                                        "stage to stage; a layer returned a dict"):
+        train_mnist(pp(2, split_points=[3]), 2, "sgd", batch=GLOBAL_BATCH, model_cls=Model)
+
+
 class _SeesFallback(pl.Callback):
     def on_train_epoch_end(self, trainer, pl_module):
         pl_module.log("gpipe_fallback", float(trainer.strategy.pipeline.ran_short_batch_as_gpipe))

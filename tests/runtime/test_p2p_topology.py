@@ -42,6 +42,28 @@ def test_channels_carry_shape_dtype_and_any_size():
     assert all(r0) and all(r1) and len(r0) == 24
 
 
+def _objects(world):
+    """Tuples arrive as tuples (a 1-tuple too), lone tensors as tensors, a part larger than a slot in
+    fragments, with lone tensors before and after on the same channel."""
+    ch = world.channel(0, 1, "objects")
+    sent = [torch.ones(3), (torch.arange(5000.0), torch.tensor([1, 0, 1])), (torch.zeros(2, 2),),
+            (torch.full((4,), 7.0), torch.tensor(True), torch.empty(0)), torch.tensor(2.5)]
+    if world.rank == 0:
+        for obj in sent:
+            ch.send_obj(obj)
+        return sent
+    return [ch.recv_obj() for _ in sent]
+
+
+def test_channels_carry_tuples_of_tensors_as_tuples():
+    sent, got = launch(_objects, 2, start_method="fork", runtime=SMALL_CH)
+    assert [type(o) for o in got] == [type(o) for o in sent]
+    for a, b in zip(sent, got):
+        for x, y in zip(a if isinstance(a, tuple) else (a,), b if isinstance(b, tuple) else (b,)):
+            assert x.dtype == y.dtype and torch.equal(x, y)
+    assert [len(o) for o in got if isinstance(o, tuple)] == [2, 1, 3]
+
+
 def _stream(world):
     """The sender runs ahead by up to `slots` messages: no lock-step, no world barrier."""
     ch = world.channel(0, 1, "stream")

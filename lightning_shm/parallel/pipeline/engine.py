@@ -2,7 +2,7 @@
 
 Data movement per action (chunk c of V, microbatch m)::
 
-    F  x = microbatch input (c == 0) or recv(act[c-1]);  out = chunk_c(x)
+    F  x = microbatch input (c == 0) or recv(act[c-1]);  out = chunk_c(x)  (a tensor or a tuple of them)
        c == V-1: out = the microbatch loss (computed by ``io.last_forward``), else send(act[c], out)
     B  g = recv(grad[c]) (c < V-1);  backward(out, g);  c > 0: send(grad[c-1], x.grad)
        a large Linear's weight gradient goes to the engine (SinkLinear), which stashes (input,
@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_shm.parallel.linear_grads import PaddedWeights, SinkLinear, restore_linears, route_linears
+from lightning_shm.parallel.pipeline import activation as act
 from lightning_shm.parallel.pipeline.row_cut import LinearRows
 from lightning_shm.parallel.pipeline.schedules import Action, PipelineSchedule, Schedule, Timed
 from lightning_shm.runtime import Channel, ChannelConfig, World
@@ -193,9 +194,10 @@ class PipelineEngine:
     def _forward(self, a: Action, io: StageIO, training: bool) -> None:
         m, c = a.mb, a.chunk
         last = c == self.schedule.chunks - 1
-        x = io.first_input(m) if c == 0 else self.act_in[c].recv()
-        if c > 0 and training and x.is_floating_point():
-            x.requires_grad_(True)
+        x = io.first_input(m) if c == 0 else self.act_in[c].recv_obj()
+        if c > 0 and training:
+            for t in act.parts(x):
+                t.requires_grad_(t.is_floating_point())
         chunk = self.chunks[c]
         saved: dict[int, int] = {}
 
@@ -212,11 +214,11 @@ class PipelineEngine:
             out = io.last_forward(m, x, chunk) if last else chunk(x)
         self._record("F", m, c, t0)
         if not last:  # first: the next stage may be waiting for it, the bookkeeping below is not
-            self.act_out[c].send(out.detach())
+            self.act_out[c].send_obj(act.detached(out))
         if training:
             self._store[(m, c)] = (x, out)
             if self.checkpointing:  # only the chunk input is kept
-                saved = {x.untyped_storage().data_ptr(): x.untyped_storage().nbytes()}
+                saved = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in act.parts(x)}
             self._saved[(m, c)] = saved
             self._update_peak()
 
@@ -224,21 +226,21 @@ class PipelineEngine:
         m, c = a.mb, a.chunk
         last = c == self.schedule.chunks - 1
         x, out = self._store.pop((m, c))
-        grad = None if last else self.grad_in[c].recv()
+        grad = None if last else self.grad_in[c].recv_obj()
         t0 = time.perf_counter()
         if self.checkpointing:  # recompute the chunk's forward, this time keeping the graph
-            x = x.detach().requires_grad_(x.requires_grad)
+            x = act.leaves(x, grad=c > 0)
             with torch.enable_grad(), io.forward_context():
                 out = io.last_forward(m, x, self.chunks[c], recompute=True) if last else self.chunks[c](x)
         self._current = (m, c)
-        if out is not None and out.requires_grad:
-            torch.autograd.backward(out, grad)
+        if out is not None and act.requires_grad(out):
+            act.backward(out, grad)
         self._current = None
         self._last_b = (m, c)
         self._saved.pop((m, c), None)
         self._record("B", m, c, t0)
         if c > 0:
-            self.grad_out[c].send(x.grad if x.grad is not None else torch.zeros_like(x))
+            self.grad_out[c].send_obj(act.input_grads(x))
         if self._stash or self._rows:
             self._update_peak()
 

@@ -18,6 +18,8 @@ from typing import Mapping, Optional, Sequence
 import torch
 from torch import nn
 
+from lightning_shm.parallel.pipeline import activation as act
+
 NO_CUT_RULES: Mapping[int, str] = MappingProxyType({})
 
 
@@ -38,13 +40,13 @@ def layer_costs_by_time(seq: nn.Sequential, sample: torch.Tensor, repeats: int =
     for _ in range(repeats):
         x = sample
         for i, layer in enumerate(seq):
-            inp = x.detach().requires_grad_(x.is_floating_point())
+            inp = act.leaves(x)
             t0 = time.perf_counter()
             out = layer(inp)
-            if out.requires_grad:
-                out.backward(torch.ones_like(out))
+            if act.requires_grad(out):
+                act.backward(out, act.like(out, [torch.ones_like(o) for o in act.parts(out)]))
             costs[i].append(time.perf_counter() - t0)
-            x = out.detach()
+            x = act.detached(out)
     for layer in seq:  # leave no gradients behind
         for p in layer.parameters():
             p.grad = None

@@ -1,0 +1,55 @@
+"""What flows between the layers of a pipelined Sequential, and between its stages: a tensor, or a
+flat tuple of tensors (a layer that hands ``(hidden, skip)`` or ``(hidden, mask)`` to the next, as
+``nn.Sequential`` allows in one process). These helpers treat both alike, keeping the structure."""
+
+from __future__ import annotations
+
+from typing import Sequence, Union
+
+import torch
+
+Activation = Union[torch.Tensor, tuple[torch.Tensor, ...]]
+
+
+def parts(a: Activation) -> tuple[torch.Tensor, ...]:
+    if isinstance(a, torch.Tensor):
+        return (a,)
+    if isinstance(a, tuple) and all(isinstance(t, torch.Tensor) for t in a):
+        return a
+    inner = f" holding {sorted({type(t).__name__ for t in a})}" if isinstance(a, (tuple, list)) else ""
+    raise TypeError(f"a pipeline hands a tensor or a tuple of tensors from layer to layer and stage to stage; "
+                    f"a layer returned a {type(a).__name__}{inner}")
+
+
+def like(a: Activation, new: Sequence[torch.Tensor]) -> Activation:
+    """``new`` in the structure of ``a`` (a lone tensor stays a tensor)."""
+    return new[0] if isinstance(a, torch.Tensor) else tuple(new)
+
+
+def detached(a: Activation) -> Activation:
+    return like(a, [t.detach() for t in parts(a)])
+
+
+def leaves(a: Activation, grad: bool = True) -> Activation:
+    """New leaves of ``a``'s values: a stage's (or a measured layer's) input, whose gradient is wanted
+    for its floating-point parts."""
+    return like(a, [t.detach().requires_grad_(grad and t.is_floating_point()) for t in parts(a)])
+
+
+def backward(out: Activation, grad: Activation | None) -> None:
+    """Back-propagate ``grad`` (None: ``out`` is a scalar loss) through the parts of ``out`` that need it."""
+    if grad is None:
+        torch.autograd.backward(out)
+        return
+    pairs = [(o, g) for o, g in zip(parts(out), parts(grad)) if o.requires_grad]
+    if pairs:
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+
+
+def input_grads(x: Activation) -> Activation:
+    """The gradient of each part of a stage's input (zeros where none flowed: it goes back all the same)."""
+    return like(x, [t.grad if t.grad is not None else torch.zeros_like(t) for t in parts(x)])
+
+
+def requires_grad(a: Activation) -> bool:
+    return any(t.requires_grad for t in parts(a))
