@@ -33,6 +33,7 @@ from lightning_shm.parallel.ddp.sync_batchnorm import convert_sync_batchnorm
 from lightning_shm.parallel.fsdp import FSDPState, UnitPolicy, find_units
 from lightning_shm.parallel.fsdp.policy import PolicyFn
 from lightning_shm.parallel.fsdp.unit import check_gather
+from lightning_shm.parallel.optimizers import check_optimizers
 from lightning_shm.parallel.pipeline import PipelineEngine, PipelineSchedule, PipelineStage, Schedule
 from lightning_shm.parallel.pipeline.row_cut import apply_row_cuts, plan_cuts, stage_rows
 from lightning_shm.parallel.pipeline.split import plan_chunks, validate_split_points
@@ -235,7 +236,11 @@ class ParallelState:
             self.fsdp.begin_step()
 
     def watch(self, optimizers: list[torch.optim.Optimizer]) -> None:
-        """FSDP: every step of these optimizers ends with the barrier before shards are read again."""
+        """The optimizers of the run: refused if they cannot update this layout's pieces as one process
+        would (:mod:`.optimizers`); FSDP: every step ends with the barrier before shards are read again."""
+        cut = [n for n, _ in self.module.named_parameters()
+               if self.state.placement(n).splits or n in self.state.stage_rows]
+        check_optimizers(optimizers, cut, self.groups.topology.pp)
         if self.fsdp is not None:
             self.fsdp.watch(optimizers)
 

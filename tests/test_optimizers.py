@@ -1,0 +1,51 @@
+"""Optimizers that read across elements (:mod:`lightning_shm.parallel.optimizers`): exact where the
+layout gives each rank what they read, refused where it does not."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_shm import SHMDDPStrategy, SHMFSDPStrategy, SHMPipeline, SHMTensorParallel
+from lightning_shm.models import MNISTClassifier
+from tests.helpers import GLOBAL_BATCH, train_mnist
+
+
+class WithLBFGS(MNISTClassifier):
+    def configure_optimizers(self):
+        return torch.optim.LBFGS(self.parameters(), lr=0.1, max_iter=4, history_size=5)
+
+
+class WithAdafactor(MNISTClassifier):
+    def configure_optimizers(self):
+        return torch.optim.Adafactor(self.parameters(), lr=0.01)
+
+
+@pytest.mark.parametrize("model_cls, strategy, devices, dp", [
+    (WithLBFGS, lambda: SHMDDPStrategy(start_method="fork"), 2, 2),  # its closure runs forward + backward 4 times
+    (WithAdafactor, lambda: SHMDDPStrategy(start_method="fork"), 2, 2),
+    (WithAdafactor, lambda: SHMPipeline(start_method="fork", pipeline_parallel_size=2, microbatches=4), 2, 1),
+], ids=["lbfgs-ddp", "adafactor-ddp", "adafactor-pipeline"])
+def test_where_each_rank_holds_what_the_optimizer_reads_it_equals_one_process(model_cls, strategy, devices, dp):
+    ref = train_mnist("auto", 1, "adam", batch=GLOBAL_BATCH, ref=True, model_cls=model_cls)
+    got = train_mnist(strategy(), devices, "adam", batch=GLOBAL_BATCH // dp, model_cls=model_cls)
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-9)
+
+
+@pytest.mark.parametrize("model_cls, strategy, match", [
+    (WithLBFGS, lambda: SHMFSDPStrategy(start_method="fork"),
+     r"LBFGS computes each update from every parameter at once .* each rank holds 10 parameters in pieces "
+     r"\(e.g. 'net.1.weight'\)"),
+    (WithLBFGS, lambda: SHMPipeline(start_method="fork", pipeline_parallel_size=2, microbatches=4),
+     r"LBFGS .* each rank holds the layers of 1 of 2 stages"),
+    (WithLBFGS, lambda: SHMTensorParallel(start_method="fork", tensor_parallel_size=2),
+     r"LBFGS .* each rank holds 2 parameters in pieces \(e.g. 'net.1.weight'\)"),
+    (WithAdafactor, lambda: SHMFSDPStrategy(start_method="fork"),
+     r"Adafactor computes each update from statistics of the whole tensor, but each rank holds pieces of 10 "
+     r"parameters"),
+    (WithAdafactor, lambda: SHMTensorParallel(start_method="fork", tensor_parallel_size=2),
+     r"Adafactor .* pieces of 2 parameters \(e.g. 'net.1.weight'\)"),
+], ids=["lbfgs-fsdp", "lbfgs-pipeline", "lbfgs-tp", "adafactor-fsdp", "adafactor-tp"])
+def test_where_a_rank_holds_less_the_optimizer_is_refused(model_cls, strategy, match):
+    with pytest.raises(ValueError, match=match):
+        train_mnist(strategy(), 2, "adam", batch=GLOBAL_BATCH, model_cls=model_cls)
