@@ -37,6 +37,28 @@ class BitFit(MNISTClassifier):
             p.requires_grad_(name.endswith("bias"))
 
 
+class _TrainableThenFrozen(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.norm = nn.Linear(784, 16), nn.LayerNorm(16)
+        self.norm.requires_grad_(False)
+
+    def forward(self, x):
+        return self.norm(self.a(x))
+
+
+class FrozenAroundTrainable(MNISTClassifier):
+    """``net.1`` holds a frozen LayerNorm after a trainable Linear. As its own FSDP unit, with the Linear a
+    nested unit, it has nothing trainable and an input without gradient -- yet its output carries one
+    (the Linear's), and the LayerNorm's backward needs its weight."""
+
+    unit_policy = staticmethod(lambda name, m: name in ("net.1", "net.1.a", "net.3"))
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.net = nn.Sequential(nn.Flatten(), _TrainableThenFrozen(), nn.ReLU(), nn.Linear(16, 10))
+
+
 MODELS = {"frozen-parts": FrozenParts, "bitfit": BitFit}
 RUNS = {  # name: (strategy, devices, data-parallel ranks)
     "ddp": (lambda: SHMDDPStrategy(start_method="fork"), 2, 2),
@@ -62,6 +84,14 @@ def test_frozen_parameters_stay_and_the_rest_trains_as_in_one_process(references
     strategy, devices, dp = RUNS[run]
     got = train_mnist(strategy(), devices, "adam", batch=GLOBAL_BATCH // dp, model_cls=MODELS[model])
     torch.testing.assert_close(got, references[model], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("gather", ["view", "copy"])
+def test_a_unit_with_nothing_trainable_around_a_trainable_nested_unit_equals_one_process(gather):
+    strategy = SHMFSDPStrategy(start_method="fork", gather=gather, unit_policy=FrozenAroundTrainable.unit_policy)
+    ref = train_mnist("auto", 1, "adam", batch=GLOBAL_BATCH, ref=True, model_cls=FrozenAroundTrainable)
+    got = train_mnist(strategy, 2, "adam", batch=GLOBAL_BATCH // 2, model_cls=FrozenAroundTrainable)
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
 
 
 def _unit_step(world, model_cls, gather):

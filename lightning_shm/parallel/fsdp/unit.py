@@ -176,7 +176,7 @@ class FSDPUnit:
         self._live: Optional[torch.Tensor] = None  # full flat parameters of the current forward
         self._live_params: Sequence[torch.Tensor] = ()  # ... as the modules see them (_set_views)
         self._live_grad = False  # ... taken through _GatherUnit (a backward will come)
-        self._frozen_inputs: list[torch.Tensor] = []  # a frozen unit's inputs that carry a gradient
+        self._frozen_inputs: list[torch.Tensor] = []  # a unit without trainable parameters: inputs with a gradient
         # full tensors awaiting their backward, by application. Held strongly here: autograd keeps
         # only views of them (the Python object, and any weakref to it, would die after forward).
         self.pending: dict[int, torch.Tensor] = {}
@@ -365,9 +365,8 @@ class FSDPUnit:
         full = self.held if self.held is not None else self.gather_new()
         grad = torch.is_grad_enabled()
         self._live_grad = grad and bool(self.trainable)
-        # a unit without trainable parameters still takes part in backward when its input carries a
-        # gradient: the input's gradient needs the weights (y = x @ W^T -> dx = dy @ W)
-        self._frozen_inputs = [t for t in _tensors(args) if t.requires_grad] if grad and not self.trainable else []
+        frozen = grad and not self.trainable and self.held is None  # held: stays gathered anyway
+        self._frozen_inputs = [t for t in _tensors(args) if t.requires_grad] if frozen else []
         if self._live_grad:
             key, self._next_key = self._next_key, self._next_key + 1
             params = _GatherUnit.apply(self, key, full, *self.shards)
@@ -384,7 +383,10 @@ class FSDPUnit:
         full, params = self._live, self._live_params
         if full is None or self.held is not None:  # held: stays gathered for the next microbatch
             return output
-        if self._live_grad or self._frozen_inputs:
+        # a unit without trainable parameters takes part in backward too when its output carries a
+        # gradient (its input does, or a nested unit's parameters): y = x @ W^T -> dx = dy @ W needs W
+        through = not self._live_grad and torch.is_grad_enabled() and any(t.requires_grad for t in _tensors(output))
+        if self._live_grad or through:
             fired = [False]
 
             def pre_backward(grad: torch.Tensor) -> torch.Tensor:
@@ -402,8 +404,8 @@ class FSDPUnit:
             for t in _tensors(output):
                 if t.requires_grad:
                     t.register_hook(pre_backward)
-            if not self._live_grad:  # frozen: no _GatherUnit backward frees it; the input's gradient comes
-                self._free_after_backward(full)  # after this unit's backward
+            if through:  # no _GatherUnit backward to free it: the input's gradient, computed after this
+                self._free_after_backward(full)  # unit's backward, does (else the next step's drop_pending)
             if self.reshard_after_forward:
                 self.free(full)
         else:  # no backward will come (validation, predict): free now
