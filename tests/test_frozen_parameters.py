@@ -15,6 +15,7 @@ from torch import nn
 from lightning_shm import SHMDDPStrategy, SHMFSDPStrategy, SHMModelParallel, SHMPipeline, SHMTensorParallel
 from lightning_shm.models import MNISTClassifier
 from lightning_shm.parallel.fsdp import FSDPState
+from lightning_shm.parallel.pipeline.split import plan_chunks
 from lightning_shm.runtime import launch
 from tests.helpers import GLOBAL_BATCH, train_mnist
 
@@ -127,3 +128,51 @@ def test_a_frozen_unit_is_gathered_again_for_the_input_gradient_and_freed_after_
     for seen, grads, live in launch(_unit_step, 2, FrozenParts, "copy", start_method="fork"):
         assert grads["net.1.weight"] and not grads["net.4.weight"] and not grads["net.2.bias"]
         assert live == 0
+
+
+# ---------------------------------------------------------------------- a frozen backbone in a pipeline
+class FrozenBackbone(MNISTClassifier):
+    """Layers 0-6 frozen; the optimizer is built over the trainable parameters only (the fine-tuning idiom)."""
+
+    def __init__(self, **kw):
+        super().__init__(hidden_sizes=(64, 64, 64), **kw)
+        for m in list(self.net)[:7]:
+            m.requires_grad_(False)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam([p for p in self.parameters() if p.requires_grad], lr=0.01)
+
+
+class FrozenBackboneAllParams(FrozenBackbone):
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=0.01)
+
+
+def test_the_planner_gives_every_stage_a_trainable_layer_when_it_can():
+    seq = FrozenBackbone().net
+    for balance in ("params", "time"):
+        starts, _ = plan_chunks(seq, 2, stages=2, sample=torch.randn(8, 1, 28, 28) if balance == "time" else None)
+        assert starts[1] >= 8  # layers 7 (Linear) and 8 (LayerNorm) are trainable, 10 (Linear) too
+        assert any(p.requires_grad for m in list(seq)[starts[1]:] for p in m.parameters())
+        assert any(p.requires_grad for m in list(seq)[:starts[1]] for p in m.parameters())
+
+
+@pytest.mark.parametrize("model_cls, kw", [
+    (FrozenBackbone, {}),  # the planner's cut: a trainable layer on each stage
+    (FrozenBackboneAllParams, {"split_points": [7]}),  # stage 0 all frozen: its optimizer holds frozen parameters
+], ids=["planned-cut", "frozen-stage"])
+@pytest.mark.parametrize("dp", [1, 2])
+def test_a_frozen_backbone_pipelined_equals_one_process(model_cls, kw, dp):
+    strategy = SHMModelParallel(start_method="fork", data_parallel_size=dp, pipeline_parallel_size=2, microbatches=2,
+                                **kw)
+    ref = train_mnist("auto", 1, "adam", batch=GLOBAL_BATCH, ref=True, model_cls=model_cls)
+    got = train_mnist(strategy, 2 * dp, "adam", batch=GLOBAL_BATCH // dp, model_cls=model_cls)
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
+
+
+def test_an_optimizer_over_no_parameters_on_a_frozen_stage_is_explained():
+    strategy = SHMPipeline(start_method="fork", pipeline_parallel_size=2, microbatches=2, split_points=[7])
+    with pytest.raises(ValueError, match=r"pipeline rank 0 holds layers \[\(0, 7\)\] \(start, end\) of the "
+                                         r"nn.Sequential, none of them trainable, and configure_optimizers failed on "
+                                         r"them: optimizer got an empty parameter list"):
+        train_mnist(strategy, 2, "adam", batch=GLOBAL_BATCH, model_cls=FrozenBackbone)

@@ -285,7 +285,8 @@ def parallelize(module: nn.Module, config: ParallelConfig, world: World, groups:
     elif groups.dp_size > 1:
         placements = {n: placements.get(n, Placement()).replicated(groups.dp_size)
                       for n, _ in module.named_parameters()}
-        if training:
+        # a pipeline stage of frozen layers only (a fine-tuned model's backbone) has nothing to reduce
+        if training and (topo.pp == 1 or any(p.requires_grad for p in module.parameters())):
             reducer = GradReducer(list(module.named_parameters()), groups.dp, config.bucket_cap_mb,
                                   config.find_unused_parameters, tag=f"ddp-tp{groups.coords.tp}-pp{groups.coords.pp}",
                                   hooks=topo.pp == 1)

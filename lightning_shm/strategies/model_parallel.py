@@ -165,13 +165,28 @@ class SHMModelParallel(SHMStrategyBase):
         report_share(self._layout())
         self._buffer_owners = None
         if fitting:
-            self.setup_optimizers(trainer)
+            self._setup_optimizers_naming_a_frozen_stage(trainer)
             self.parallel.watch([o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers])
             if self.parallel.state.placements or self.parallel.state.stages is not None:
                 adapt_swa(trainer, module, self.parallel.state)
         self.setup_precision_plugin()
         self._install_clipping()
         self.attach_metrics()
+
+    def _setup_optimizers_naming_a_frozen_stage(self, trainer: "pl.Trainer") -> None:
+        """The module's ``configure_optimizers`` runs on every stage over that stage's parameters; on a stage
+        holding only frozen layers, one built over ``requires_grad`` parameters has none -- say so."""
+        try:
+            self.setup_optimizers(trainer)
+        except ValueError as e:
+            stage = self.parallel.stage if self.parallel is not None else None
+            if stage is None or any(p.requires_grad for p in self.lightning_module.parameters()):
+                raise
+            layers = sorted(stage.layer_ranges.values())
+            raise ValueError(f"pipeline rank {self._groups.coords.pp} holds layers {layers} (start, end) of the "
+                             f"nn.Sequential, none of them trainable, and configure_optimizers failed on them: {e}. "
+                             "An optimizer over self.parameters() skips frozen parameters; or give split_points "
+                             "that put a trainable layer on every stage.") from e
 
     def _layout(self) -> str:
         t = self.topology()

@@ -32,6 +32,7 @@ from lightning_shm.parallel.pipeline.split import (
     empty_rank,
     layer_costs_by_params,
     layer_costs_by_time,
+    layers_to_spread,
     plan_chunks,
 )
 
@@ -85,7 +86,7 @@ def plan_row_cuts(layers: Sequence[nn.Module], costs: Sequence[float], parts: in
     """
     if parts < 2:
         return None
-    has_params = [any(True for _ in m.parameters()) for m in layers]
+    has_params = layers_to_spread(layers, parts)
     required = has_params if sum(has_params) >= parts else None
     total = float(sum(costs))
     targets = [total * k / parts for k in range(1, parts)]
@@ -96,7 +97,7 @@ def plan_row_cuts(layers: Sequence[nn.Module], costs: Sequence[float], parts: in
         inside = [t for t in targets if prefix < t < prefix + c]
         r = min(max(round((inside[0] - prefix) / c * n), 1), n - 1) if n >= 2 and inside else 0
         if r:
-            pieces += [(i, 0, c * r / n, True), (i, r, c * (n - r) / n, True)]
+            pieces += [(i, 0, c * r / n, has_params[i]), (i, r, c * (n - r) / n, has_params[i])]
         else:
             pieces.append((i, 0, c, has_params[i]))
         prefix += c

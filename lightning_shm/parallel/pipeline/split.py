@@ -126,7 +126,8 @@ def plan_chunks(seq: nn.Sequential, parts: int, split_points: Optional[Sequence[
     if costs is None and split_points is None and parts <= len(seq):
         costs = layer_costs_by_time(seq, sample) if sample is not None else layer_costs_by_params(seq)
     has_params = [any(True for _ in m.parameters()) for m in seq]
-    required = has_params if sum(has_params) >= parts else None
+    spread = layers_to_spread(list(seq), parts)
+    required = spread if sum(spread) >= parts else None
     if split_points is not None:
         starts, how = validate_split_points(split_points, len(seq), parts, forbidden), "explicit"
     elif parts > len(seq):
@@ -135,15 +136,25 @@ def plan_chunks(seq: nn.Sequential, parts: int, split_points: Optional[Sequence[
     else:
         starts = balanced_split(costs, parts, required, forbidden)
         how = "measured time" if sample is not None else "parameter count"
-    if stages and empty_rank(starts, has_params, parts, stages) is not None:
-        if how != "explicit":  # the DP balances chunks; search for a cut that gives every rank parameters
-            best = _search_rank_feasible(costs, has_params, parts, stages, forbidden)
+    if stages and how != "explicit" and empty_rank(starts, spread, parts, stages) is not None:
+        for holds in (spread, has_params):  # the DP balances chunks; search for a cut that gives every rank some
+            best = _search_rank_feasible(costs, holds, parts, stages, forbidden)
             if best is not None:
                 return best, how
-        r = empty_rank(starts, has_params, parts, stages)
+    r = empty_rank(starts, has_params, parts, stages) if stages else None
+    if r is not None:  # explicit points may leave a rank only frozen layers, not none with parameters
         raise ValueError(f"pipeline rank {r} would hold no parameters with chunk starts {starts}; use fewer "
                          "stages or explicit split_points")
     return starts, how
+
+
+def layers_to_spread(layers: Sequence[nn.Module], parts: int) -> list[bool]:
+    """The layers every chunk should hold one of: those with trainable parameters when there are at
+    least ``parts`` of them, else those with any parameters. Why trainable: a fine-tuning run commonly
+    builds its optimizer over ``requires_grad`` parameters only, which fails on a stage holding none
+    (a frozen backbone cut into stages of its own)."""
+    trainable = [any(p.requires_grad for p in m.parameters()) for m in layers]
+    return trainable if sum(trainable) >= parts else [any(True for _ in m.parameters()) for m in layers]
 
 
 def empty_rank(starts: Sequence[int], has_params: Sequence[bool], parts: int, stages: int) -> Optional[int]:
