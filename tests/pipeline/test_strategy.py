@@ -95,6 +95,39 @@ def test_tuples_handed_between_layers_and_stages_equal_one_process(run):
     torch.testing.assert_close(got, ref, rtol=0, atol=2e-5)
 
 
+class _Masked(nn.Module):
+    """Takes ``(pixels, integer mask)``, hands ``(hidden, skip, mask)`` on to a _Gate."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(784, 32)
+
+    def forward(self, xm):
+        x, mask = xm
+        h = self.lin(x.flatten(1) * mask.flatten(1).to(x.dtype))
+        return h, h, (h > 0).long()
+
+
+class TupleInput(MNISTClassifier):
+    """The step hands the Sequential a tuple: the first stage captures it whole, microbatch by microbatch."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.net = nn.Sequential(_Masked(), _Gate(32, True, False), nn.ReLU(), nn.Linear(32, 10))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.cross_entropy(self.net((x, x.gt(0).long())), y)
+        self.log("train_loss", loss)
+        return loss
+
+
+def test_a_tuple_given_to_the_sequential_equals_one_process():
+    ref = train_mnist("auto", 1, "sgd", batch=GLOBAL_BATCH, ref=True, model_cls=TupleInput)
+    got = train_mnist(pp(2, split_points=[1]), 2, "sgd", batch=GLOBAL_BATCH, model_cls=TupleInput)
+    torch.testing.assert_close(got, ref, rtol=0, atol=2e-5)
+
+
 def test_a_layer_returning_neither_a_tensor_nor_a_tuple_of_them_is_named():
     class Dict(nn.Module):
         def forward(self, x):
