@@ -119,9 +119,10 @@ def plan_chunks(seq: nn.Sequential, parts: int, split_points: Optional[Sequence[
                 costs: Optional[Sequence[float]] = None) -> tuple[list[int], str]:
     """Chunk start indices and how they were chosen ("explicit" / "measured time" / "parameter count").
 
-    Chunks hold at least one parameterised layer when there are enough of them; with ``stages``,
-    every pipeline rank (chunks r, r + stages, ...) must end up with parameters. No chunk starts at
-    an index in ``forbidden``. ``costs``: the per-layer costs already measured on ``sample``.
+    Chunks hold at least one layer with trainable parameters when there are enough of them, else one
+    with parameters (:func:`layers_to_spread`); with ``stages``, every pipeline rank (chunks r,
+    r + stages, ...) must end up with parameters (explicit points: frozen ones will do). No chunk
+    starts at an index in ``forbidden``. ``costs``: the per-layer costs already measured on ``sample``.
     """
     if costs is None and split_points is None and parts <= len(seq):
         costs = layer_costs_by_time(seq, sample) if sample is not None else layer_costs_by_params(seq)
