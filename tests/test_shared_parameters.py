@@ -28,13 +28,13 @@ from tests.helpers import GLOBAL_BATCH, flat_params, loader, mnist_like, train_m
 
 
 class AppliedTwice(MNISTClassifier):
-    """``net.3`` and ``net.5`` are one Linear: the layer runs twice per forward."""
+    """``net.3`` and ``net.7`` are one Linear: the layer runs twice per forward, another Linear between."""
 
     def __init__(self, **kw):
         super().__init__(**kw)
         shared = nn.Linear(32, 32)
-        self.net = nn.Sequential(nn.Flatten(), nn.Linear(784, 32), nn.ReLU(), shared, nn.ReLU(), shared, nn.ReLU(),
-                                 nn.Linear(32, 10))
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(784, 32), nn.ReLU(), shared, nn.ReLU(), nn.Linear(32, 32),
+                                 nn.ReLU(), shared, nn.ReLU(), nn.Linear(32, 10))
 
 
 class Tied(MNISTClassifier):
@@ -115,20 +115,22 @@ def test_a_layer_applied_twice_keeps_both_positions():
     """``named_children()`` lists a module once: a stage or plan built from it would drop the second
     application and shift every later layer (seen: the pipeline's chunks ran 7 of 8 layers)."""
     seq = AppliedTwice().net
-    assert [n for n, _ in layers_of(seq)] == [str(i) for i in range(8)]
+    assert [n for n, _ in layers_of(seq)] == [str(i) for i in range(10)]
     stage = PipelineStage(seq, [0, 2], [1])
-    assert stage.chunk_names[1] == ["2", "3", "4", "5", "6", "7"]
+    assert stage.chunk_names[1] == [str(i) for i in range(2, 10)]
     x = torch.randn(3, 32)
     torch.testing.assert_close(stage.chunks[1](x), seq[2:](x), rtol=0, atol=0)
     assert [(s.positions, s.names) for s in shared_spans(layers_of(seq))] == [
-        ((3, 5), ("3.weight", "5.weight")), ((3, 5), ("3.bias", "5.bias"))]
+        ((3, 7), ("3.weight", "7.weight")), ((3, 7), ("3.bias", "7.bias"))]
 
 
-def test_fsdp_joins_the_units_between_tied_layers():
+def test_fsdp_joins_the_units_between_tied_layers_not_around_a_layer_placed_twice():
+    """A layer placed twice keeps its own unit (its hooks run at both placements); joining would make one
+    module both the unit's first and last, ending the unit after its first placement."""
     units = [u.name for u in find_units(Tied(), UnitPolicy())]
     assert units == ["net.1", "net.3+net.4+net.5+net.6+net.7", "net.9"]
     twice = [u.name for u in find_units(AppliedTwice(), UnitPolicy())]
-    assert twice == ["net.1", "net.3+net.4+net.5", "net.7"]
+    assert twice == ["net.1", "net.3", "net.5", "net.9"]
 
 
 def test_derived_tensor_parallel_plan_leaves_tied_layers_whole():
@@ -137,6 +139,26 @@ def test_derived_tensor_parallel_plan_leaves_tied_layers_whole():
     seq = nn.Sequential(a, nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), b)
     plan = {n: lp.style for n, lp in derive_plan(seq, 2).items()}
     assert plan == {"2": "column", "4": "row"}
+
+
+class BatchNormTwice(MNISTClassifier):
+    """One BatchNorm1d at two places, a Linear between."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        bn = nn.BatchNorm1d(32)
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(784, 32), bn, nn.ReLU(), nn.Linear(32, 32), bn, nn.ReLU(),
+                                 nn.Linear(32, 10))
+
+
+@pytest.mark.parametrize("strategy", [SHMDDPStrategy, SHMFSDPStrategy])
+def test_a_batchnorm_placed_twice_syncs_as_one_module_in_the_models_dtype(strategy):
+    """sync_batchnorm converts it once, for both places (it had converted the first only: the tie broke),
+    into the model's dtype (the SyncBatchNorm had stayed float32 in a float64 model)."""
+    ref = train_mnist("auto", 1, "adam", batch=GLOBAL_BATCH, ref=True, model_cls=BatchNormTwice, buffers=True)
+    got = train_mnist(strategy(start_method="fork"), 2, "adam", batch=GLOBAL_BATCH // 2, model_cls=BatchNormTwice,
+                      buffers=True, sync_batchnorm=True)
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-9)
 
 
 @pytest.fixture
@@ -163,8 +185,8 @@ class TiedEnds(MNISTClassifier):
      r"split point 5 is refused: layers 3 and 7 share one parameter \(net.3.weight = net.7.weight\): both must sit "
      r"on one pipeline stage"),
     (AppliedTwice, lambda: SHMPipeline(start_method="fork", pipeline_parallel_size=2, microbatches=2,
-                                       split_points=[4]), 2,
-     r"split point 4 is refused: layers 3 and 5 share one parameter \(net.3.weight = net.5.weight\)"),
+                                       split_points=[5]), 2,
+     r"split point 5 is refused: layers 3 and 7 share one parameter \(net.3.weight = net.7.weight\)"),
     (TiedEnds, lambda: SHMPipeline(start_method="fork", pipeline_parallel_size=2, microbatches=2), 2,
      r"5 layers cannot be cut into 2 chunks that each hold a parameter without starting one at \[2, 3, 4\], where "
      r"layers 1 and 4 share one parameter \(net.1.weight = net.4.weight\)"),

@@ -106,12 +106,23 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
         return super().extra_repr() + f", group={list(self.group.ranks)}"
 
 
-def convert_sync_batchnorm(module: nn.Module, group: Group) -> nn.Module:
+def convert_sync_batchnorm(module: nn.Module, group: Group,
+                           _done: Optional[dict[int, nn.Module]] = None) -> nn.Module:
     """Replace every BatchNorm in ``module`` (in place; returns it, or its replacement when it is one)
-    by a :class:`SyncBatchNorm` over ``group`` holding the same parameters and buffers."""
+    by a :class:`SyncBatchNorm` over ``group`` holding the same parameters and buffers. A BatchNorm
+    placed at several positions (a shared layer) becomes one SyncBatchNorm at all of them: children
+    are walked by position (``named_children()`` would list it once and leave the others plain)."""
+    done: dict[int, nn.Module] = {} if _done is None else _done
+    if id(module) in done:
+        return done[id(module)]
     if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(module, SyncBatchNorm):
         new = SyncBatchNorm(module.num_features, group, module.eps, module.momentum, module.affine,
                             module.track_running_stats)
+        like = next(iter(module.parameters()), None)
+        if like is None:
+            like = next((b for b in module.buffers() if b.is_floating_point()), None)
+        if like is not None:  # the precision plugin converted the model before (64-true, bf16-true)
+            new.to(dtype=like.dtype)
         with torch.no_grad():
             for name in ("weight", "bias"):
                 if getattr(module, name) is not None:
@@ -121,9 +132,12 @@ def convert_sync_batchnorm(module: nn.Module, group: Group) -> nn.Module:
                 if getattr(module, name) is not None:
                     getattr(new, name).copy_(getattr(module, name))
         new.train(module.training)
+        done[id(module)] = new
         return new
-    for name, child in module.named_children():
-        new = convert_sync_batchnorm(child, group)
-        if new is not child:
-            setattr(module, name, new)
+    done[id(module)] = module
+    for name, child in list(module._modules.items()):
+        if child is not None:
+            new = convert_sync_batchnorm(child, group, done)
+            if new is not child:
+                setattr(module, name, new)
     return module

@@ -11,9 +11,10 @@ the modules' subtrees not claimed by a nested unit.
 
 Shared parameters (a layer placed twice, weights tied between two layers): a unit gathers its
 parameters around its own modules' forward only, so every module holding a parameter must run inside
-the unit that holds it. Units of the Sequential's layers that share one are joined into one unit (with
-the layers between them, as torch FSDP asks its users to wrap the common parent); a unit policy that
-separates them is refused, naming the parameter.
+the unit that holds it. A layer placed several times needs nothing: its unit's hooks run at every
+placement. Units of different layers that share a parameter are joined into one unit (with the layers
+between them, as torch FSDP asks its users to wrap the common parent); a unit policy that separates
+them is refused, naming the parameter.
 """
 
 from __future__ import annotations
@@ -133,6 +134,8 @@ def _join_shared(roots: list[list[tuple[str, nn.Module]]],
     position = {name: i for i, (name, _) in enumerate(layers)}
     ranges = [[position[r[0][0]], position[r[-1][0]]] for r in roots]
     for span in shared_spans(layers):
+        if len({id(layers[i][1]) for i in span.positions}) == 1:
+            continue  # one layer placed several times: its unit's hooks run at every placement
         a = next(k for k, (lo, hi) in enumerate(ranges) if lo <= span.first <= hi)
         b = next(k for k, (lo, hi) in enumerate(ranges) if lo <= span.last <= hi)
         if a != b:
