@@ -9,6 +9,7 @@ import torch
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+from lightning_shm import SHMDDPStrategy, SHMFSDPStrategy, SHMModelParallel, SHMPipeline, SHMTensorParallel
 from lightning_shm.models import MNISTClassifier
 
 QUIET = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -74,6 +75,25 @@ def train_mnist(strategy: Any, devices: int, optimizer: str, *, batch: int, mode
     if buffers:
         flat = torch.cat([flat] + [b.detach().double().reshape(-1) for b in model.buffers()])
     return flat
+
+
+# Layouts a parity test runs a model under: name -> (strategy factory, devices, data-parallel ranks).
+# Each rank's batch is the global batch divided by the data-parallel ranks.
+LAYOUTS: dict[str, tuple[Callable[[], Any], int, int]] = {
+    "ddp": (lambda: SHMDDPStrategy(start_method="fork"), 2, 2),
+    "fsdp": (lambda: SHMFSDPStrategy(start_method="fork"), 2, 2),
+    "fsdp-copy": (lambda: SHMFSDPStrategy(start_method="fork", gather="copy"), 2, 2),
+    "tp2": (lambda: SHMTensorParallel(start_method="fork", tensor_parallel_size=2), 2, 1),
+    "pp2-1f1b": (lambda: SHMPipeline(start_method="fork", pipeline_parallel_size=2, microbatches=4), 2, 1),
+    "pp2-zero-bubble": (lambda: SHMPipeline(start_method="fork", pipeline_parallel_size=2, microbatches=4,
+                                            schedule="zero_bubble"), 2, 1),
+    "dp2xpp2-shard": (lambda: SHMModelParallel(start_method="fork", data_parallel_size=2, pipeline_parallel_size=2,
+                                               data_parallel="shard", microbatches=2), 4, 2),
+}
+
+
+def layouts(*names: str) -> dict[str, tuple[Callable[[], Any], int, int]]:
+    return {n: LAYOUTS[n] for n in names}
 
 
 class SchedClassifier(MNISTClassifier):

@@ -12,12 +12,12 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_shm import SHMDDPStrategy, SHMFSDPStrategy, SHMModelParallel, SHMPipeline, SHMTensorParallel
+from lightning_shm import SHMFSDPStrategy, SHMModelParallel, SHMPipeline
 from lightning_shm.models import MNISTClassifier
 from lightning_shm.parallel.fsdp import FSDPState
 from lightning_shm.parallel.pipeline.split import plan_chunks
 from lightning_shm.runtime import launch
-from tests.helpers import GLOBAL_BATCH, train_mnist
+from tests.helpers import GLOBAL_BATCH, layouts, train_mnist
 
 
 class FrozenParts(MNISTClassifier):
@@ -61,16 +61,7 @@ class FrozenAroundTrainable(MNISTClassifier):
 
 
 MODELS = {"frozen-parts": FrozenParts, "bitfit": BitFit}
-RUNS = {  # name: (strategy, devices, data-parallel ranks)
-    "ddp": (lambda: SHMDDPStrategy(start_method="fork"), 2, 2),
-    "fsdp": (lambda: SHMFSDPStrategy(start_method="fork"), 2, 2),
-    "fsdp-copy": (lambda: SHMFSDPStrategy(start_method="fork", gather="copy"), 2, 2),
-    "tp2": (lambda: SHMTensorParallel(start_method="fork", tensor_parallel_size=2), 2, 1),
-    "pp2-zero-bubble": (lambda: SHMPipeline(start_method="fork", pipeline_parallel_size=2, microbatches=4,
-                                            schedule="zero_bubble"), 2, 1),
-    "dp2xpp2-shard": (lambda: SHMModelParallel(start_method="fork", data_parallel_size=2, pipeline_parallel_size=2,
-                                               data_parallel="shard", microbatches=2), 4, 2),
-}
+RUNS = layouts("ddp", "fsdp", "fsdp-copy", "tp2", "pp2-zero-bubble", "dp2xpp2-shard")
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader
 from lightning_shm import SHMDDPStrategy, SHMFSDPStrategy, SHMModelParallel, SHMPipeline, SHMTensorParallel
 from lightning_shm.models import MNISTClassifier
 from lightning_shm.models.transformer import TRANSFORMER_TP_PLAN, Block
-from tests.helpers import GLOBAL_BATCH, STEPS, flat_params, loader, mnist_like, train_mnist, trainer
+from tests.helpers import GLOBAL_BATCH, STEPS, flat_params, layouts, loader, mnist_like, train_mnist, trainer
 
 TRANSFORMER = functools.partial(MNISTClassifier, arch="transformer", dim=16, depth=6, heads=4)
 CNN = functools.partial(MNISTClassifier, arch="cnn", channels=(8, 16), cnn_hidden=32)
@@ -182,8 +182,7 @@ def _checkpointed_transformer(reentrant: bool):
 
 CHECKPOINTED_RUNS = {
     **{k: TRANSFORMER_RUNS[k] for k in ("ddp", "fsdp-unit-per-block", "tp2", "dp2xtp2xpp2-shard")},
-    "fsdp-copy": (lambda: SHMFSDPStrategy(start_method="fork", gather="copy"), 2, 2),
-    "pp2": (lambda: SHMPipeline(start_method="fork", pipeline_parallel_size=2, microbatches=4), 2, 1),
+    **layouts("fsdp-copy", "pp2-1f1b"),
 }
 
 

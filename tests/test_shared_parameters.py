@@ -17,14 +17,14 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
 import lightning_shm.strategies.launcher as strategy_launcher
-from lightning_shm import SHMDDPStrategy, SHMFSDPStrategy, SHMModelParallel, SHMPipeline, SHMTensorParallel
+from lightning_shm import SHMDDPStrategy, SHMFSDPStrategy, SHMPipeline, SHMTensorParallel
 from lightning_shm.models import MNISTClassifier
 from lightning_shm.parallel.ddp import GradReducer
 from lightning_shm.parallel.fsdp import UnitPolicy, find_units
 from lightning_shm.parallel.pipeline.stage import PipelineStage
 from lightning_shm.parallel.sequential import layers_of, shared_spans
 from lightning_shm.parallel.tp import derive_plan
-from tests.helpers import GLOBAL_BATCH, flat_params, loader, mnist_like, train_mnist, trainer
+from tests.helpers import GLOBAL_BATCH, flat_params, layouts, loader, mnist_like, train_mnist, trainer
 
 
 class AppliedTwice(MNISTClassifier):
@@ -49,16 +49,7 @@ class Tied(MNISTClassifier):
 
 
 MODELS = {"applied-twice": AppliedTwice, "tied": Tied}
-RUNS = {  # name: (strategy, devices, data-parallel ranks)
-    "ddp": (lambda: SHMDDPStrategy(start_method="fork"), 2, 2),
-    "fsdp": (lambda: SHMFSDPStrategy(start_method="fork"), 2, 2),
-    "tp2": (lambda: SHMTensorParallel(start_method="fork", tensor_parallel_size=2), 2, 1),
-    "pp2-1f1b": (lambda: SHMPipeline(start_method="fork", pipeline_parallel_size=2, microbatches=4), 2, 1),
-    "pp2-zero-bubble": (lambda: SHMPipeline(start_method="fork", pipeline_parallel_size=2, microbatches=4,
-                                            schedule="zero_bubble", balance="params"), 2, 1),
-    "dp2xpp2-shard": (lambda: SHMModelParallel(start_method="fork", data_parallel_size=2, pipeline_parallel_size=2,
-                                               data_parallel="shard", microbatches=2), 4, 2),
-}
+RUNS = layouts("ddp", "fsdp", "tp2", "pp2-1f1b", "pp2-zero-bubble", "dp2xpp2-shard")
 
 
 @pytest.fixture(scope="module")

@@ -118,11 +118,9 @@ def convert_sync_batchnorm(module: nn.Module, group: Group,
     if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(module, SyncBatchNorm):
         new = SyncBatchNorm(module.num_features, group, module.eps, module.momentum, module.affine,
                             module.track_running_stats)
-        like = next(iter(module.parameters()), None)
-        if like is None:
-            like = next((b for b in module.buffers() if b.is_floating_point()), None)
-        if like is not None:  # the precision plugin converted the model before (64-true, bf16-true)
-            new.to(dtype=like.dtype)
+        dtype = next((t.dtype for t in (*module.parameters(), *module.buffers()) if t.is_floating_point()), None)
+        if dtype is not None:  # the precision plugin converted the model before (64-true, bf16-true)
+            new.to(dtype=dtype)
         with torch.no_grad():
             for name in ("weight", "bias"):
                 if getattr(module, name) is not None:
