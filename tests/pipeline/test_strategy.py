@@ -174,6 +174,26 @@ def test_checkpointing_accumulation_clipping_and_scheduler():
     torch.testing.assert_close(got, ref, rtol=0, atol=2e-5)
 
 
+class _Dropouts(MNISTClassifier):
+    """A Dropout after each ReLU: ``Flatten, Linear, LN, ReLU, Dropout | Linear, LN, ReLU, Dropout, Linear``
+    (cut at 5: each stage draws masks, the last one inside the step's recomputed loss)."""
+
+    def __init__(self, **kw):
+        super().__init__(hidden_sizes=[32, 16], **kw)
+        layers = [[m, nn.Dropout(0.3)] if isinstance(m, nn.ReLU) else [m] for m in self.net]
+        self.net = nn.Sequential(*itertools.chain.from_iterable(layers))
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
+def test_checkpointing_recomputes_with_the_forward_dropout_masks(schedule):
+    """Backward through a recomputed chunk must see the masks its forward drew (it once drew new ones:
+    gradients of another model), and the random stream must go on as if nothing were recomputed."""
+    def run(checkpointing):
+        return train_mnist(pp(2, schedule, split_points=[5], activation_checkpointing=checkpointing), 2, "sgd",
+                           batch=GLOBAL_BATCH, model_cls=_Dropouts)
+    torch.testing.assert_close(run(True), run(False), rtol=0, atol=0)
+
+
 def test_accumulation_averages_over_micro_steps_as_one_process_does():
     """Clipping by value, unlike by norm, does not hide gradients that are twice too large."""
     kw = dict(accumulate=2, gradient_clip_val=0.01, gradient_clip_algorithm="value")

@@ -110,7 +110,7 @@ class PipelineEngine:
         self.grad_sink: Optional[Callable[[torch.Tensor, torch.Tensor], bool]] = None
         self.timeline: list[Timed] = []
         self.peak_activation_bytes = 0
-        self._store: dict[tuple[int, int], tuple[torch.Tensor, Any]] = {}
+        self._store: dict[tuple[int, int], tuple[Any, Any, Optional[torch.Tensor]]] = {}  # (m, c) -> x, out, rng
         self._saved: dict[tuple[int, int], dict[int, int]] = {}  # (m, c) -> {storage ptr: bytes}
         self._stash: dict[tuple[int, int], list[tuple[nn.Parameter, torch.Tensor, torch.Tensor]]] = {}
         self.padded = PaddedWeights()  # SinkLinear's input gradients: one re-strided weight per step, every microbatch
@@ -209,6 +209,8 @@ class PipelineEngine:
 
         t0 = time.perf_counter()
         keep_graph = training and not self.checkpointing  # checkpointing: recompute in backward instead
+        # the recomputation must draw what this forward draws (dropout's masks): it starts from this state
+        rng = torch.get_rng_state() if training and self.checkpointing else None
         grad_ctx = torch.enable_grad() if keep_graph else torch.no_grad()
         with grad_ctx, io.forward_context(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = io.last_forward(m, x, chunk) if last else chunk(x)
@@ -216,7 +218,7 @@ class PipelineEngine:
         if not last:  # first: the next stage may be waiting for it, the bookkeeping below is not
             self.act_out[c].send_obj(act.detached(out))
         if training:
-            self._store[(m, c)] = (x, out)
+            self._store[(m, c)] = (x, out, rng)
             if self.checkpointing:  # only the chunk input is kept
                 saved = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in act.parts(x)}
             self._saved[(m, c)] = saved
@@ -225,12 +227,14 @@ class PipelineEngine:
     def _backward(self, a: Action, io: StageIO, training: bool) -> None:
         m, c = a.mb, a.chunk
         last = c == self.schedule.chunks - 1
-        x, out = self._store.pop((m, c))
+        x, out, rng = self._store.pop((m, c))
         grad = None if last else self.grad_in[c].recv_obj()
         t0 = time.perf_counter()
         if self.checkpointing:  # recompute the chunk's forward, this time keeping the graph
             x = act.leaves(x, grad=c > 0)
-            with torch.enable_grad(), io.forward_context():
+            # forward's random state, and the stream left as if nothing were recomputed
+            with torch.random.fork_rng(devices=[]), torch.enable_grad(), io.forward_context():
+                torch.set_rng_state(rng)
                 out = io.last_forward(m, x, self.chunks[c], recompute=True) if last else self.chunks[c](x)
         self._current = (m, c)
         if out is not None and act.requires_grad(out):
