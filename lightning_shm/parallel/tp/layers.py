@@ -30,6 +30,7 @@ from torch import nn
 
 from lightning_shm.parallel.tp.layernorm import distributed_layer_norm
 from lightning_shm.parallel.tp.mappings import copy_to_tp, gather_from_tp, reduce_from_tp
+from lightning_shm.parallel.tp.rng import SplitRegionRandom
 from lightning_shm.runtime import Group, even_split
 
 
@@ -52,9 +53,9 @@ class ColumnParallelLinear(nn.Module):
     split_dims = {"weight": 0, "bias": 0}
 
     def __init__(self, full: nn.Linear, group: Group, sizes: Optional[Sequence[int]] = None,
-                 gather_output: bool = False) -> None:
+                 gather_output: bool = False, random: Optional[SplitRegionRandom] = None) -> None:
         super().__init__()
-        self.group, self.gather_output = group, gather_output
+        self.group, self.gather_output, self.random = group, gather_output, random
         self.in_features, self.full_out_features = full.in_features, full.out_features
         self.sizes = list(sizes or even_split_sizes(full.out_features, group.size))
         self.out_features = self.sizes[group.index]
@@ -63,7 +64,10 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(copy_to_tp(x, self.group), self.weight, self.bias)
-        return gather_from_tp(y, self.group, tuple(self.sizes)) if self.gather_output else y
+        if self.gather_output:
+            return gather_from_tp(y, self.group, tuple(self.sizes))
+        _enter(self.random)
+        return y
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features} of {self.full_out_features}, tp={self.group.size}"
@@ -75,9 +79,10 @@ class RowParallelLinear(nn.Module):
 
     split_dims = {"weight": 1}
 
-    def __init__(self, full: nn.Linear, group: Group, sizes: Optional[Sequence[int]] = None) -> None:
+    def __init__(self, full: nn.Linear, group: Group, sizes: Optional[Sequence[int]] = None,
+                 random: Optional[SplitRegionRandom] = None) -> None:
         super().__init__()
-        self.group = group
+        self.group, self.random = group, random
         self.full_in_features, self.out_features = full.in_features, full.out_features
         self.sizes = list(sizes or even_split_sizes(full.in_features, group.size))
         self.in_features = self.sizes[group.index]
@@ -85,6 +90,7 @@ class RowParallelLinear(nn.Module):
         self.bias = _replicate(full.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _leave(self.random)
         y = reduce_from_tp(F.linear(x, self.weight), self.group)
         return y if self.bias is None else y + self.bias
 
@@ -93,13 +99,13 @@ class RowParallelLinear(nn.Module):
 
 
 class _ConvBase(nn.Module):
-    def __init__(self, full: nn.Conv2d, group: Group) -> None:
+    def __init__(self, full: nn.Conv2d, group: Group, random: Optional[SplitRegionRandom]) -> None:
         super().__init__()
         if full.groups != 1:
             raise ValueError(f"a grouped Conv2d (groups={full.groups}) cannot be split by channels here")
         if full.padding_mode != "zeros":
             raise ValueError(f"Conv2d padding_mode={full.padding_mode!r}: only 'zeros' is supported")
-        self.group = group
+        self.group, self.random = group, random
         self.stride, self.padding, self.dilation = full.stride, full.padding, full.dilation
 
     def _conv(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
@@ -111,15 +117,18 @@ class ColumnParallelConv2d(_ConvBase):
 
     split_dims = {"weight": 0, "bias": 0}
 
-    def __init__(self, full: nn.Conv2d, group: Group, sizes: Optional[Sequence[int]] = None) -> None:
-        super().__init__(full, group)
+    def __init__(self, full: nn.Conv2d, group: Group, sizes: Optional[Sequence[int]] = None,
+                 random: Optional[SplitRegionRandom] = None) -> None:
+        super().__init__(full, group, random)
         self.sizes = list(sizes or even_split_sizes(full.out_channels, group.size))
         self.in_channels, self.out_channels = full.in_channels, self.sizes[group.index]
         self.weight = _slice(full.weight, 0, self.sizes, group.index)
         self.bias = _slice(full.bias, 0, self.sizes, group.index)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._conv(copy_to_tp(x, self.group), self.bias)
+        y = self._conv(copy_to_tp(x, self.group), self.bias)
+        _enter(self.random)
+        return y
 
     def extra_repr(self) -> str:
         return f"in={self.in_channels}, out={self.out_channels} of {sum(self.sizes)} channels, tp={self.group.size}"
@@ -130,14 +139,16 @@ class RowParallelConv2d(_ConvBase):
 
     split_dims = {"weight": 1}
 
-    def __init__(self, full: nn.Conv2d, group: Group, sizes: Optional[Sequence[int]] = None) -> None:
-        super().__init__(full, group)
+    def __init__(self, full: nn.Conv2d, group: Group, sizes: Optional[Sequence[int]] = None,
+                 random: Optional[SplitRegionRandom] = None) -> None:
+        super().__init__(full, group, random)
         self.sizes = list(sizes or even_split_sizes(full.in_channels, group.size))
         self.in_channels, self.out_channels = self.sizes[group.index], full.out_channels
         self.weight = _slice(full.weight, 1, self.sizes, group.index)
         self.bias = _replicate(full.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _leave(self.random)
         y = reduce_from_tp(self._conv(x, None), self.group)
         return y if self.bias is None else y + self.bias.view(1, -1, 1, 1)
 
@@ -186,6 +197,16 @@ def sliced_batchnorm(full: nn.modules.batchnorm._BatchNorm, group: Group, sizes:
     bn.split_dims = {"weight": 0, "bias": 0, "running_mean": 0, "running_var": 0}
     bn.sizes = list(sizes)
     return bn
+
+
+def _enter(random: Optional[SplitRegionRandom]) -> None:
+    if random is not None:  # what follows runs on this rank's features: its own random stream
+        random.enter()
+
+
+def _leave(random: Optional[SplitRegionRandom]) -> None:
+    if random is not None:  # back to replicated activations: the group's shared stream
+        random.leave()
 
 
 def even_split_sizes(n: int, parts: int) -> list[int]:

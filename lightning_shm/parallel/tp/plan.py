@@ -48,6 +48,7 @@ from lightning_shm.parallel.tp.layers import (
     even_split_sizes,
     sliced_batchnorm,
 )
+from lightning_shm.parallel.tp.rng import SplitRegionRandom
 from lightning_shm.runtime import Group
 
 STYLES = ("column", "row", "replicate", "column_gathered")
@@ -275,6 +276,7 @@ def apply_plan(module: nn.Module, splits: Mapping[str, LayerSplit], group: Group
     the new modules by qualified name. Every new module lists ``split_dims`` and ``sizes``."""
     local = dict(module.named_modules())
     replaced: dict[str, nn.Module] = {}
+    random = SplitRegionRandom(group.index)  # shared by the column and row layers: see its module
     for name, sp in splits.items():
         layer = local.get(name)
         if layer is None:
@@ -288,7 +290,7 @@ def apply_plan(module: nn.Module, splits: Mapping[str, LayerSplit], group: Group
             if sp.role == "column_gathered":
                 new = ColumnParallelLinear(layer, group, sp.sizes, gather_output=True)
             else:
-                new = cls[(sp.role, _kind(layer))](layer, group, sp.sizes)
+                new = cls[(sp.role, _kind(layer))](layer, group, sp.sizes, random=random)
         replaced[name] = new
     for name, new in replaced.items():
         parent, _, attr = name.rpartition(".")
