@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import lightning_shm.strategies.launcher as strategy_launcher
 from lightning_shm.runtime.segment import list_owned
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,13 +28,30 @@ def no_shm_leak():
         pytest.fail(f"test left shared-memory segments behind in /dev/shm: {leaked}")
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _single_thread_session():
+    """Module-scoped references run before function fixtures: one thread for them too. A reduction's
+    order depends on the thread count, and spectral_norm's power iteration under Adam turns that
+    rounding into 1e-9 differences after 5 steps."""
+    torch.set_num_threads(1)
+
+
 @pytest.fixture(autouse=True)
-def _single_thread_torch():
-    """Tests run many processes on 2 cores; keep the main process from oversubscribing them."""
-    prev = torch.get_num_threads()
+def _single_thread_torch(_single_thread_session):
+    """Tests run many processes on 2 cores; keep the main process from oversubscribing them (and undo
+    a test's own setting)."""
     torch.set_num_threads(1)
     yield
-    torch.set_num_threads(prev)
+    torch.set_num_threads(1)
+
+
+@pytest.fixture
+def no_worker_starts(monkeypatch):
+    """For refusals that must come before any worker starts: starting one fails the test."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("a worker was about to start")
+
+    monkeypatch.setattr(strategy_launcher, "Launcher", refuse)
 
 
 @pytest.fixture

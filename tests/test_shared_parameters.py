@@ -16,7 +16,6 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
-import lightning_shm.strategies.launcher as strategy_launcher
 from lightning_shm import SHMDDPStrategy, SHMFSDPStrategy, SHMPipeline, SHMTensorParallel
 from lightning_shm.models import MNISTClassifier
 from lightning_shm.parallel.ddp import GradReducer
@@ -150,14 +149,6 @@ def test_a_batchnorm_placed_twice_syncs_as_one_module_in_the_models_dtype(strate
     got = train_mnist(strategy(start_method="fork"), 2, "adam", batch=GLOBAL_BATCH // 2, model_cls=BatchNormTwice,
                       buffers=True, sync_batchnorm=True)
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-9)
-
-
-@pytest.fixture
-def no_worker_starts(monkeypatch):
-    def refuse(*args, **kwargs):
-        raise AssertionError("a worker was about to start")
-
-    monkeypatch.setattr(strategy_launcher, "Launcher", refuse)
 
 
 class TiedEnds(MNISTClassifier):

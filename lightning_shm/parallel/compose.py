@@ -47,6 +47,7 @@ from lightning_shm.parallel.sequential import (
 )
 from lightning_shm.parallel.state import ModelState
 from lightning_shm.parallel.tp import LayerPlan, TensorParallelState, check_plan, plan_for
+from lightning_shm.parallel.tp.plan import computed_weight
 from lightning_shm.runtime import ParallelGroups, ReduceOp, Topology, World
 
 DATA_PARALLEL = ("replicate", "shard")
@@ -171,8 +172,12 @@ def _nothing_to_split(module: nn.Module, config: ParallelConfig, tp: int) -> str
         return (f"tensor_parallel_size={tp} but the plan given ({given}) splits no layer: every tp rank would "
                 "compute the whole model. Name the layers to split, or use tensor_parallel_size=1.")
     prefix, seq = find_sequential(module, config.sequential)
-    compiled = [f"{prefix}.{n}" if prefix else n for n, c in layers_of(seq) if compiled_original(c) is not None]
+    named = [(f"{prefix}.{n}" if prefix else n, c) for n, c in layers_of(seq)]
+    compiled = [n for n, c in named if compiled_original(c) is not None]
+    computed = [n for n, c in named if isinstance(c, (nn.Linear, nn.Conv2d)) and computed_weight(c)]
     hint = f" ({compiled} are torch.compile'd: compiling hides a layer from the plan)" if compiled else ""
+    hint += (f" ({computed} compute their weights, e.g. weight_norm / spectral_norm: such a layer stays whole)"
+             if computed else "")
     return (f"tensor_parallel_size={tp} but the plan splits no layer of {type(module).__name__}: the plan derived "
             f"for its nn.Sequential pairs nn.Linear / nn.Conv2d children and found none to split{hint}. Pass "
             "plan={...}, give the model a tp_plan, or use tensor_parallel_size=1.")
@@ -296,7 +301,7 @@ def parallelize(module: nn.Module, config: ParallelConfig, world: World, groups:
         engine = PipelineEngine(stage.chunks, config.pipeline, groups.coords.pp, list(groups.pp.ranks), world,
                                 tag=f"pp-dp{groups.coords.dp}-tp{groups.coords.tp}",
                                 activation_checkpointing=config.activation_checkpointing)
-        engine.grad_sink = fsdp.grad_sink if fsdp is not None else None
+        engine.held = fsdp
     state = ModelState(module, plain_keys, plain_params, placements, stages=groups.pp if topo.pp > 1 else None,
                        before_load=fsdp.before_shards_written if fsdp is not None else None,
                        after_load=fsdp.after_shards_written if fsdp is not None else None,

@@ -208,7 +208,8 @@ class SHMModelParallel(SHMStrategyBase):
         _, seq = find_sequential(module, config.sequential)
         for m in seq:  # Flatten/activations then a Linear: any [rows, in_features] tensor fits
             if isinstance(m, nn.Linear):
-                return torch.randn(rows, m.in_features, dtype=m.weight.dtype)
+                # the parameters' dtype: ``m.weight`` may be computed (weight_norm) and not yet converted
+                return torch.randn(rows, m.in_features, dtype=next(m.parameters()).dtype)
             if not isinstance(m, _ELEMENTWISE_FRONT):
                 break
         return None

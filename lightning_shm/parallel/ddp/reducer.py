@@ -135,8 +135,11 @@ class GradReducer:
         """Compute the weight gradients of the ``nn.Linear`` layers among ``modules`` with at least
         ``direct_min_numel`` weights straight into their bucket regions (:meth:`weight_grad`); the others
         are left alone (no detour on their forward). Undone by :meth:`close`."""
-        mods = [m for m in modules if isinstance(m, nn.Linear) and m.weight in self._views
-                and m.weight.numel() >= self.direct_min_numel]
+        # the registered parameter, not ``m.weight``: reading a parametrized weight computes it (spectral_norm's
+        # power iteration updates its vectors), and a computed weight is not a leaf autograd accumulates into
+        weights = {m: m._parameters.get("weight") for m in modules if isinstance(m, nn.Linear)}
+        mods = [m for m, w in weights.items()
+                if w is not None and w in self._views and w.numel() >= self.direct_min_numel]
         route_linears(mods, _bucket_linear_forward, self)
         self._routed.extend(mods)
 

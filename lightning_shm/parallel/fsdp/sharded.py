@@ -133,6 +133,10 @@ class FSDPState:
         for u in self.units:
             u.release()
 
+    def holds(self, tensor: torch.Tensor) -> bool:
+        """``tensor`` is one of a held unit's full parameters: :meth:`grad_sink` takes its gradient."""
+        return any(u.holds(tensor) for u in self.units)
+
     def grad_sink(self, tensor: torch.Tensor, grad: torch.Tensor) -> bool:
         """Add ``grad`` to the held unit's gradient if ``tensor`` is one of its full parameters (a
         zero-bubble pipeline computes weight gradients outside autograd); False if it is none of ours."""

@@ -184,7 +184,9 @@ class FSDPUnit:
         self._prefetched: Optional[tuple[torch.Tensor, int]] = None  # (full tensor being gathered, shard version)
         self.held: Optional[torch.Tensor] = None  # gathered for a whole pipeline step (see hold())
         self._held_grad: Optional[torch.Tensor] = None
-        self._handles = [spec.modules[0][1].register_forward_pre_hook(self._pre_forward),
+        # gather before the module's own pre-hooks, free after its own hooks: they see the full parameters
+        # (torch.nn.utils.weight_norm / spectral_norm compute ``weight`` in a pre-hook)
+        self._handles = [spec.modules[0][1].register_forward_pre_hook(self._pre_forward, prepend=True),
                          spec.modules[-1][1].register_forward_hook(self._post_forward)]
 
     @property
@@ -307,13 +309,18 @@ class FSDPUnit:
             if b.shard.requires_grad:
                 self._held_grad[b.full_offset:b.full_offset + b.numel].view(b.shape).add_(g)
 
-    def add_to_held_grad(self, tensor: torch.Tensor, grad: torch.Tensor) -> bool:
-        """``tensor`` is a view of the held full parameters: add ``grad`` at its place in the step's gradient."""
+    def holds(self, tensor: torch.Tensor) -> bool:
+        """``tensor`` is one of the held full parameters (a view of the held storage, not a block in it)."""
         held = self.held
         if held is None or tensor.untyped_storage().data_ptr() != held.untyped_storage().data_ptr():
             return False
-        if any(tensor is b.shard for b in self.blocks):  # "view": a block lies in the same storage
+        return not any(tensor is b.shard for b in self.blocks)  # "view": a block lies in the same storage
+
+    def add_to_held_grad(self, tensor: torch.Tensor, grad: torch.Tensor) -> bool:
+        """``tensor`` is a view of the held full parameters: add ``grad`` at its place in the step's gradient."""
+        if not self.holds(tensor):
             return False
+        held = self.held
         if self._held_grad is None:
             self._held_grad = torch.zeros_like(held)
         offset = tensor.storage_offset() - held.storage_offset()

@@ -21,7 +21,7 @@ storage shared by several microbatches (the batch they were cut from) counts onc
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, ContextManager, Optional, Protocol
+from typing import Any, ContextManager, Optional, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -49,12 +49,24 @@ class StageIO(Protocol):
         the sum over microbatches is the batch loss (eval: may return None)."""
 
 
+class HeldParameters(Protocol):
+    """Parameters the engine's Linear layers compute with that are not leaves, but whose gradients someone
+    takes (FSDP's units held gathered over a pipeline step)."""
+
+    def holds(self, tensor: torch.Tensor) -> bool: ...
+
+    def grad_sink(self, tensor: torch.Tensor, grad: torch.Tensor) -> bool: ...
+
+
 def _stage_linear_forward(module: nn.Linear | LinearRows, engine: "PipelineEngine", x: torch.Tensor) -> torch.Tensor:
     w = module.weight
-    # autograd's path for a weight with hooks (they must see its gradient), and -- unless zero-bubble defers
-    # it -- for one that is not a leaf (FSDP's gathered parameter) or too small to gain from the in-place sum
+    # autograd's path for a weight with hooks (they must see its gradient), for one computed from other
+    # parameters (a parametrization such as weight_norm: the gradient must flow back through it), and --
+    # unless zero-bubble defers it -- for one that is not a leaf (FSDP's held parameter) or too small to
+    # gain from the in-place sum
     if torch.is_grad_enabled() and w.requires_grad \
-            and (engine.zero_bubble or (w.is_leaf and w.numel() >= engine.in_place_min_numel)) \
+            and (w.is_leaf and (engine.zero_bubble or w.numel() >= engine.in_place_min_numel)
+                 or engine.zero_bubble and engine.held is not None and engine.held.holds(w)) \
             and not w._backward_hooks and not w._post_accumulate_grad_hooks:
         return SinkLinear.apply(x, w, module.bias, engine, w)
     return F.linear(x, w, module.bias)
@@ -105,9 +117,8 @@ class PipelineEngine:
             route_linears(chunk.modules(), _stage_linear_forward, self)
             route_linears(chunk.modules(), _stage_linear_forward, self, "linear", LinearRows)  # a row cut's product
         self._param_ptrs = {p.untyped_storage().data_ptr() for ch in chunks.values() for p in ch.parameters()}
-        # where a deferred weight gradient goes when its weight is not a leaf (FSDP's gathered parameters):
-        # ``grad_sink(weight, grad)`` takes it, or returns False
-        self.grad_sink: Optional[Callable[[torch.Tensor, torch.Tensor], bool]] = None
+        # who takes a deferred weight gradient whose weight is not a leaf (FSDP's gathered parameters)
+        self.held: Optional[HeldParameters] = None
         self.timeline: list[Timed] = []
         self.peak_activation_bytes = 0
         self._store: dict[tuple[int, int], tuple[Any, Any, Optional[torch.Tensor]]] = {}  # (m, c) -> x, out, rng
@@ -183,7 +194,7 @@ class PipelineEngine:
             param.grad.addmm_(g2.t(), x2)  # in place: .grad read and written once
             return
         gw = g2.t().matmul(x2)
-        if self.grad_sink is not None and self.grad_sink(param, gw):
+        if self.held is not None and self.held.grad_sink(param, gw):
             return
         if param.grad is None:
             param.grad = gw.to(param.dtype)

@@ -11,9 +11,10 @@ rank c % P.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from types import MappingProxyType
-from typing import Mapping, Optional, Sequence
+from typing import Iterator, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
@@ -34,23 +35,38 @@ def _warm(seq: nn.Sequential, x: torch.Tensor) -> None:
 
 
 def layer_costs_by_time(seq: nn.Sequential, sample: torch.Tensor, repeats: int = 5) -> list[float]:
-    """Median forward+backward seconds per child on ``sample`` (layers run in sequence)."""
+    """Median forward+backward seconds per child on ``sample`` (layers run in sequence).
+
+    The model's own layers run, so they must come out as they went in: a BatchNorm would count the
+    sample into its running statistics, a spectral_norm advance its power iteration (both buffers), a
+    dropout draw from the random stream, and backward leave gradients."""
     costs: list[list[float]] = [[] for _ in seq]
-    _warm(seq, sample)
-    for _ in range(repeats):
-        x = sample
-        for i, layer in enumerate(seq):
-            inp = act.leaves(x)
-            t0 = time.perf_counter()
-            out = layer(inp)
-            if act.requires_grad(out):
-                act.backward(out, act.like(out, [torch.ones_like(o) for o in act.parts(out)]))
-            costs[i].append(time.perf_counter() - t0)
-            x = act.detached(out)
-    for layer in seq:  # leave no gradients behind
-        for p in layer.parameters():
-            p.grad = None
+    with _leaving_no_trace(seq):
+        _warm(seq, sample)
+        for _ in range(repeats):
+            x = sample
+            for i, layer in enumerate(seq):
+                inp = act.leaves(x)
+                t0 = time.perf_counter()
+                out = layer(inp)
+                if act.requires_grad(out):
+                    act.backward(out, act.like(out, [torch.ones_like(o) for o in act.parts(out)]))
+                costs[i].append(time.perf_counter() - t0)
+                x = act.detached(out)
     return [sorted(c)[len(c) // 2] for c in costs]
+
+
+@contextlib.contextmanager
+def _leaving_no_trace(seq: nn.Sequential) -> Iterator[None]:
+    buffers = [(b, b.detach().clone()) for b in seq.buffers()]
+    grads = [(p, p.grad) for p in seq.parameters()]
+    with torch.random.fork_rng(devices=[]):
+        yield
+    with torch.no_grad():
+        for b, saved in buffers:
+            b.copy_(saved)
+    for p, g in grads:
+        p.grad = g
 
 
 def balanced_split(costs: Sequence[float], parts: int, required: Optional[Sequence[bool]] = None,

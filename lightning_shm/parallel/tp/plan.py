@@ -33,10 +33,12 @@ starts.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 from torch import nn
+from torch.nn.utils import parametrize
 
 from lightning_shm.parallel.sequential import find_sequential, layers_of, parameter_holders, shared_spans
 from lightning_shm.parallel.tp.layers import (
@@ -136,17 +138,18 @@ def derive_plan(seq: nn.Sequential, tp: int, prefix: str = "") -> dict[str, Laye
     for i, (name, m) in enumerate(layers):
         q = _qual(prefix, name)
         kind = _kind(m)
-        if kind is nn.Linear and pending is None and m.weight.numel() <= replicate_upto:
+        whole = i in shared or kind is not None and computed_weight(m)  # split, it would stop sharing / computing
+        if kind is nn.Linear and pending is None and _numel(m) <= replicate_upto:
             continue
         pair = kind is not None and pending is not None and pending[1] is kind
-        gathered = pair and kind is nn.Linear and m.weight.numel() * tp <= pending[2].weight.numel()
-        if i in shared and not gathered:  # a layer sharing a parameter stays whole (a gathered pair keeps it so)
+        gathered = pair and kind is nn.Linear and _numel(m) * tp <= _numel(pending[2])
+        if whole and not gathered:  # it stays whole (a gathered pair keeps it so)
             pending = None
             continue
         if pair:
             if gathered:
                 plan[pending[0]] = LayerPlan("column_gathered")
-                replicate_upto = pending[2].weight.numel() // tp
+                replicate_upto = _numel(pending[2]) // tp
             else:
                 plan[pending[0]], plan[q] = LayerPlan("column"), LayerPlan("row")
             pending = None
@@ -224,6 +227,11 @@ def check_plan(module: nn.Module, plan: Mapping[str, LayerPlan], tp: int) -> dic
                 raise ValueError(f"'{name}' ({lp.style}) holds '{pname}', which is also '{others[0]}': splitting the "
                                  "layer gives each rank a piece of its own, and the other holder would keep training "
                                  "the whole tensor apart from it. Leave the layer replicated, or untie the weights.")
+        how = computed_weight(mods[name]) if isinstance(mods[name], _SPLITTABLE) else None
+        if how:
+            raise ValueError(f"'{name}' ({lp.style}) computes its weight from other parameters ({how}): the "
+                             "computation (a norm over the whole weight) cannot run on a piece of it. Leave the "
+                             "layer replicated.")
         parent = mods.get(name.rpartition(".")[0]) if "." in name else module
         out[name] = LayerSplit(lp.style, tuple(split_sizes(name, mods[name], lp, tp, parent)))
     for prefix, seq in [(n, m) for n, m in module.named_modules() if isinstance(m, nn.Sequential)]:
@@ -296,6 +304,26 @@ def apply_plan(module: nn.Module, splits: Mapping[str, LayerSplit], group: Group
         parent, _, attr = name.rpartition(".")
         setattr(module.get_submodule(parent) if parent else module, attr, new)
     return replaced
+
+
+def computed_weight(m: nn.Module) -> str:
+    """Why ``m.weight`` is not a registered parameter but computed at each use (empty if it is one):
+    a parametrization (``torch.nn.utils.parametrizations.weight_norm`` / ``spectral_norm``) or a
+    pre-hook over other parameters (the older ``torch.nn.utils.weight_norm`` / ``spectral_norm``).
+    Found without reading ``m.weight``, which would run the computation (a spectral_norm's power
+    iteration updates its vectors)."""
+    if m._parameters.get("weight") is not None:
+        return ""
+    if parametrize.is_parametrized(m, "weight"):
+        return "parametrized by " + ", ".join(type(p).__name__ for p in m.parametrizations["weight"])
+    return f"computed from its parameters {sorted(m._parameters)} by a pre-hook"
+
+
+def _numel(m: nn.Module) -> int:
+    """A Linear's or Conv2d's weight elements, from its shape (``m.weight`` may be computed when read)."""
+    if isinstance(m, nn.Linear):
+        return m.in_features * m.out_features
+    return m.out_channels * m.in_channels // m.groups * math.prod(m.kernel_size)
 
 
 def _kind(m: nn.Module) -> Optional[type]:
