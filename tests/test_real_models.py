@@ -23,8 +23,19 @@ from torch.utils.data import DataLoader
 
 from lightning_shm import SHMDDPStrategy, SHMFSDPStrategy, SHMModelParallel, SHMPipeline, SHMTensorParallel
 from lightning_shm.models import MNISTClassifier
-from lightning_shm.models.transformer import TRANSFORMER_TP_PLAN, Block
-from tests.helpers import GLOBAL_BATCH, STEPS, flat_params, layouts, loader, mnist_like, train_mnist, trainer
+from lightning_shm.models.transformer import TRANSFORMER_TP_PLAN, Block, Head, RowEmbedding
+from tests.helpers import (
+    GLOBAL_BATCH,
+    SEED,
+    STEPS,
+    flat_params,
+    layouts,
+    loader,
+    mnist_like,
+    reference_loader,
+    train_mnist,
+    trainer,
+)
 
 TRANSFORMER = functools.partial(MNISTClassifier, arch="transformer", dim=16, depth=6, heads=4)
 CNN = functools.partial(MNISTClassifier, arch="cnn", channels=(8, 16), cnn_hidden=32)
@@ -196,3 +207,79 @@ def test_blocks_checkpointed_by_the_user_equal_one_process(name, reentrant):
     ref = train_mnist("auto", 1, "sgd", batch=GLOBAL_BATCH, ref=True, model_cls=build)
     got = train_mnist(strategy(), devices, "sgd", batch=GLOBAL_BATCH // dp, model_cls=build)
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
+
+
+# ---------------------------------------------------------------------- torch's own transformer layers
+class TorchEncoder(MNISTClassifier):
+    """``nn.TransformerEncoderLayer`` blocks (built on ``nn.MultiheadAttention``), as users write them."""
+
+    tp_plan = {"net.*.linear1": "column", "net.*.linear2": "row"}  # the attention's fused in_proj stays whole
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        d = 16
+        self.net = torch.nn.Sequential(RowEmbedding(d), *[torch.nn.TransformerEncoderLayer(
+            d, 4, 32, dropout=0.0, batch_first=True) for _ in range(3)], Head(d, 10))
+
+
+TORCH_ENCODER_RUNS = {**{k: TRANSFORMER_RUNS[k] for k in ("ddp", "fsdp-unit-per-block", "tp2")},
+                      **layouts("fsdp-copy", "pp2-zero-bubble", "dp2xpp2-shard")}
+
+
+@pytest.mark.parametrize("name", list(TORCH_ENCODER_RUNS))
+def test_torch_transformer_encoder_layers_equal_one_process(name):
+    """Trained, then validated: in evaluation the layer takes torch's fast path, which reads every weight
+    itself (FSDP's unit must hold the whole layer; tp's split linear1 / linear2 see their pieces)."""
+    strategy, devices, dp = TORCH_ENCODER_RUNS[name]
+
+    def fit(strategy, devices, batch, ref):
+        pl.seed_everything(SEED)
+        model = TorchEncoder(optimizer="adam", lr=0.01)
+        ds = mnist_like(GLOBAL_BATCH * STEPS, seed=1)
+        t = trainer(strategy=strategy, devices=devices, max_epochs=1, precision="64-true")
+        t.fit(model, reference_loader(ds, batch, SEED) if ref else loader(ds, batch),
+              DataLoader(ds, batch_size=GLOBAL_BATCH // dp))
+        return flat_params(model), float(t.callback_metrics["val_loss"])
+
+    ref, ref_loss = fit("auto", 1, GLOBAL_BATCH, True)
+    got, loss = fit(strategy(), devices, GLOBAL_BATCH // dp, False)
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-9)
+    assert loss == pytest.approx(ref_loss, abs=1e-9)
+
+
+@pytest.mark.parametrize("model, strategy, match", [
+    ("encoder", lambda: SHMFSDPStrategy(start_method="fork",
+                                        unit_policy=lambda name, m: isinstance(m, torch.nn.Linear)),
+     r"TransformerEncoderLayer 'net.1' reads 'net.1.self_attn.out_proj.weight' in its own forward .* FSDP unit "
+     r"'net.1.self_attn.out_proj' holds it and 'net.1' runs in no unit"),
+    ("attention", lambda: SHMFSDPStrategy(start_method="fork", unit_policy=lambda name, m: isinstance(
+        m, (torch.nn.Linear, torch.nn.MultiheadAttention))),
+     r"MultiheadAttention 'net.1.attn' reads 'net.1.attn.out_proj.weight' in its own forward .* FSDP unit "
+     r"'net.1.attn.out_proj' holds it and 'net.1.attn' runs in unit 'net.1.attn'"),
+    ("encoder", lambda: SHMTensorParallel(start_method="fork", tensor_parallel_size=2,
+                                          plan={"net.*.self_attn.out_proj": "column_gathered"}),
+     r"'net.1.self_attn.out_proj' \(column_gathered\) is part of nn.MultiheadAttention 'net.1.self_attn', whose "
+     r"forward reads its weights itself"),
+])
+def test_layers_that_torch_attention_reads_itself_are_not_split_apart(no_worker_starts, model, strategy, match):
+    """nn.MultiheadAttention never calls out_proj (nor the encoder layer's fast path its Linear layers): a unit
+    or a split of their own would not see the read."""
+    module = {"encoder": TorchEncoder, "attention": TorchAttention}[model]()
+    with pytest.raises(ValueError, match=match):
+        trainer(strategy=strategy(), devices=2, max_epochs=1).fit(module, loader(mnist_like(8), 4))
+
+
+class _AttentionBlock(torch.nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.ln, self.attn = torch.nn.LayerNorm(d), torch.nn.MultiheadAttention(d, 4, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.ln(x)
+        return x + self.attn(h, h, h, need_weights=False)[0]
+
+
+class TorchAttention(MNISTClassifier):
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.net = torch.nn.Sequential(RowEmbedding(16), _AttentionBlock(16), Head(16, 10))

@@ -143,15 +143,26 @@ def _join_shared(roots: list[list[tuple[str, nn.Module]]],
     return [layers[lo:hi + 1] for lo, hi in ranges]
 
 
+# torch modules whose forward reads their children's parameters itself, not through the children's
+# forward: MultiheadAttention (``out_proj.weight`` in F.multi_head_attention_forward), TransformerEncoderLayer
+# (its inference fast path reads every weight)
+READ_BY_PARENT = (nn.MultiheadAttention, nn.TransformerEncoderLayer)
+
+
 def _check_shared(module: nn.Module, units: list[UnitSpec]) -> None:
-    """Every module holding a unit's parameter must run inside that unit (deepest unit wins), else
-    ValueError naming the parameter and both units."""
+    """Every module holding -- or, for :data:`READ_BY_PARENT`, reading -- a unit's parameter must run
+    inside that unit (deepest unit wins), else ValueError naming the parameter and both units."""
     inside: dict[int, UnitSpec] = {}
     for unit in sorted(units, key=lambda u: min((n.count(".") if n else -1) for n, _ in u.modules)):
         for _, m in unit.modules:
             for sub in m.modules():
                 inside[id(sub)] = unit
     holders = parameter_holders(module)
+    readers: dict[int, list[tuple[str, nn.Module]]] = {}
+    for name, m in module.named_modules():
+        if isinstance(m, READ_BY_PARENT):
+            for p in m.parameters():
+                readers.setdefault(id(p), []).append((name, m))
     for unit in units:
         for pname, *_, p in unit.params:
             for hname, m in holders[id(p)]:
@@ -162,3 +173,12 @@ def _check_shared(module: nn.Module, units: list[UnitSpec]) -> None:
                         f"'{hname}' runs in {f'unit {other.name!r}' if other else 'no unit'}: a unit gathers its "
                         "parameters only around its own modules. Choose units that put every module holding it "
                         "in one unit (e.g. a policy that selects their common parent).")
+            for rname, reader in readers.get(id(p), []):
+                other = inside.get(id(reader))
+                if other is not unit:
+                    raise ValueError(
+                        f"{type(reader).__name__} '{rname}' reads '{pname}' in its own forward (not through the "
+                        f"child's forward), but FSDP unit '{unit.name}' holds it and '{rname}' runs in "
+                        f"{f'unit {other.name!r}' if other else 'no unit'}, which would find this rank's rows "
+                        "only. Leave the children of such a module in its unit (a policy that does not select "
+                        "them).")

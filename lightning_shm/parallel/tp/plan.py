@@ -227,6 +227,12 @@ def check_plan(module: nn.Module, plan: Mapping[str, LayerPlan], tp: int) -> dic
                 raise ValueError(f"'{name}' ({lp.style}) holds '{pname}', which is also '{others[0]}': splitting the "
                                  "layer gives each rank a piece of its own, and the other holder would keep training "
                                  "the whole tensor apart from it. Leave the layer replicated, or untie the weights.")
+        reader = next((a for a in _ancestors(name) if isinstance(mods.get(a), nn.MultiheadAttention)), None)
+        if reader is not None:
+            raise ValueError(f"'{name}' ({lp.style}) is part of nn.MultiheadAttention '{reader}', whose forward reads "
+                             "its weights itself (F.multi_head_attention_forward), never calling the layer: a split "
+                             "layer's collectives would not run. Leave it replicated, or write the attention with "
+                             "nn.Linear projections that its forward calls.")
         how = computed_weight(mods[name]) if isinstance(mods[name], _SPLITTABLE) else None
         if how:
             raise ValueError(f"'{name}' ({lp.style}) computes its weight from other parameters ({how}): the "
@@ -303,7 +309,23 @@ def apply_plan(module: nn.Module, splits: Mapping[str, LayerSplit], group: Group
     for name, new in replaced.items():
         parent, _, attr = name.rpartition(".")
         setattr(module.get_submodule(parent) if parent else module, attr, new)
+    for name in {a for n in replaced for a in _ancestors(n)}:
+        layer = local.get(name)
+        if isinstance(layer, nn.TransformerEncoderLayer):
+            # its inference fast path reads linear1 / linear2's weights itself -- this rank's pieces, without
+            # the row layer's all-reduce; torch takes it only for a layer without forward hooks
+            layer.register_forward_pre_hook(_no_fast_path)
     return replaced
+
+
+def _no_fast_path(module: nn.Module, args: Any) -> None:
+    return None
+
+
+def _ancestors(name: str) -> list[str]:
+    """``"a.b.c"`` -> ``["a.b", "a", ""]`` (the model itself last)."""
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(len(parts) - 1, -1, -1)]
 
 
 def computed_weight(m: nn.Module) -> str:
