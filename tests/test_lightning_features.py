@@ -1,4 +1,4 @@
-"""Lightning features that see the whole model, under every layout: SWA and ModelSummary.
+"""Lightning features that see the whole model, under every layout: SWA, ModelSummary, clipping by hand.
 
 Under FSDP, tensor and pipeline parallelism a rank holds only pieces of the model; callbacks that
 copy or count the model must still behave as in one process.
@@ -13,7 +13,17 @@ from lightning.pytorch.callbacks import ModelCheckpoint, ModelSummary, Stochasti
 
 from lightning_shm import SHMModelParallel, SHMPipeline, SHMTensorParallel
 from lightning_shm.models import MNISTClassifier
-from tests.helpers import GLOBAL_BATCH, SEED, flat_params, loader, mnist_like, reference_loader, trainer
+from tests.helpers import (
+    GLOBAL_BATCH,
+    SEED,
+    flat_params,
+    layouts,
+    loader,
+    mnist_like,
+    reference_loader,
+    train_mnist,
+    trainer,
+)
 
 LAYOUTS = [  # (strategy factory, devices, batch per data-parallel replica)
     (lambda: "shm_ddp_fork", 2, GLOBAL_BATCH // 2),
@@ -72,3 +82,40 @@ def test_model_summary_counts_the_whole_model(strategy, devices, batch):
                 callbacks=[ModelSummary(max_depth=2), _SummaryProbe()], limit_train_batches=1)
     t.fit(MNISTClassifier(), loader(mnist_like(GLOBAL_BATCH * 2), batch))
     assert t.state.finished
+
+
+class _ClippedByHand(MNISTClassifier):
+    """Manual optimization: two optimizers, the first clipped with ``self.clip_gradients`` (Lightning's
+    clipping, which the strategies make global), the second stepped again on every other batch."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.automatic_optimization = False
+
+    def configure_optimizers(self):
+        body = [p for n, p in self.named_parameters() if not n.startswith("net.7")]
+        head = [p for n, p in self.named_parameters() if n.startswith("net.7")]
+        return torch.optim.Adam(body, lr=0.01), torch.optim.SGD(head, lr=0.1)
+
+    def training_step(self, batch, batch_idx):
+        body, head = self.optimizers()
+        body.zero_grad()
+        head.zero_grad()
+        self.manual_backward(torch.nn.functional.cross_entropy(self(batch[0]), batch[1]))
+        self.clip_gradients(body, gradient_clip_val=0.05, gradient_clip_algorithm="norm")
+        body.step()
+        head.step()
+        if batch_idx % 2:
+            head.zero_grad()
+            self.manual_backward(torch.nn.functional.cross_entropy(self(batch[0]), batch[1]))
+            head.step()
+
+
+@pytest.mark.parametrize("layout", ["ddp", "fsdp", "tp2"])
+def test_manual_optimization_clipping_with_lightning_equals_one_process(layout):
+    """``self.clip_gradients`` clips by the norm over every rank's pieces (torch.nn.utils.clip_grad_norm_
+    called by the user would see this rank's pieces only: see README, Limits)."""
+    strategy, devices, dp = layouts(layout)[layout]
+    ref = train_mnist("auto", 1, "adam", batch=GLOBAL_BATCH, ref=True, model_cls=_ClippedByHand)
+    got = train_mnist(strategy(), devices, "adam", batch=GLOBAL_BATCH // dp, model_cls=_ClippedByHand)
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-9)
