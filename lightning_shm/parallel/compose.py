@@ -160,9 +160,6 @@ def validate(module: nn.Module, config: ParallelConfig, world_size: int, batch_s
         if not find_units(module, config.policy, layers):
             raise ValueError(f"the FSDP unit policy selected no module with parameters in {type(module).__name__}: "
                              "nothing to shard")
-    scalars = [n for n, p in module.named_parameters() if p.dim() == 0]
-    if config.shard and topo.dp > 1 and scalars:
-        raise ValueError(f"FSDP shards parameters by rows (dim 0); {scalars} are 0-d: store them with shape (1,)")
 
 
 def _nothing_to_split(module: nn.Module, config: ParallelConfig, tp: int) -> str:

@@ -66,10 +66,21 @@ class UnitPolicy:
         raise ValueError(f"unit policy must be None, an int (min_unit_params) or a callable, got {policy!r}")
 
 
+def kept_whole(module: nn.Module) -> dict[str, nn.Parameter]:
+    """Parameters no unit can gather, which FSDP keeps whole on every rank (their gradients averaged, as
+    DDP does): the module's own -- a LightningModule's learned temperature, read in its step, where no
+    submodule's forward hook sees the read -- and 0-d ones (no rows to cut). Small by nature: 1/W of
+    them would save nothing."""
+    own = {id(p) for p in module.parameters(recurse=False)}
+    return {n: p for n, p in module.named_parameters() if id(p) in own or p.dim() == 0}
+
+
 def find_units(module: nn.Module, policy: UnitPolicy,
                layers: Optional[list[tuple[str, nn.Module]]] = None) -> list[UnitSpec]:
     """Units in execution order of ``layers`` (qualified name, module) -- by default the children of the
-    model's Sequential -- and registration order for everything else."""
+    model's Sequential -- and registration order for everything else. :func:`kept_whole` parameters
+    belong to no unit."""
+    exclude = frozenset(id(p) for p in kept_whole(module).values())
     roots: list[list[tuple[str, nn.Module]]] = []
     if policy.fn is not None:
         roots = [[(n, m)] for n, m in module.named_modules() if n and policy.fn(n, m)]
@@ -99,7 +110,7 @@ def find_units(module: nn.Module, policy: UnitPolicy,
             elif group and roots:  # trailing parameter-free modules belong to the last unit
                 roots[-1].extend(group)
             roots = _join_shared(roots, layers)
-    claimed: set[int] = set()
+    claimed: set[int] = set(exclude)
     units: list[UnitSpec] = []
     for mods in roots:  # nested roots first would claim their own params: process deepest names first
         units.append(UnitSpec(name="+".join(n for n, _ in mods) or "<root>", modules=mods))

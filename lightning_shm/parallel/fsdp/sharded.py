@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator, Optional, Union
 import torch
 from torch import nn
 
-from lightning_shm.parallel.fsdp.policy import PolicyFn, UnitPolicy, find_units
+from lightning_shm.parallel.fsdp.policy import PolicyFn, UnitPolicy, find_units, kept_whole
 from lightning_shm.parallel.fsdp.prefetch import Prefetcher
 from lightning_shm.parallel.fsdp.unit import FSDPUnit, MemoryStats, check_gather
 from lightning_shm.parallel.placement import Placement, Split
@@ -42,10 +42,10 @@ class FSDPState:
         check_gather(gather, reshard_after_forward, prefetch)
         self.module = module
         self.group = group
-        direct = [n for n, _ in module.named_parameters(recurse=False)]
-        if direct:
-            raise ValueError(f"parameters {direct} belong directly to {type(module).__name__}; FSDP gathers parameters "
-                             "in module forward hooks, so they must live in a submodule")
+        self.across = across
+        self.replicated = kept_whole(module)  # whole on every rank, gradients averaged
+        self._averaging = [p.register_post_accumulate_grad_hook(self._average)
+                           for p in self.replicated.values() if p.requires_grad]
         specs = find_units(module, UnitPolicy.parse(policy), layers)
         if not specs:
             raise ValueError(f"the FSDP unit policy selected no module with parameters in {type(module).__name__}: "
@@ -97,8 +97,15 @@ class FSDPState:
                 self._watched.append(opt.register_step_post_hook(lambda *_: self.after_shards_written()))
 
     # ------------------------------------------------------------------ state
+    def _average(self, param: torch.Tensor) -> None:
+        """A replicated parameter's gradient, as it accumulates: the mean over the group (and the other
+        nodes). Linear, so averaging again after a later microbatch's accumulation is still the mean."""
+        assert param.grad is not None
+        self.group.all_reduce(param.grad, "mean", across=self.across)
+
     def placements(self, base: Optional[dict[str, Placement]] = None) -> dict[str, Placement]:
-        """Each sharded entry's placement: ``base`` (e.g. a tensor-parallel slice) cut once more by rows."""
+        """Each sharded entry's placement: ``base`` (e.g. a tensor-parallel slice) cut once more by rows;
+        each replicated one's: ``base`` held by every rank of the group."""
         base = base or {}
         names: dict[int, list[str]] = {}
         for n, p in self.module.named_parameters(remove_duplicate=False):
@@ -109,6 +116,9 @@ class FSDPState:
                 split = Split(self.group, 0, tuple(b.rows))
                 for n in names.get(id(b.shard), []):
                     out[n] = base.get(n, Placement()).then(split)
+        for p in self.replicated.values():
+            for n in names.get(id(p), []):
+                out[n] = base.get(n, Placement()).replicated(self.group.size)
         return out
 
     def shards(self) -> Iterator[nn.Parameter]:
@@ -146,10 +156,12 @@ class FSDPState:
         return False
 
     def close(self) -> None:
-        """Stop the prefetch thread (if any) after its copies finished; stop watching optimizers."""
-        for h in self._watched:
+        """Stop the prefetch thread (if any) after its copies finished; stop watching optimizers and
+        averaging gradients."""
+        for h in self._watched + self._averaging:
             h.remove()
         self._watched.clear()
+        self._averaging.clear()
         for u in self.units:
             u.drop_pending()
         if self.prefetcher is not None:

@@ -1,0 +1,73 @@
+"""Parameters FSDP keeps whole on every rank: the LightningModule's own (read in its step, where no unit's
+forward hook sees the read) and 0-d ones (no rows to cut) -- once refused, now replicated with their
+gradients averaged (``parallel/fsdp/policy.py``, ``kept_whole``)."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+
+from lightning_shm.models import MNISTClassifier
+from tests.helpers import GLOBAL_BATCH, SEED, flat_params, layouts, loader, mnist_like, train_mnist, trainer
+
+
+class _Gate(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.g = nn.Parameter(torch.tensor(0.5))  # 0-d
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.g
+
+
+class Scaled(MNISTClassifier):
+    """A 0-d gate inside the Sequential, a 0-d logit scale (CLIP's) and a (1,) temperature on the module,
+    both read in the step only, and a buffer on the module."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.net = nn.Sequential(*list(self.net)[:4], _Gate(), *list(self.net)[4:])
+        self.logit_scale = nn.Parameter(torch.tensor(1.5))
+        self.log_t = nn.Parameter(torch.zeros(1))
+        self.register_buffer("shift", torch.linspace(-0.1, 0.1, 10))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = (self(x) + self.shift) * self.logit_scale * self.log_t.exp()
+        return nn.functional.cross_entropy(logits, y)
+
+
+@pytest.mark.parametrize("layout", ["fsdp", "fsdp-copy", "dp2xpp2-shard"])
+def test_module_and_scalar_parameters_train_as_in_one_process(layout):
+    """Clipped by the global norm: a replicated gradient must count once, not once per rank."""
+    strategy, devices, dp = layouts(layout)[layout]
+    kw = dict(model_cls=Scaled, buffers=True, gradient_clip_val=0.5)
+    ref = train_mnist("auto", 1, "adam", batch=GLOBAL_BATCH, ref=True, **kw)
+    got = train_mnist(strategy(), devices, "adam", batch=GLOBAL_BATCH // dp, **kw)
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-9)
+
+
+def test_checkpoint_is_plain_and_resumes_as_uninterrupted(tmp_path):
+    ds = mnist_like(GLOBAL_BATCH * 2, seed=1)
+
+    def fit(epochs, ckpt_path=None, callbacks=()):
+        pl.seed_everything(SEED)
+        model = Scaled(optimizer="adam", lr=0.01)
+        t = trainer(strategy="shm_fsdp_fork", devices=2, max_epochs=epochs, precision="64-true",
+                    enable_checkpointing=bool(callbacks), callbacks=list(callbacks))
+        t.fit(model, loader(ds, GLOBAL_BATCH // 2), ckpt_path=ckpt_path)
+        return flat_params(model)
+
+    straight = fit(2)
+    ckpt = ModelCheckpoint(dirpath=tmp_path)
+    fit(1, callbacks=[ckpt])
+    saved = torch.load(ckpt.best_model_path, weights_only=False)
+    plain = Scaled()
+    assert {k: v.shape for k, v in saved["state_dict"].items()} == {k: v.shape for k, v in plain.state_dict().items()}
+    plain.load_state_dict(saved["state_dict"])
+    torch.optim.Adam(plain.parameters()).load_state_dict(saved["optimizer_states"][0])
+    resumed = fit(2, ckpt_path=ckpt.best_model_path)
+    torch.testing.assert_close(resumed, straight, rtol=0, atol=0)
