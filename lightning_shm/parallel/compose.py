@@ -35,6 +35,7 @@ from lightning_shm.parallel.fsdp.policy import PolicyFn
 from lightning_shm.parallel.fsdp.unit import check_gather
 from lightning_shm.parallel.optimizers import check_optimizers
 from lightning_shm.parallel.pipeline import PipelineEngine, PipelineSchedule, PipelineStage, Schedule
+from lightning_shm.parallel.pipeline.outside import OutsideParameters
 from lightning_shm.parallel.pipeline.row_cut import apply_row_cuts, plan_cuts, stage_rows
 from lightning_shm.parallel.pipeline.split import plan_chunks, validate_split_points
 from lightning_shm.parallel.placement import Placement
@@ -231,6 +232,7 @@ class ParallelState:
     tp: Optional[TensorParallelState] = None
     fsdp: Optional[FSDPState] = None
     reducer: Optional[GradReducer] = None
+    outside: Optional[OutsideParameters] = None  # a pipeline's parameters outside its Sequential
 
     def begin_step(self) -> None:
         """Before a training step: drop what a forward without backward left gathered."""
@@ -294,7 +296,11 @@ def parallelize(module: nn.Module, config: ParallelConfig, world: World, groups:
                                   hooks=topo.pp == 1)
             if topo.pp == 1:  # a pipeline engine takes its Linear layers' weight gradients itself
                 reducer.route_linears(module.modules())
-    if stage is not None:  # last: it patches the Linear layers it runs (zero-bubble) and knows their storages
+    outside = None
+    if stage is not None:  # a copy on every stage, the gradients summed over the stages
+        outside = OutsideParameters(module, stage, groups.pp)
+        placements = {**placements, **{n: placements.get(n, Placement()).replicated(topo.pp) for n in outside.names}}
+        # last: it patches the Linear layers it runs (zero-bubble) and knows their storages
         engine = PipelineEngine(stage.chunks, config.pipeline, groups.coords.pp, list(groups.pp.ranks), world,
                                 tag=f"pp-dp{groups.coords.dp}-tp{groups.coords.tp}",
                                 activation_checkpointing=config.activation_checkpointing)
@@ -303,7 +309,7 @@ def parallelize(module: nn.Module, config: ParallelConfig, world: World, groups:
                        before_load=fsdp.before_shards_written if fsdp is not None else None,
                        after_load=fsdp.after_shards_written if fsdp is not None else None,
                        stage_rows=stage_rows(module) if stage is not None else None)
-    return ParallelState(module, groups, state, stage, engine, starts, tp, fsdp, reducer)
+    return ParallelState(module, groups, state, stage, engine, starts, tp, fsdp, reducer, outside)
 
 
 def _node_mean(groups: ParallelGroups) -> Optional[Callable[[torch.Tensor], None]]:

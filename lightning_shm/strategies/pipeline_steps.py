@@ -78,6 +78,8 @@ class PipelineSteps:
             self.parallel.fsdp.release()  # one reduce-scatter per parameter of the summed gradient
         if self.parallel.reducer is not None and self.sync_grads:
             self.parallel.reducer.synchronize()
+        if self.parallel.outside is not None and self.sync_grads:
+            self.parallel.outside.sum_grads()  # each stage used them in part: one gradient for every copy
 
     def _schedule_for(self, parts: int) -> PipelineSchedule:
         sched = self.schedule

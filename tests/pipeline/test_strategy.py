@@ -425,3 +425,31 @@ def test_manual_optimization_is_refused():
 
     with pytest.raises(ValueError, match="manual optimization"):
         trainer(strategy=pp(2), devices=2, max_epochs=1).fit(Manual(), loader(mnist_like(16), 8))
+
+
+class _Outside(MNISTClassifier):
+    """Parameters outside the pipelined Sequential: a scale used before it (first stage) and after it (last
+    stage), a Linear after it. Each stage holds a copy and sees part of their gradient."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.scale = nn.Parameter(torch.full((1,), 0.7))
+        self.post = nn.Linear(10, 10)
+
+    def forward(self, x):
+        return self.post(self.net(x * self.scale)) * self.scale
+
+
+@pytest.mark.parametrize("strategy, devices, dp", [
+    (lambda: pp(2), 2, 1), (lambda: pp(2, "zero_bubble"), 2, 1), (lambda: pp(2), 4, 2),
+    (lambda: SHMModelParallel(start_method="fork", data_parallel_size=2, pipeline_parallel_size=2,
+                              data_parallel="shard", microbatches=2), 4, 2),
+], ids=["pp2", "pp2-zero-bubble", "dp2xpp2", "dp2xpp2-shard"])
+def test_parameters_outside_the_sequential_train_as_in_one_process(strategy, devices, dp):
+    """Their gradients are summed over the stages (each copy had trained on its own part, and the
+    checkpoint took the last stage's: an input scale there never trained). Clipped by the global norm:
+    the copies count once."""
+    kw = dict(model_cls=_Outside, gradient_clip_val=0.5)
+    ref = train_mnist("auto", 1, "adam", batch=GLOBAL_BATCH, ref=True, **kw)
+    got = train_mnist(strategy(), devices, "adam", batch=GLOBAL_BATCH // dp, **kw)
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-9)

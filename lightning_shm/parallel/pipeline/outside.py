@@ -1,0 +1,53 @@
+"""Parameters outside the pipelined ``nn.Sequential``: a copy on every stage, one gradient for all.
+
+Only the Sequential is cut into stages; everything else the module holds -- an input scale, an
+embedding the step applies before the Sequential, a head or a learned temperature after it -- stays
+on every stage, and the step uses it where its code runs: before the Sequential on the first stage
+(which captures the Sequential's input), after it on the last (which computes the loss). Each stage
+therefore sees only part of such a parameter's gradient (none, the part from its own use, or -- for
+one used on both sides -- a share of it). Trained on those parts the copies drift apart, and the
+checkpoint takes one of them (the last stage's: an input scale there never trained).
+
+So the parts are summed over the pipeline group before the optimizer step, as Megatron sums the
+gradients of an embedding tied between its first and last stage::
+
+    stage s:  g_s = this stage's gradient of p (zeros where the step did not use p here)
+    all-reduce(sum) over the pp group:  every stage's p.grad = sum_s g_s  -> identical updates
+
+Cost: the bytes of these gradients per step, on every stage; a model with large modules outside its
+Sequential (an embedding table) pays it -- put them in the Sequential to give them to one stage.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lightning_shm.runtime import Group
+
+
+class OutsideParameters:
+    """The trainable parameters of ``module`` that the pipeline ``stage`` does not hold, and their
+    gradients' sum over ``group`` (the pipeline group). Every stage constructs it alike."""
+
+    def __init__(self, module: nn.Module, stage: nn.Module, group: Group) -> None:
+        inside = {id(p) for p in stage.parameters()}
+        self.names = [n for n, p in module.named_parameters() if id(p) not in inside and p.requires_grad]
+        self.params = [p for n, p in module.named_parameters() if n in set(self.names)]
+        self.group = group
+
+    def sum_grads(self) -> None:
+        """Every stage's ``p.grad`` becomes the sum of the stages' gradients (one collective per dtype)."""
+        if not self.params or self.group.size == 1:
+            return
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        for dtype in sorted({p.dtype for p in self.params}, key=str):
+            same = [p for p in self.params if p.dtype == dtype]
+            flat = torch.cat([p.grad.reshape(-1) for p in same])
+            self.group.all_reduce(flat, "sum")
+            offset = 0
+            for p in same:
+                p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
+                offset += p.numel()
