@@ -9,7 +9,7 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import pytest
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint, ModelSummary, StochasticWeightAveraging
+from lightning.pytorch.callbacks import EMAWeightAveraging, ModelCheckpoint, ModelSummary, StochasticWeightAveraging
 
 from lightning_shm import SHMModelParallel, SHMPipeline, SHMTensorParallel
 from lightning_shm.models import MNISTClassifier
@@ -119,3 +119,41 @@ def test_manual_optimization_clipping_with_lightning_equals_one_process(layout):
     ref = train_mnist("auto", 1, "adam", batch=GLOBAL_BATCH, ref=True, model_cls=_ClippedByHand)
     got = train_mnist(strategy(), devices, "adam", batch=GLOBAL_BATCH // dp, model_cls=_ClippedByHand)
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-9)
+
+
+def _ema_run(strategy, devices, batch, ckpt_dir, *, ref=False, epochs=2, ckpt_path=None):
+    pl.seed_everything(SEED)
+    model = MNISTClassifier(optimizer="adam", lr=0.01)
+    ds = mnist_like(GLOBAL_BATCH * 3, seed=1)
+    dl = reference_loader(ds, batch, SEED) if ref else loader(ds, batch)
+    ckpt = ModelCheckpoint(dirpath=ckpt_dir, save_last=True)
+    t = trainer(strategy=strategy, devices=devices, max_epochs=epochs, precision="64-true", enable_checkpointing=True,
+                callbacks=[EMAWeightAveraging(decay=0.9), ckpt], limit_val_batches=1)
+    t.fit(model, dl, torch.utils.data.DataLoader(ds, batch_size=batch), ckpt_path=ckpt_path)
+    return flat_params(model), float(t.callback_metrics["val_loss"]), torch.load(ckpt.last_model_path,
+                                                                               weights_only=False)
+
+
+@pytest.mark.parametrize("layout", ["ddp", "fsdp", "tp2", "pp2-1f1b", "dp2xpp2-shard"])
+def test_ema_weight_averaging_equals_one_process(tmp_path, layout):
+    """Lightning's EMAWeightAveraging copies the module before the strategy cuts it (it failed: "The size
+    of tensor a (256) must match the size of tensor b (128)"); the average, the validation with it, and
+    the checkpoint (average in ``state_dict``, the trained weights in ``current_model_state``) are one
+    process's."""
+    strategy, devices, dp = layouts(layout)[layout]
+    ref, ref_val, ref_ckpt = _ema_run("auto", 1, GLOBAL_BATCH, tmp_path / "ref", ref=True)
+    got, val, ckpt = _ema_run(strategy(), devices, GLOBAL_BATCH // dp, tmp_path / "got")
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-9)
+    assert val == pytest.approx(ref_val, abs=1e-9)
+    for key in ("state_dict", "current_model_state"):
+        assert list(ckpt[key]) == list(ref_ckpt[key])
+        for k, v in ref_ckpt[key].items():
+            torch.testing.assert_close(ckpt[key][k], v, rtol=0, atol=1e-9)
+
+
+def test_ema_weight_averaging_resumes_as_uninterrupted(tmp_path):
+    straight, _, _ = _ema_run("shm_fsdp_fork", 2, GLOBAL_BATCH // 2, tmp_path / "a", epochs=3)
+    _, _, _ = _ema_run("shm_fsdp_fork", 2, GLOBAL_BATCH // 2, tmp_path / "b", epochs=1)
+    resumed, _, _ = _ema_run("shm_fsdp_fork", 2, GLOBAL_BATCH // 2, tmp_path / "c", epochs=3,
+                             ckpt_path=tmp_path / "b" / "last.ckpt")
+    torch.testing.assert_close(resumed, straight, rtol=0, atol=0)

@@ -67,7 +67,7 @@ class ModelState:
         self.placements = dict(placements)
         self.stages = stages if stages is not None and stages.size > 1 else None
         self.before_load = before_load or (lambda: None)
-        self._after_load = after_load or (lambda: None)
+        self.after_load = after_load or (lambda: None)
         self._copies = {id(p): self.placement(n).copies for n, p in module.named_parameters()}
 
     def placement(self, key: str) -> Placement:
@@ -149,7 +149,7 @@ class ModelState:
         self.before_load()
         with torch.no_grad():
             self.module.load_state_dict(self.localize(state_dict, local_keys), strict=False)
-        self._after_load()
+        self.after_load()
 
     # ------------------------------------------------------------------ optimizer state
     def full_optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
