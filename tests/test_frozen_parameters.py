@@ -167,3 +167,46 @@ def test_an_optimizer_over_no_parameters_on_a_frozen_stage_is_explained():
                                          r"nn.Sequential, none of them trainable, and configure_optimizers failed on "
                                          r"them: optimizer got an empty parameter list"):
         train_mnist(strategy, 2, "adam", batch=GLOBAL_BATCH, model_cls=FrozenBackbone)
+
+
+# ---------------------------------------------------------------------- frozen, then unfrozen by a callback
+class _Backbone(MNISTClassifier):
+    """Lightning's BackboneFinetuning freezes ``backbone`` before training and unfreezes it at epoch 1,
+    adding a parameter group; the backbone is found by indexing the Sequential (a stage holds some of it)."""
+
+    @property
+    def backbone(self):
+        return nn.ModuleList([self.net[1], self.net[2]])
+
+    def configure_optimizers(self):
+        return torch.optim.Adam([p for p in self.parameters() if p.requires_grad], lr=0.01)
+
+
+@pytest.mark.parametrize("layout", ["ddp", "fsdp", "tp2", "pp2-1f1b", "dp2xpp2-shard"])
+def test_a_backbone_unfrozen_during_training_trains_as_in_one_process(tmp_path, layout):
+    """Before: shm_ddp and Lightning's own ddp never averaged the unfrozen backbone's gradients (0.059 off
+    one process: each replica trained its own), FSDP units kept the trainable set of setup (0.032 off),
+    pipelines failed (``self.net[1]`` on a stage; then one stage's extra parameter group)."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import BackboneFinetuning, ModelCheckpoint
+
+    from tests.helpers import SEED, flat_params, loader, mnist_like, reference_loader, trainer
+
+    def run(strategy, devices, batch, ref):
+        pl.seed_everything(SEED)
+        model = _Backbone(optimizer="adam")
+        ds = mnist_like(GLOBAL_BATCH * 2, seed=1)
+        finetuning = BackboneFinetuning(unfreeze_backbone_at_epoch=1, backbone_initial_ratio_lr=0.5,
+                                        should_align=False, verbose=False)
+        ckpt = ModelCheckpoint(dirpath=tmp_path / ("ref" if ref else layout))  # written by the workers
+        t = trainer(strategy=strategy, devices=devices, max_epochs=3, precision="64-true", enable_checkpointing=True,
+                    callbacks=[finetuning, ckpt])
+        t.fit(model, reference_loader(ds, batch, SEED) if ref else loader(ds, batch))
+        return flat_params(model), torch.load(ckpt.best_model_path, weights_only=False)["optimizer_states"][0]
+
+    strategy, devices, dp = layouts(layout)[layout]
+    ref, ref_opt = run("auto", 1, GLOBAL_BATCH, True)
+    got, opt = run(strategy(), devices, GLOBAL_BATCH // dp, False)
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-9)
+    assert [g["params"] for g in opt["param_groups"]] == [g["params"] for g in ref_opt["param_groups"]]
+    assert [g["lr"] for g in opt["param_groups"]] == pytest.approx([g["lr"] for g in ref_opt["param_groups"]])

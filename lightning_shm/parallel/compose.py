@@ -235,9 +235,12 @@ class ParallelState:
     outside: Optional[OutsideParameters] = None  # a pipeline's parameters outside its Sequential
 
     def begin_step(self) -> None:
-        """Before a training step: drop what a forward without backward left gathered."""
+        """Before a training step: drop what a forward without backward left gathered; average the
+        gradients of the parameters that require them now (a callback may have (un)frozen some)."""
         if self.fsdp is not None:
             self.fsdp.begin_step()
+        if self.reducer is not None:
+            self.reducer.follow_requires_grad()
 
     def watch(self, optimizers: list[torch.optim.Optimizer]) -> None:
         """The optimizers of the run: refused if they cannot update this layout's pieces as one process

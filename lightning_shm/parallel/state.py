@@ -25,6 +25,7 @@ the same order everywhere.
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Sequence
@@ -90,7 +91,9 @@ class ModelState:
             raise ValueError(f"the optimizer holds {len(unknown)} tensor(s) that are not parameters of the module")
         groups = local
         if self.stages is not None:  # a Linear cut by rows is named on two stages: count it once
-            groups = [list(dict.fromkeys(sum(g, []))) for g in zip(*self.stages.all_gather_object(local))]
+            # a group may exist on some stages only (one added later for a stage's layers, e.g. an unfrozen backbone)
+            groups = [list(dict.fromkeys(sum(g, []))) for g in
+                      itertools.zip_longest(*self.stages.all_gather_object(local), fillvalue=[])]
         order = {n: i for i, n in enumerate(self.plain_params)}
         ids, offset = {}, 0
         for g in groups:

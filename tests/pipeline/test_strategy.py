@@ -453,3 +453,20 @@ def test_parameters_outside_the_sequential_train_as_in_one_process(strategy, dev
     ref = train_mnist("auto", 1, "adam", batch=GLOBAL_BATCH, ref=True, **kw)
     got = train_mnist(strategy(), devices, "adam", batch=GLOBAL_BATCH // dp, **kw)
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-9)
+
+
+def test_a_stage_indexes_like_the_sequential_it_replaces():
+    """The module's own code may index its Sequential (``self.net[1]``, ``self.net[:4]``): a stage answers
+    with its layers, and with parameter-free stand-ins for the other stages' (running one raises)."""
+    from lightning_shm.parallel.pipeline.stage import LayerElsewhere, PipelineStage
+
+    seq = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4), nn.Linear(4, 2))
+    stage = PipelineStage(seq, [0, 2], [1])  # this rank holds layers 2 and 3
+    assert len(stage) == 4 and stage[2] is seq[2] and stage[-1] is seq[3]
+    assert isinstance(stage[0], LayerElsewhere) and not list(stage[0].parameters())
+    assert [id(p) for p in stage[:3].parameters()] == [id(p) for p in seq[2].parameters()]
+    assert [type(m) for m in stage] == [LayerElsewhere, LayerElsewhere, nn.Linear, nn.Linear]
+    with pytest.raises(RuntimeError, match="layer 0 of the pipelined nn.Sequential is held by another"):
+        stage[0](torch.zeros(1, 4))
+    with pytest.raises(IndexError, match="index 4 is out of range"):
+        stage[4]

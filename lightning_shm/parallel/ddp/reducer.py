@@ -66,7 +66,16 @@ class GradReducer:
             raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
         self.group = group
         self.find_unused_parameters = find_unused_parameters
-        params = [(n, p) for n, p in named_params if p.requires_grad]
+        self._all = list(named_params)
+        self._config = (bucket_cap_mb, tag, hooks)
+        self._route_candidates: list[nn.Module] = []
+        self._build()
+
+    def _build(self) -> None:
+        """Buckets, views and hooks for the parameters that require gradients now."""
+        bucket_cap_mb, tag, hooks = self._config
+        group = self.group
+        params = [(n, p) for n, p in self._all if p.requires_grad]
         if not params:
             raise ValueError("the module has no parameters that require gradients: nothing to train")
         self._names = {p: n for n, p in params}
@@ -108,6 +117,17 @@ class GradReducer:
         self.padded = PaddedWeights()  # routed Linears' input gradients (SinkLinear); cleared after each backward
         self._attach_grads(zero=True)
 
+    def follow_requires_grad(self) -> bool:
+        """Rebuild the buckets if the parameters that require gradients changed since they were built (a
+        fine-tuning callback unfreezing a backbone: its gradients must be averaged from then on, as a
+        frozen one's must no longer be expected). Every rank calls it at the same point; True if rebuilt."""
+        if {p for _, p in self._all if p.requires_grad} == set(self._names):
+            return False
+        self.close()
+        self._build()
+        self.route_linears(self._route_candidates)
+        return True
+
     def __deepcopy__(self, memo: dict) -> "GradReducer":
         return self  # a process resource: the Linear layers it routes hold it, and they may be deep-copied (SWA)
 
@@ -137,6 +157,8 @@ class GradReducer:
         are left alone (no detour on their forward). Undone by :meth:`close`."""
         # the registered parameter, not ``m.weight``: reading a parametrized weight computes it (spectral_norm's
         # power iteration updates its vectors), and a computed weight is not a leaf autograd accumulates into
+        modules = list(modules)
+        self._route_candidates = modules
         weights = {m: m._parameters.get("weight") for m in modules if isinstance(m, nn.Linear)}
         mods = [m for m, w in weights.items()
                 if w is not None and w in self._views and w.numel() >= self.direct_min_numel]

@@ -172,7 +172,6 @@ class FSDPUnit:
             b.shard = nn.Parameter(mine.view(b.rows[r], *b.shape[1:]), requires_grad=p.requires_grad)
             for owner, attr in b.owners:  # the model now holds the block under the parameter's own name
                 owner._parameters[attr] = b.shard
-        self.trainable = [b for b in self.blocks if b.shard.requires_grad]  # frozen ones: no gradient at all
         self._live: Optional[torch.Tensor] = None  # full flat parameters of the current forward
         self._live_params: Sequence[torch.Tensor] = ()  # ... as the modules see them (_set_views)
         self._live_grad = False  # ... taken through _GatherUnit (a backward will come)
@@ -188,6 +187,12 @@ class FSDPUnit:
         # (torch.nn.utils.weight_norm / spectral_norm compute ``weight`` in a pre-hook)
         self._handles = [spec.modules[0][1].register_forward_pre_hook(self._pre_forward, prepend=True),
                          spec.modules[-1][1].register_forward_hook(self._post_forward)]
+
+    @property
+    def trainable(self) -> list[Block]:
+        """Blocks whose parameters require gradients (frozen ones get none at all). Read at every use: a
+        fine-tuning callback may freeze or unfreeze parameters between steps."""
+        return [b for b in self.blocks if b.shard.requires_grad]
 
     @property
     def shards(self) -> list[nn.Parameter]:

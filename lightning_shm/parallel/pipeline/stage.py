@@ -58,6 +58,9 @@ class PipelineStage(nn.Module):
             names[c] = [name for name, _ in named]
         object.__setattr__(self, "chunk_names", names)
         object.__setattr__(self, "layer_ranges", {c: (bounds[c], bounds[c + 1]) for c in chunk_ids})
+        object.__setattr__(self, "positions", {i: children[i][0] for c in chunk_ids
+                                               for i in range(bounds[c], bounds[c + 1])})
+        object.__setattr__(self, "total", len(children))
         self.refresh_chunks()
         self._run: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
 
@@ -88,11 +91,43 @@ class PipelineStage(nn.Module):
         finally:
             self._run = None
 
+    # ------------------------------------------------------------------ the Sequential's indexing
+    def __getitem__(self, index: int | slice) -> nn.Module:
+        """``self.net[i]`` / ``self.net[a:b]`` in the module's code, as on the Sequential: a layer this stage
+        holds, or -- for one another stage holds -- a stand-in without parameters (freezing a backbone by
+        index then freezes this stage's part of it; running the stand-in raises)."""
+        if isinstance(index, slice):
+            return nn.Sequential(*[self[i] for i in range(self.total)[index]])
+        i = index + self.total if index < 0 else index
+        if not 0 <= i < self.total:
+            raise IndexError(f"index {index} is out of range for the pipelined nn.Sequential of {self.total} layers")
+        return getattr(self, self.positions[i]) if i in self.positions else LayerElsewhere(i)
+
+    def __len__(self) -> int:
+        return self.total
+
+    def __iter__(self) -> Iterator[nn.Module]:
+        return (self[i] for i in range(self.total))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._run is None:
             raise RuntimeError("this module is one stage of a pipeline (shm_pipeline); it only runs inside the "
                                "pipeline schedule -- call the LightningModule's step through the Trainer")
         return self._run(x)
+
+
+class LayerElsewhere(nn.Module):
+    """Stands for layer ``index`` of the pipelined Sequential on a stage that does not hold it."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__()
+        self.index = index
+
+    def forward(self, *args: Any) -> Any:
+        raise RuntimeError(f"layer {self.index} of the pipelined nn.Sequential is held by another pipeline stage")
+
+    def extra_repr(self) -> str:
+        return f"layer {self.index}, on another stage"
 
 
 def _capture(x: torch.Tensor) -> torch.Tensor:
