@@ -170,13 +170,27 @@ def test_an_optimizer_over_no_parameters_on_a_frozen_stage_is_explained():
 
 
 # ---------------------------------------------------------------------- frozen, then unfrozen by a callback
+class _Gain(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.g = nn.Parameter(torch.tensor(1.2))  # 0-d: FSDP keeps it whole
+
+
 class _Backbone(MNISTClassifier):
     """Lightning's BackboneFinetuning freezes ``backbone`` before training and unfreezes it at epoch 1,
-    adding a parameter group; the backbone is found by indexing the Sequential (a stage holds some of it)."""
+    adding a parameter group; the backbone is found by indexing the Sequential (a stage holds some of it)
+    and holds a gain applied outside the Sequential (each pipeline stage holds a copy)."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.gain = _Gain()
+
+    def forward(self, x):
+        return self.net(x * self.gain.g)
 
     @property
     def backbone(self):
-        return nn.ModuleList([self.net[1], self.net[2]])
+        return nn.ModuleList([self.net[1], self.net[2], self.gain])
 
     def configure_optimizers(self):
         return torch.optim.Adam([p for p in self.parameters() if p.requires_grad], lr=0.01)

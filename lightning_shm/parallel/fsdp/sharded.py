@@ -44,8 +44,8 @@ class FSDPState:
         self.group = group
         self.across = across
         self.replicated = kept_whole(module)  # whole on every rank, gradients averaged
-        self._averaging = [p.register_post_accumulate_grad_hook(self._average)
-                           for p in self.replicated.values() if p.requires_grad]
+        self._averaging: dict[int, Any] = {}  # id -> hook handle, for those requiring gradients
+        self._follow_requires_grad()
         specs = find_units(module, UnitPolicy.parse(policy), layers)
         if not specs:
             raise ValueError(f"the FSDP unit policy selected no module with parameters in {type(module).__name__}: "
@@ -97,6 +97,13 @@ class FSDPState:
                 self._watched.append(opt.register_step_post_hook(lambda *_: self.after_shards_written()))
 
     # ------------------------------------------------------------------ state
+    def _follow_requires_grad(self) -> None:
+        """Average the gradient of every replicated parameter that requires one now (a fine-tuning callback
+        may unfreeze some between steps; a hook cannot sit on a tensor without gradient)."""
+        for p in self.replicated.values():
+            if p.requires_grad and id(p) not in self._averaging:
+                self._averaging[id(p)] = p.register_post_accumulate_grad_hook(self._average)
+
     def _average(self, param: torch.Tensor) -> None:
         """A replicated parameter's gradient, as it accumulates: the mean over the group (and the other
         nodes). Linear, so averaging again after a later microbatch's accumulation is still the mean."""
@@ -131,6 +138,7 @@ class FSDPState:
         (or a held step whose gradients were never taken), and meets the others if shards were written."""
         for u in self.units:
             u.drop_pending()
+        self._follow_requires_grad()
         self.sync_if_written()
 
     def hold(self) -> None:
@@ -158,7 +166,7 @@ class FSDPState:
     def close(self) -> None:
         """Stop the prefetch thread (if any) after its copies finished; stop watching optimizers and
         averaging gradients."""
-        for h in self._watched + self._averaging:
+        for h in self._watched + list(self._averaging.values()):
             h.remove()
         self._watched.clear()
         self._averaging.clear()

@@ -27,24 +27,27 @@ from lightning_shm.runtime import Group
 
 
 class OutsideParameters:
-    """The trainable parameters of ``module`` that the pipeline ``stage`` does not hold, and their
-    gradients' sum over ``group`` (the pipeline group). Every stage constructs it alike."""
+    """The parameters of ``module`` that the pipeline ``stage`` does not hold, and the sum over ``group``
+    (the pipeline group) of the gradients of those that require one. Every stage constructs it alike."""
 
     def __init__(self, module: nn.Module, stage: nn.Module, group: Group) -> None:
         inside = {id(p) for p in stage.parameters()}
-        self.names = [n for n, p in module.named_parameters() if id(p) not in inside and p.requires_grad]
-        self.params = [p for n, p in module.named_parameters() if n in set(self.names)]
+        outside = [(n, p) for n, p in module.named_parameters() if id(p) not in inside]
+        self.names = [n for n, _ in outside]
+        self.params = [p for _, p in outside]
         self.group = group
 
     def sum_grads(self) -> None:
-        """Every stage's ``p.grad`` becomes the sum of the stages' gradients (one collective per dtype)."""
-        if not self.params or self.group.size == 1:
+        """Every stage's ``p.grad`` becomes the sum of the stages' gradients (one collective per dtype).
+        Which parameters require a gradient is read now: a callback may (un)freeze them on every stage."""
+        params = [p for p in self.params if p.requires_grad]
+        if not params or self.group.size == 1:
             return
-        for p in self.params:
+        for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        for dtype in sorted({p.dtype for p in self.params}, key=str):
-            same = [p for p in self.params if p.dtype == dtype]
+        for dtype in sorted({p.dtype for p in params}, key=str):
+            same = [p for p in params if p.dtype == dtype]
             flat = torch.cat([p.grad.reshape(-1) for p in same])
             self.group.all_reduce(flat, "sum")
             offset = 0
