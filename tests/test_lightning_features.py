@@ -157,3 +157,16 @@ def test_ema_weight_averaging_resumes_as_uninterrupted(tmp_path):
     resumed, _, _ = _ema_run("shm_fsdp_fork", 2, GLOBAL_BATCH // 2, tmp_path / "c", epochs=3,
                              ckpt_path=tmp_path / "b" / "last.ckpt")
     torch.testing.assert_close(resumed, straight, rtol=0, atol=0)
+
+
+def test_model_pruning_is_refused_where_ranks_hold_pieces(no_worker_starts):
+    """It prunes whole tensors (a rank holds pieces: it failed with a size mismatch); before any worker starts."""
+    from lightning.pytorch.callbacks import ModelPruning
+
+    from lightning_shm import SHMFSDPStrategy
+
+    with pytest.raises(ValueError, match=r"ModelPruning prunes the module's tensors as whole ones, and under this "
+                                         r"layout \(dp=2 \(shard\) x tp=1 x pp=1\) a rank holds pieces"):
+        trainer(strategy=SHMFSDPStrategy(start_method="fork"), devices=2, max_epochs=1,
+                callbacks=[ModelPruning("l1_unstructured", amount=0.3)]).fit(MNISTClassifier(),
+                                                                              loader(mnist_like(8), 4))

@@ -28,6 +28,7 @@ from typing import Any, Iterator, Mapping, Optional, Sequence, Union
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.callbacks import ModelPruning
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
@@ -133,6 +134,14 @@ class SHMModelParallel(SHMStrategyBase):
                        launch_args: Any = ()) -> None:
         batch = _train_batch_size(trainer, launch_args) if self.topology().pp > 1 else None
         validate(module, self.parallel_config, max(self.num_processes, 1), batch, module.automatic_optimization)
+        topo = self.topology()
+        pieces = topo.tp > 1 or topo.pp > 1 or (self.parallel_config.shard and topo.dp > 1)
+        pruning = [type(cb).__name__ for cb in (trainer.callbacks if trainer is not None else [])
+                   if isinstance(cb, ModelPruning)]
+        if pieces and pruning:
+            raise ValueError(f"{pruning[0]} prunes the module's tensors as whole ones, and under this layout "
+                             f"({self._layout()}) a rank holds pieces of them: not supported. Prune under shm_ddp, "
+                             "or prune the trained model in one process.")
 
     def shm_components(self, module: "pl.LightningModule") -> dict[str, int]:
         topo, cfg = self.topology(), self.parallel_config
