@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from lightning_shm.parallel.pipeline import CapturedInput, PipelineStage, split_batch
 from lightning_shm.parallel.pipeline.stage import batch_size as batch_size_of
+from lightning_shm.parallel.pipeline.stage import parameters_read_outside
 from lightning_shm.runtime import Group
 from lightning_shm.strategies.metric_state import export_state, import_state
 
@@ -67,6 +68,39 @@ def recording_logs(module: pl.LightningModule, sink: Optional[list[LogRecord]], 
         del module.log
 
 
+@contextlib.contextmanager
+def _iterations(flag: list[bool], *modules: nn.Module) -> Iterator[None]:
+    """Inside, iterating the parameters of ``modules`` (``self.parameters()``, ``self.net.named_parameters()``)
+    appends to ``flag``: the step enumerated them, and on a stage it sees only the stage's."""
+    def watched(module: nn.Module) -> Any:
+        def named_parameters(*args: Any, **kwargs: Any) -> Any:
+            flag.append(True)
+            return type(module).named_parameters(module, *args, **kwargs)
+        return named_parameters
+
+    for m in modules:
+        m.named_parameters = watched(m)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        for m in modules:
+            m.__dict__.pop("named_parameters", None)
+
+
+def _refuse_reads(names: list[str]) -> None:
+    """Only the last stage runs the step's loss, and it enumerates only its own layers' parameters: a term
+    the step computes over ``self.parameters()`` (an L2 penalty) reaches those layers only -- silently
+    another loss for every other stage's. Refused when the step enumerated parameters and its loss reads
+    some of the stage's other than through the Sequential's output (reusing a layer it holds is fine)."""
+    if names:
+        raise ValueError(f"training_step's loss reads parameters of the pipelined nn.Sequential itself ({names[:4]}"
+                         f"{' ...' if len(names) > 4 else ''}), not only through the Sequential's output. Under "
+                         "shm_pipeline each stage holds its own layers and only the last stage computes the loss, "
+                         "so such a term (an L2 penalty over self.parameters(), say) would reach the last stage's "
+                         "layers only. Use the optimizer's weight_decay, or keep such parameters outside the "
+                         "Sequential.")
+
+
 class LightningStageIO:
     """The engine's view of one Lightning step: microbatch inputs, the step on the last stage, logs.
 
@@ -76,13 +110,16 @@ class LightningStageIO:
         loss_scale: multiplies each microbatch's loss for backward (``1 / accumulate_grad_batches``:
             Lightning divides the loss by it before backward, and the schedule runs backward itself).
         forward_context: opened around every forward of a chunk (the precision plugin's autocast).
+        check_reads: refuse a loss that reads the stage's parameters other than through its output
+            (checked once, on the first microbatch: see :func:`_refuse_reads`).
     """
 
     def __init__(self, module: pl.LightningModule, stage: PipelineStage, step: str, batch: Any, batch_idx: int,
                  microbatches: int, training: bool, extra: Sequence[Any] = (), loss_scale: float = 1.0,
-                 forward_context: Any = contextlib.nullcontext) -> None:
+                 forward_context: Any = contextlib.nullcontext, check_reads: bool = False) -> None:
         self.module, self.stage, self.step, self.batch_idx, self.training = module, stage, step, batch_idx, training
         self.extra, self.loss_scale, self._forward_context = extra, loss_scale, forward_context
+        self.check_reads = check_reads
         size = batch_size_of(batch) or 1
         self.parts = max(1, min(microbatches, size))
         self.micro = split_batch(batch, self.parts)
@@ -109,7 +146,15 @@ class LightningStageIO:
                            "nn.Sequential; the pipeline cannot find its input")
 
     def last_forward(self, mb: int, x: Tensor, chunk: nn.Module, recompute: bool = False) -> Optional[Tensor]:
-        with self.stage.running_chunk(chunk, x):
+        produced: list[Any] = []
+
+        def run(activation: Any) -> Any:
+            produced.append(chunk(activation))
+            return produced[-1]
+
+        iterated: list[bool] = []
+        watch = _iterations(iterated, self.module, self.stage) if self.check_reads else contextlib.nullcontext()
+        with self.stage.running_chunk(run, x), watch:
             out = self._call_step(mb, None if recompute else self.records, self.weights[mb])
         if not self.training:
             self.outputs[mb] = out
@@ -120,6 +165,11 @@ class LightningStageIO:
                              f"got {type(out).__name__}")
         if not recompute:
             self.losses[mb] = loss.detach() * self.weights[mb]
+        if self.check_reads and produced and iterated:
+            held = {id(p) for p in self.stage.parameters()}
+            named = [(n, p) for n, p in self.module.named_parameters() if id(p) in held]
+            _refuse_reads(parameters_read_outside(loss, produced[0], named))
+        self.check_reads = False
         return loss * (self.weights[mb] * self.loss_scale)
 
     # ------------------------------------------------------------------ results

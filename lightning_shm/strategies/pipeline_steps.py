@@ -37,6 +37,7 @@ class PipelineSteps:
         self._fresh_grads: list[tuple[nn.Parameter, Optional[Tensor]]] = []
         self._warned_short = False
         self.sync_grads = True  # False inside Lightning's gradient-accumulation micro-steps
+        self._reads_checked = False
 
     # ------------------------------------------------------------------ training
     def training_step(self, batch: Any, batch_idx: int, accumulate: int, skip_backward: bool) -> Tensor:
@@ -47,6 +48,7 @@ class PipelineSteps:
             return io.finish(self.position, io.combined_output() if self.position.is_last else None)
         io = self._io("training_step", batch, batch_idx, training=True, loss_scale=1.0 / accumulate,
                       context=self.precision.train_step_context)
+        io.check_reads, self._reads_checked = not self._reads_checked, True  # the first step's loss: once
         # Lightning zero-grads *after* training_step and before backward; the schedule computes the
         # gradients inside training_step. Run it on fresh grads, hand them over in backward().
         params = [p for p in self.module.parameters() if p.requires_grad]
