@@ -170,3 +170,32 @@ def test_model_pruning_is_refused_where_ranks_hold_pieces(no_worker_starts):
         trainer(strategy=SHMFSDPStrategy(start_method="fork"), devices=2, max_epochs=1,
                 callbacks=[ModelPruning("l1_unstructured", amount=0.3)]).fit(MNISTClassifier(),
                                                                               loader(mnist_like(8), 4))
+
+
+def test_weight_averaging_swaps_write_the_pieces_between_the_layouts_write_barriers():
+    """FSDP's rule: pieces change only between two barriers (nobody still reads the old values; nobody reads
+    before every rank has written). The average's swaps into the module (around validation, at the end)
+    must run inside ``state.before_load`` / ``state.after_load`` -- each write seen between them."""
+    from types import SimpleNamespace
+
+    from lightning_shm.parallel.state import ModelState
+    from lightning_shm.strategies.swa import adapt_swa
+
+    model = MNISTClassifier()
+    events = []
+    first = next(model.parameters())
+    state = ModelState(model, list(model.state_dict()), [n for n, _ in model.named_parameters()], {},
+                       before_load=lambda: events.append(("before", float(first.sum()))),
+                       after_load=lambda: events.append(("after", float(first.sum()))))
+    cb = EMAWeightAveraging(decay=0.9)
+    cb.setup(None, model, "fit")
+    adapt_swa(SimpleNamespace(callbacks=[cb]), model, state)
+    with torch.no_grad():
+        next(cb._average_model.module.parameters()).zero_()  # an average that differs from the weights
+    trained = float(first.sum())
+    cb._swap_models(model)  # the average in, for validation
+    assert events == [("before", trained), ("after", 0.0)]
+    events.clear()
+    cb._swap_models(model)  # the trained weights back
+    cb._copy_average_to_current(model)  # the end of training
+    assert events == [("before", 0.0), ("after", trained), ("before", trained), ("after", 0.0)]
