@@ -96,3 +96,49 @@ def test_too_small_dev_shm_fails_before_any_worker_starts(monkeypatch):
         trainer(strategy="shm_ddp", devices=2, max_epochs=1).fit(model, loader(mnist_like(8), 4))
     assert started == []
     assert "--shm-size" in str(info.value)
+
+
+class _OneCycleClassifier(SchedClassifier):
+    """Sizes its schedule from the data, as Lightning's docs show: ``configure_optimizers`` reads
+    ``trainer.estimated_stepping_batches``, which loads the training dataloader."""
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=0.1)
+        steps = self.trainer.estimated_stepping_batches
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.2, total_steps=steps)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+class _SetUpDataModule(pl.LightningDataModule):
+    """Builds its dataset in ``setup``, as most datamodules do: its loaders exist only after it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.train_set = None
+
+    def setup(self, stage: str) -> None:
+        self.train_set = mnist_like(GLOBAL_BATCH * 3, seed=1)
+
+    def train_dataloader(self) -> DataLoader:
+        if self.train_set is None:
+            raise RuntimeError("call setup() before requesting dataloaders")
+        return loader(self.train_set, GLOBAL_BATCH // 2)
+
+
+@pytest.mark.parametrize("data", ["dataloaders", "datamodule"])
+def test_main_process_rebuilds_a_schedule_sized_from_the_data(data, caplog):
+    """``fit`` ran in the workers only, so the main process had no data attached and could not run such a
+    ``configure_optimizers`` (it warned and kept no optimizer): it gets fit's data as the workers did."""
+    pl.seed_everything(SEED)
+    model = _OneCycleClassifier(optimizer="sgd")
+    t = trainer(strategy="shm_ddp_fork", devices=2, max_epochs=2)
+    with caplog.at_level("WARNING"):
+        if data == "dataloaders":
+            t.fit(model, loader(mnist_like(GLOBAL_BATCH * 3, seed=1), GLOBAL_BATCH // 2))
+        else:
+            t.fit(model, datamodule=_SetUpDataModule())
+    assert "could not rebuild" not in caplog.text
+    assert len(t.optimizers) == 1 and len(t.lr_scheduler_configs) == 1
+    sched = t.lr_scheduler_configs[0].scheduler
+    assert sched.total_steps == 6 and sched.last_epoch == t.global_step == 6  # 3 steps per epoch per rank, 2 epochs
+    assert t.optimizers[0].state, "the rebuilt optimizer holds no state"

@@ -36,7 +36,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning_utilities.core.apply_func import apply_to_collection
 
 from lightning_shm.runtime import LaunchConfig, Launcher, World
-from lightning_shm.strategies.main_state import restore_trainer
+from lightning_shm.strategies.main_state import fit_data, restore_trainer
 
 # what the fork server imports once, so that no worker of any later fit imports it again
 FORKSERVER_PRELOAD = ("torch", "lightning.pytorch", "lightning_shm")
@@ -95,7 +95,7 @@ class SHMLauncher(_Launcher):
         if trainer is None:
             return output
         self._already_fit |= trainer.state.fn == TrainerFn.FITTING
-        self._recover_in_main_process(output, trainer, list(args) + list(kwargs.values()))
+        self._recover_in_main_process(output, trainer, fit_data(function, args, kwargs))
         if output.stopped_by or stop == signal.SIGINT:  # one process would have raised this
             raise KeyboardInterrupt() if (output.stopped_by or stop) == signal.SIGINT else SIGTERMException()
         strategy.workers_handled_failure = False
@@ -126,14 +126,14 @@ class SHMLauncher(_Launcher):
         return WorkerOutput(path, trainer.state, results, buffer.getvalue(), stopped_by)
 
     # ------------------------------------------------------------------ main side
-    def _recover_in_main_process(self, output: WorkerOutput, trainer: "pl.Trainer", launch_args: list[Any]) -> None:
+    def _recover_in_main_process(self, output: WorkerOutput, trainer: "pl.Trainer", data: dict[str, Any]) -> None:
         trainer.state = output.trainer_state
         metrics = torch.load(io.BytesIO(output.callback_metrics_bytes), weights_only=True)
         trainer.callback_metrics.update(metrics)
         if output.checkpoint_path is not None:
             checkpoint = torch.load(output.checkpoint_path, weights_only=False)
             try:
-                restore_trainer(trainer, checkpoint, launch_args)
+                restore_trainer(trainer, checkpoint, data)
             finally:
                 os.remove(output.checkpoint_path)
                 os.rmdir(os.path.dirname(output.checkpoint_path))

@@ -15,8 +15,9 @@ optimizers and says so.
 
 from __future__ import annotations
 
+import inspect
 import logging
-from typing import Any, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -27,15 +28,27 @@ log = logging.getLogger(__name__)
 _LOOPS = ("fit_loop", "validate_loop", "test_loop", "predict_loop")
 
 
-def restore_trainer(trainer: "pl.Trainer", checkpoint: dict[str, Any], launch_args: Sequence[Any] = ()) -> None:
+def fit_data(function: Callable, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """The data ``Trainer.fit`` was given, read from the arguments of its entry point ``function``
+    (``trainer._fit_impl``, which ran in the workers only): train / val dataloaders and datamodule."""
+    try:
+        given = inspect.signature(function).bind(*args, **kwargs).arguments
+    except TypeError:  # not fit's entry point
+        return {}
+    data = {k: given.get(k) for k in ("train_dataloaders", "val_dataloaders", "datamodule")}
+    if isinstance(data["train_dataloaders"], pl.LightningDataModule):  # fit(model, dm), as fit reads it
+        data["datamodule"], data["train_dataloaders"] = data["train_dataloaders"], None
+    return data
+
+
+def restore_trainer(trainer: "pl.Trainer", checkpoint: dict[str, Any], data: Mapping[str, Any]) -> None:
     """Load rank 0's end-of-run ``checkpoint`` into the main process's ``trainer`` and its module.
 
-    ``launch_args``: the entry point's arguments; a datamodule among them is attached here too, as
-    ``fit`` attached it in the workers."""
+    ``data``: :func:`fit_data` -- attached here as ``fit`` attached it in the workers, so that what the
+    module's hooks read of it here (``configure_optimizers`` reading ``trainer.estimated_stepping_batches``
+    for a OneCycleLR, say) is what they read there."""
     module = trainer.lightning_module
-    for arg in launch_args:
-        if isinstance(arg, pl.LightningDataModule):
-            trainer._data_connector.attach_datamodule(module, datamodule=arg)
+    trainer._data_connector.attach_data(module, **data)
     module.trainer = trainer
     trainer.precision_plugin.convert_module(module)  # e.g. "64-true": float64, as the workers' (and one process's)
     if set(checkpoint["state_dict"]) - set(module.state_dict()):  # layers built in configure_model, as the workers did
@@ -69,9 +82,19 @@ def restore_trainer(trainer: "pl.Trainer", checkpoint: dict[str, Any], launch_ar
 
 
 def _restore_optimizers(trainer: "pl.Trainer", checkpoint: dict[str, Any]) -> None:
+    """``configure_optimizers`` may read the training data (``trainer.estimated_stepping_batches`` for a
+    OneCycleLR): the dataloaders ``fit`` was given are attached here, and a datamodule that builds them in
+    ``setup`` is set up here if the first call fails -- one process's is set up after ``fit``, but doing
+    it for every run would cost every run its setup time."""
     strategy = trainer.strategy
     try:
-        strategy.setup_optimizers(trainer)
+        try:
+            strategy.setup_optimizers(trainer)
+        except Exception:
+            if trainer.datamodule is None:
+                raise
+            call._call_lightning_datamodule_hook(trainer, "setup", stage="fit")
+            strategy.setup_optimizers(trainer)
         for opt, state in zip(strategy.optimizers, checkpoint["optimizer_states"]):
             opt.load_state_dict(state)
         for config, state in zip(trainer.lr_scheduler_configs, checkpoint.get("lr_schedulers", [])):
