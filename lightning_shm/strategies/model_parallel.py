@@ -110,6 +110,7 @@ class SHMModelParallel(SHMStrategyBase):
         self._groups: Optional[ParallelGroups] = None
         self._exit: Optional[contextlib.ExitStack] = None  # what setup patched for the run (ModelSummary)
         self._buffer_owners: Optional[list[tuple[nn.Module, str]]] = None
+        self._in_stage_step = False
 
     # ------------------------------------------------------------------ grid
     def topology(self) -> Topology:
@@ -290,26 +291,48 @@ class SHMModelParallel(SHMStrategyBase):
         self._before_forward()
         if self.pipeline is not None:
             trainer = self.lightning_module.trainer
-            return self.pipeline.training_step(args[0], args[1], trainer.accumulate_grad_batches,
-                                               trainer.fit_loop._skip_backward)
+            with self._stage_step():
+                return self.pipeline.training_step(args[0], args[1], trainer.accumulate_grad_batches,
+                                                   trainer.fit_loop._skip_backward)
         return super().training_step(*args, **kwargs)
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         self.stop_point(args[1])
         if self.pipeline is not None:
-            return self.pipeline.eval_step("validation_step", *args)
+            with self._stage_step():
+                return self.pipeline.eval_step("validation_step", *args)
         return super().validation_step(*args, **kwargs)
 
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         self.stop_point(args[1])
         if self.pipeline is not None:
-            return self.pipeline.eval_step("test_step", *args)
+            with self._stage_step():
+                return self.pipeline.eval_step("test_step", *args)
         return super().test_step(*args, **kwargs)
 
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         if self.pipeline is not None:
-            return self.pipeline.eval_step("predict_step", *args)
+            with self._stage_step():
+                return self.pipeline.eval_step("predict_step", *args)
         return super().predict_step(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def _stage_step(self) -> Iterator[None]:
+        self._in_stage_step = True
+        try:
+            yield
+        finally:
+            self._in_stage_step = False
+
+    def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
+        """Over every rank, as Lightning's ModelParallelStrategy gathers -- except inside a pipeline's step.
+        Only some ranks run that step's code (the last stage, once per microbatch; the first stage up to
+        its Sequential), so a gather over every rank would wait for the other stages forever; there it
+        gathers over the data-parallel group: the ranks running the same code on other data, those
+        ``sync_dist`` combines over."""
+        if self._in_stage_step and not isinstance(group, Group):
+            group = self.data_parallel_group()
+        return super().all_gather(tensor, group, sync_grads)
 
     def on_validation_start(self) -> None:
         self._before_forward()

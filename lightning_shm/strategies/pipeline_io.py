@@ -59,13 +59,22 @@ def recording_logs(module: pl.LightningModule, sink: Optional[list[LogRecord]], 
 
     def record(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
         if sink is not None:
-            sink.append((name, value, args, kwargs, weight))
+            sink.append((name, _as_logged(value), args, kwargs, weight))
 
     module.log = record  # type: ignore[method-assign]
     try:
         yield
     finally:
         del module.log
+
+
+def _as_logged(value: Any) -> Any:
+    """A number or an integer tensor in the dtype ``LightningModule.log`` would give it here and now: the
+    default dtype of the step's precision context (float64 under "64-true"), at least float32."""
+    if isinstance(value, Tensor) and value.is_floating_point() or not isinstance(value, (Tensor, int, float, bool)):
+        return value
+    dtype = torch.get_default_dtype()
+    return torch.as_tensor(value).to(dtype if dtype in (torch.float32, torch.float64) else torch.float32)
 
 
 @contextlib.contextmanager

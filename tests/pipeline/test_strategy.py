@@ -281,6 +281,50 @@ def test_logged_values_reach_every_rank_and_the_main_process():
     assert ours["val_loss"] == pytest.approx(single["val_loss"], abs=1e-5)
 
 
+class GatheredInStep(MNISTClassifier):
+    """Gathers inside its steps, as users do to collect predictions; logs a count as an int tensor."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("train_gathered_rows", self.all_gather(torch.tensor(float(len(batch[1])))).sum(), reduce_fx="sum",
+                 on_step=False, on_epoch=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        logits = self(batch[0])
+        per = torch.nn.functional.cross_entropy(logits, batch[1], reduction="none")
+        self.log("val_gathered_loss_sum", self.all_gather(per.sum()).sum(), reduce_fx="sum")
+        self.log("val_correct", (logits.argmax(-1) == batch[1]).sum(), reduce_fx="sum", sync_dist=True)
+        self.log("val_rows", float(len(batch[1])), reduce_fx="sum", sync_dist=True)
+
+
+@pytest.mark.parametrize("devices", [2, 4])
+def test_all_gather_inside_a_step_gathers_over_the_ranks_running_it(devices):
+    """Only the last stage runs the step (per microbatch): a gather over every rank there failed ("rank 0
+    entered broadcast_object ... rank 1 entered all_gather") or, with two replicas, waited 300 s. Inside a
+    step it gathers over the data-parallel group: the epoch sums equal one process's. Values logged as
+    numbers or integer tensors get the step's default dtype, as one process's ``self.log`` gives them."""
+    ds, vs = mnist_like(GLOBAL_BATCH * 2, seed=1), mnist_like(GLOBAL_BATCH * 2, seed=2)
+    dp = devices // 2
+
+    def fit(strategy, n, batch, ref):
+        pl.seed_everything(SEED)
+        t = trainer(strategy=strategy, devices=n, max_epochs=1, precision="64-true", num_sanity_val_steps=0)
+        dl, vl = ((reference_loader(ds, batch, SEED), reference_loader(vs, batch, SEED)) if ref else
+                  (loader(ds, batch), loader(vs, batch)))
+        t.fit(GatheredInStep(optimizer="sgd", lr=0.1), dl, vl)
+        return t.callback_metrics
+
+    one = fit("auto", 1, GLOBAL_BATCH, True)
+    ours = fit(pp(2), devices, GLOBAL_BATCH // dp, False)
+    assert float(ours["train_gathered_rows"]) == float(one["train_gathered_rows"]) == GLOBAL_BATCH * 2
+    assert float(ours["val_rows"]) == float(one["val_rows"]) == GLOBAL_BATCH * 2
+    assert float(ours["val_correct"]) == float(one["val_correct"])
+    assert float(ours["val_gathered_loss_sum"]) == pytest.approx(float(one["val_gathered_loss_sum"]), abs=1e-9)
+    for name in ("val_rows", "val_correct"):
+        assert ours[name].dtype == one[name].dtype == torch.float64, name
+
+
 def test_predict_runs_forward_through_the_pipeline():
     pl.seed_everything(0)
     model = MNISTClassifier()
