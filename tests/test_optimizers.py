@@ -21,11 +21,35 @@ class WithAdafactor(MNISTClassifier):
         return torch.optim.Adafactor(self.parameters(), lr=0.01)
 
 
+class WithMuon(MNISTClassifier):
+    """Muon on the weight matrices (it takes 2-D parameters only), AdamW on the rest, as it is used."""
+
+    def configure_optimizers(self):
+        mats = [p for p in self.parameters() if p.ndim == 2]
+        rest = [p for p in self.parameters() if p.ndim != 2]
+        return torch.optim.Muon(mats, lr=0.02), torch.optim.AdamW(rest, lr=0.01)
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        opts = self.optimizers()
+        loss = torch.nn.functional.cross_entropy(self(batch[0]), batch[1])
+        for opt in opts:
+            opt.zero_grad()
+        self.manual_backward(loss)
+        for opt in opts:
+            opt.step()
+        return loss
+
+
 @pytest.mark.parametrize("model_cls, strategy, devices, dp", [
     (WithLBFGS, lambda: SHMDDPStrategy(start_method="fork"), 2, 2),  # its closure runs forward + backward 4 times
     (WithAdafactor, lambda: SHMDDPStrategy(start_method="fork"), 2, 2),
     (WithAdafactor, lambda: SHMPipeline(start_method="fork", pipeline_parallel_size=2, microbatches=4), 2, 1),
-], ids=["lbfgs-ddp", "adafactor-ddp", "adafactor-pipeline"])
+    (WithMuon, lambda: SHMDDPStrategy(start_method="fork"), 2, 2),
+], ids=["lbfgs-ddp", "adafactor-ddp", "adafactor-pipeline", "muon-ddp"])
 def test_where_each_rank_holds_what_the_optimizer_reads_it_equals_one_process(model_cls, strategy, devices, dp):
     ref = train_mnist("auto", 1, "adam", batch=GLOBAL_BATCH, ref=True, model_cls=model_cls)
     got = train_mnist(strategy(), devices, "adam", batch=GLOBAL_BATCH // dp, model_cls=model_cls)
@@ -45,7 +69,12 @@ def test_where_each_rank_holds_what_the_optimizer_reads_it_equals_one_process(mo
      r"parameters"),
     (WithAdafactor, lambda: SHMTensorParallel(start_method="fork", tensor_parallel_size=2),
      r"Adafactor .* pieces of 2 parameters \(e.g. 'net.1.weight'\)"),
-], ids=["lbfgs-fsdp", "lbfgs-pipeline", "lbfgs-tp", "adafactor-fsdp", "adafactor-tp"])
+    (WithMuon, lambda: SHMFSDPStrategy(start_method="fork"),  # its 3 weight matrices, not AdamW's biases
+     r"Muon computes each update from statistics of the whole tensor, but each rank holds pieces of 3 parameters "
+     r"\(e.g. 'net.1.weight'\)"),
+    (WithMuon, lambda: SHMTensorParallel(start_method="fork", tensor_parallel_size=2),
+     r"Muon .* pieces of 1 parameter \(e.g. 'net.1.weight'\)"),
+], ids=["lbfgs-fsdp", "lbfgs-pipeline", "lbfgs-tp", "adafactor-fsdp", "adafactor-tp", "muon-fsdp", "muon-tp"])
 def test_where_a_rank_holds_less_the_optimizer_is_refused(model_cls, strategy, match):
     with pytest.raises(ValueError, match=match):
         train_mnist(strategy(), 2, "adam", batch=GLOBAL_BATCH, model_cls=model_cls)

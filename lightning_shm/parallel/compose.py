@@ -245,9 +245,9 @@ class ParallelState:
     def watch(self, optimizers: list[torch.optim.Optimizer]) -> None:
         """The optimizers of the run: refused if they cannot update this layout's pieces as one process
         would (:mod:`.optimizers`); FSDP: every step ends with the barrier before shards are read again."""
-        cut = [n for n, _ in self.module.named_parameters()
-               if self.state.placement(n).splits or n in self.state.stage_rows]
-        check_optimizers(optimizers, cut, self.groups.topology.pp)
+        pieces = {id(p): n for n, p in self.module.named_parameters()
+                  if self.state.placement(n).splits or n in self.state.stage_rows}
+        check_optimizers(optimizers, pieces, self.groups.topology.pp)
         if self.fsdp is not None:
             self.fsdp.watch(optimizers)
 
