@@ -28,7 +28,7 @@ from typing import Any, Callable, Mapping, Optional, Union
 import torch
 from torch import nn
 
-from lightning_shm.parallel.ddp import GradReducer
+from lightning_shm.parallel.ddp import GradReducer, sparse_grad_parameters
 from lightning_shm.parallel.ddp.sync_batchnorm import convert_sync_batchnorm
 from lightning_shm.parallel.fsdp import FSDPState, UnitPolicy, find_units
 from lightning_shm.parallel.fsdp.policy import PolicyFn
@@ -296,7 +296,7 @@ def parallelize(module: nn.Module, config: ParallelConfig, world: World, groups:
         if training and (topo.pp == 1 or any(p.requires_grad for p in module.parameters())):
             reducer = GradReducer(list(module.named_parameters()), groups.dp, config.bucket_cap_mb,
                                   config.find_unused_parameters, tag=f"ddp-tp{groups.coords.tp}-pp{groups.coords.pp}",
-                                  hooks=topo.pp == 1)
+                                  hooks=topo.pp == 1, sparse=sparse_grad_parameters(module))
             if topo.pp == 1:  # a pipeline engine takes its Linear layers' weight gradients itself
                 reducer.route_linears(module.modules())
     outside = None

@@ -44,6 +44,10 @@ def check_optimizers(optimizers: Sequence[torch.optim.Optimizer], pieces: Mappin
             raise ValueError(f"{name} computes each update from every parameter at once (dot products over the "
                              f"flat gradient, a line search), but each rank holds {held}: its steps would differ "
                              "from one process's. Use an elementwise optimizer (SGD, Adam, AdamW, ...) or shm_ddp.")
+        if isinstance(opt, torch.optim.SparseAdam) and cut:
+            raise ValueError(f"SparseAdam takes sparse gradients only, but each rank holds pieces of {_count(cut)} "
+                             f"(e.g. '{cut[0]}'), whose gradients are reduced into dense pieces. Use shm_ddp, "
+                             "which keeps nn.Embedding(sparse=True) gradients sparse, or a dense optimizer.")
         if isinstance(opt, WHOLE_TENSORS) and cut:
             raise ValueError(f"{name} computes each update from statistics of the whole tensor, but each rank holds "
                              f"pieces of {_count(cut)} (e.g. '{cut[0]}'): its steps would differ from one "

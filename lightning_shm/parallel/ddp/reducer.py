@@ -20,6 +20,9 @@ the bucket views and are reduced on the last micro-step.
 Unused parameters (no gradient in this backward) would leave a bucket incomplete: by default that
 is an error naming the parameters; with ``find_unused_parameters=True`` the remaining buckets are
 reduced at the end of backward (their unused parts hold zeros, or the accumulated gradient).
+
+Sparse gradients (``nn.Embedding(sparse=True)``) have no bucket: after the buckets, each rank's
+(indices, values) are gathered and the average stays sparse, as torch DDP keeps it.
 """
 
 from __future__ import annotations
@@ -61,11 +64,12 @@ class GradReducer:
 
     def __init__(self, named_params: Sequence[tuple[str, nn.Parameter]], group: Group,
                  bucket_cap_mb: float = 25.0, find_unused_parameters: bool = False, tag: str = "ddp",
-                 hooks: bool = True) -> None:
+                 hooks: bool = True, sparse: Iterable[nn.Parameter] = ()) -> None:
         if bucket_cap_mb <= 0:
             raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
         self.group = group
         self.find_unused_parameters = find_unused_parameters
+        self._sparse_all = set(sparse)
         self._all = list(named_params)
         self._config = (bucket_cap_mb, tag, hooks)
         self._route_candidates: list[nn.Module] = []
@@ -75,10 +79,12 @@ class GradReducer:
         """Buckets, views and hooks for the parameters that require gradients now."""
         bucket_cap_mb, tag, hooks = self._config
         group = self.group
-        params = [(n, p) for n, p in self._all if p.requires_grad]
-        if not params:
+        trainable = [(n, p) for n, p in self._all if p.requires_grad]
+        if not trainable:
             raise ValueError("the module has no parameters that require gradients: nothing to train")
-        self._names = {p: n for n, p in params}
+        self._names = {p: n for n, p in trainable}
+        self._sparse = [p for _, p in trainable if p in self._sparse_all]  # no bucket: see _reduce_sparse
+        params = [(n, p) for n, p in trainable if p not in self._sparse_all]
         ordered = list(reversed(params))  # backward produces the last layers' gradients first
         self.buckets: list[Bucket] = []
         self._bucket_of: dict[nn.Parameter, Bucket] = {}
@@ -214,6 +220,29 @@ class GradReducer:
 
         return on_grad_ready
 
+    def _reduce_sparse(self) -> None:
+        """At the end of backward, after every bucket (the same order on every rank; with no bucket hook to
+        end it, :meth:`post_backward` does), average the sparse gradients as torch DDP does, keeping them
+        sparse (``SparseAdam`` needs that):
+        every rank's (indices, values) gathered, concatenated uncoalesced -- as one process's gradient over
+        the whole batch holds one entry per looked-up row -- and divided by W. A gradient that arrived dense
+        (the weight also used densely, e.g. tied to an output layer) is averaged in place."""
+        W = self.group.size
+        for p in self._sparse:
+            g = p.grad
+            if g is not None and not g.is_sparse:
+                self.group.all_reduce(g, "mean")
+                continue
+            if g is None:
+                g = torch.sparse_coo_tensor(torch.empty(1, 0, dtype=torch.long), torch.empty(0, *p.shape[1:],
+                                            dtype=p.dtype), p.shape)
+            idx, vals = g._indices(), g._values()
+            all_idx = self.group.all_gather_v(idx.reshape(-1).contiguous())
+            all_vals = self.group.all_gather_v(vals.reshape(-1).contiguous())
+            indices = torch.cat([i.view(idx.shape[0], -1) for i in all_idx], dim=1)
+            values = torch.cat([v.view(-1, *vals.shape[1:]) for v in all_vals]).div_(W)
+            p.grad = torch.sparse_coo_tensor(indices, values, p.shape)
+
     def _launch_ready(self) -> None:
         while self._next < len(self.buckets):
             b = self.buckets[self._next]
@@ -238,6 +267,7 @@ class GradReducer:
                     self._adopt(p)
                 for b in self.buckets[self._next:]:
                     self.group.all_reduce(b.flat, "mean")
+            self._reduce_sparse()
         finally:
             self._reset()
 
@@ -265,6 +295,7 @@ class GradReducer:
             self._adopt(p)
         for b in self.buckets:
             self.group.all_reduce(b.flat, "mean")
+        self._reduce_sparse()
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
@@ -284,6 +315,14 @@ class GradReducer:
     @property
     def numel(self) -> int:
         return sum(b.end - b.start for b in self.buckets)
+
+
+def sparse_grad_parameters(module: nn.Module) -> list[nn.Parameter]:
+    """The parameters autograd gives sparse gradients: weights of ``nn.Embedding`` / ``nn.EmbeddingBag``
+    built with ``sparse=True``."""
+    found = [m._parameters.get("weight") for m in module.modules()
+             if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse]
+    return [p for p in found if isinstance(p, nn.Parameter)]
 
 
 def _bucket_linear_forward(module: nn.Linear, reducer: GradReducer, x: torch.Tensor) -> torch.Tensor:

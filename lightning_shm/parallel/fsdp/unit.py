@@ -117,7 +117,9 @@ class _GatherUnit(torch.autograd.Function):
         if unit.held is not None:
             unit.accumulate(grads)
             return (*nothing, *[None] * len(unit.blocks))
-        shard_grads = unit.reduce_scatter([g.contiguous() if g is not None else None for g in grads])
+        # a sparse gradient (nn.Embedding(sparse=True)) is made dense: the shard's gradient is a dense row range
+        shard_grads = unit.reduce_scatter([None if g is None else g.to_dense() if g.is_sparse else g.contiguous()
+                                           for g in grads])
         full = unit.pending.pop(ctx.key, None)
         if full is not None:
             unit.free(full)
