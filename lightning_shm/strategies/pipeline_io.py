@@ -2,7 +2,8 @@
 
 The first stage calls the module's own step only to capture the input of its ``nn.Sequential``
 (see :class:`~lightning_shm.parallel.pipeline.stage.PipelineStage`); the last stage calls it per
-microbatch on the received activation to get the loss and the values the module logs. Those
+microbatch on the received activation to get the loss and the values the module logs (evaluation
+steps: once per batch, on the microbatches' outputs joined). Those
 ``self.log`` calls are recorded, combined over microbatches (weighted by microbatch size for
 means; sum / max / min as ``reduce_fx`` says) and replayed with the real ``LightningModule.log`` on
 *every* rank of the pipeline, so monitors, the progress bar and ``callback_metrics`` see them
@@ -131,11 +132,12 @@ class LightningStageIO:
         self.check_reads = check_reads
         size = batch_size_of(batch) or 1
         self.parts = max(1, min(microbatches, size))
+        self.batch = batch
         self.micro = split_batch(batch, self.parts)
         sizes = [batch_size_of(m) or 0 for m in self.micro]
         self.weights = [s / max(size, 1) for s in sizes]
         self.records: list[LogRecord] = []
-        self.outputs: dict[int, Any] = {}
+        self.finals: dict[int, Any] = {}  # evaluation: the Sequential's output per microbatch
         self.losses: dict[int, Tensor] = {}
 
     def forward_context(self) -> ContextManager[Any]:
@@ -155,6 +157,9 @@ class LightningStageIO:
                            "nn.Sequential; the pipeline cannot find its input")
 
     def last_forward(self, mb: int, x: Tensor, chunk: nn.Module, recompute: bool = False) -> Optional[Tensor]:
+        if not self.training:  # the step runs once over the whole batch: :meth:`eval_output`
+            self.finals[mb] = chunk(x)
+            return None
         produced: list[Any] = []
 
         def run(activation: Any) -> Any:
@@ -165,9 +170,6 @@ class LightningStageIO:
         watch = _iterations(iterated, self.module, self.stage) if self.check_reads else contextlib.nullcontext()
         with self.stage.running_chunk(run, x), watch:
             out = self._call_step(mb, None if recompute else self.records, self.weights[mb])
-        if not self.training:
-            self.outputs[mb] = out
-            return None
         loss = out.get("loss") if isinstance(out, Mapping) else out
         if not isinstance(loss, Tensor):
             raise ValueError(f"shm_pipeline needs training_step to return the loss tensor (or a dict with 'loss'); "
@@ -186,15 +188,16 @@ class LightningStageIO:
     def total_loss(self) -> Tensor:
         return torch.stack(list(self.losses.values())).sum()
 
-    def combined_output(self) -> Any:
-        outs = [self.outputs[m] for m in sorted(self.outputs)]
-        if not outs or outs[0] is None:
-            return None
-        if isinstance(outs[0], Tensor) and outs[0].dim() > 0:
-            return torch.cat(outs)
-        if isinstance(outs[0], Tensor):
-            return torch.stack([o * w for o, w in zip(outs, self.weights)]).sum()
-        return outs
+    def eval_output(self) -> Any:
+        """Evaluation on the last stage: the module's step called once on the whole batch, its Sequential
+        returning the microbatches' outputs joined along the batch -- so the step's output (a dict, a tuple,
+        a sum, a list of strings) and what it logs are one process's, whatever their structure; only the
+        layers ran per microbatch."""
+        parts = [self.finals[m] for m in sorted(self.finals)]
+        joined = _join(parts)
+        with self.stage.running_chunk(lambda whole: whole, joined), self.forward_context(), \
+                recording_logs(self.module, self.records, 1.0):
+            return getattr(self.module, self.step)(self.batch, self.batch_idx, *self.extra)
 
     def finish(self, position: StagePosition, result: Any) -> Any:
         """The last stage's ``result`` (the loss, the step's output) on every rank of the pp group, and
@@ -209,6 +212,20 @@ class LightningStageIO:
                 value = metric
             module.log(name, value, *args, **kwargs)
         return result
+
+
+def _join(parts: Sequence[Any]) -> Any:
+    """Microbatch outputs of the Sequential (tensors, or tuples of them) -> the batch's, along dim 0."""
+    first = parts[0]
+    if isinstance(first, tuple):
+        return tuple(_join([p[i] for p in parts]) for i in range(len(first)))
+    if isinstance(first, Tensor) and first.dim() > 0:
+        return torch.cat(list(parts)) if len(parts) > 1 else first
+    if len(parts) == 1:
+        return first
+    raise TypeError(f"the pipelined nn.Sequential returned a {type(first).__name__}"
+                    f"{' of 0 dimensions' if isinstance(first, Tensor) else ''} per microbatch: evaluation "
+                    "cannot join it into the batch's output. Return per-sample values from the Sequential.")
 
 
 def _aggregate(records: list[tuple[str, Any, tuple, dict, float]], module: nn.Module) -> list[tuple]:

@@ -45,7 +45,7 @@ class PipelineSteps:
         if skip_backward:  # e.g. SWA's BatchNorm pass: forward in training mode, nothing else
             io = self._io("training_step", batch, batch_idx, training=False, context=self.precision.train_step_context)
             self.engine.eval_step(io, io.parts)
-            return io.finish(self.position, io.combined_output() if self.position.is_last else None)
+            return io.finish(self.position, io.eval_output() if self.position.is_last else None)
         io = self._io("training_step", batch, batch_idx, training=True, loss_scale=1.0 / accumulate,
                       context=self.precision.train_step_context)
         io.check_reads, self._reads_checked = not self._reads_checked, True  # the first step's loss: once
@@ -106,7 +106,7 @@ class PipelineSteps:
                     "predict_step": self.precision.predict_step_context}
         io = self._io(step, batch, batch_idx, training=False, extra=extra, context=contexts[step])
         self.engine.eval_step(io, io.parts)
-        return io.finish(self.position, io.combined_output() if self.position.is_last else None)
+        return io.finish(self.position, io.eval_output() if self.position.is_last else None)
 
     def _io(self, step: str, batch: Any, batch_idx: int, training: bool, context: Callable[[], Any],
             extra: tuple = (), loss_scale: float = 1.0) -> LightningStageIO:

@@ -334,6 +334,35 @@ def test_predict_runs_forward_through_the_pipeline():
     assert torch.equal(torch.cat(ours), torch.cat(single))
 
 
+class StructuredPredictions(MNISTClassifier):
+    """predict_step outputs as users write them: a dict with a per-batch count, a tuple, a batch sum,
+    a list of strings."""
+
+    def predict_step(self, batch, batch_idx, dataloader_idx=0):
+        logits = self(batch[0])
+        return {"probs": logits.softmax(-1), "n": len(batch[1]),
+                "top": (logits.argmax(-1), logits.max(-1).values),
+                "sum": logits.sum(), "names": [f"digit {int(d)}" for d in logits.argmax(-1)]}
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
+def test_predict_step_runs_once_per_batch_as_in_one_process(schedule):
+    """The layers run per microbatch, the step once over the batch: before, each batch's prediction was a list
+    of M per-microbatch outputs for anything but a tensor, and a 0-d output was averaged over microbatches."""
+    pl.seed_everything(0)
+    model = StructuredPredictions()
+    ds = mnist_like(20)
+    single = trainer(devices=1).predict(model, DataLoader(ds, batch_size=8))
+    ours = trainer(strategy=pp(2, schedule), devices=2).predict(model, DataLoader(ds, batch_size=8))
+    assert len(ours) == len(single) == 3
+    for got, want in zip(ours, single):
+        assert set(got) == set(want) and got["n"] == want["n"] and got["names"] == want["names"]
+        torch.testing.assert_close(got["probs"], want["probs"])
+        torch.testing.assert_close(got["sum"], want["sum"])
+        assert isinstance(got["top"], tuple) and torch.equal(got["top"][0], want["top"][0])
+        torch.testing.assert_close(got["top"][1], want["top"][1])
+
+
 def test_checkpoint_is_plain_resumable_and_monitors_work(tmp_path):
     ds = mnist_like(GLOBAL_BATCH * 4)
     straight, _ = fit_adam64("shm_ddp_fork", 2, 3, GLOBAL_BATCH // 2, ds, monitor="val_loss")
