@@ -334,6 +334,30 @@ def test_predict_runs_forward_through_the_pipeline():
     assert torch.equal(torch.cat(ours), torch.cat(single))
 
 
+class TwoViews(MNISTClassifier):
+    """Calls its Sequential twice per step (two augmented views; flip test-time augmentation)."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        ce = torch.nn.functional.cross_entropy
+        return ce(self(x), y) + ce(self(x.flip(-1)), y)
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_tta", (self(batch[0]) + self(batch[0].flip(-1))).sum())
+
+
+@pytest.mark.parametrize("stage", ["fit", "validate"])
+def test_a_step_calling_the_sequential_twice_is_refused(stage):
+    """Both calls got the first call's output: 0.060 off one process after 3 steps (two views), silently."""
+    ds = mnist_like(GLOBAL_BATCH * 2)
+    t = trainer(strategy=pp(2), devices=2, max_epochs=1)
+    with pytest.raises(RuntimeError, match="the step called the pipelined nn.Sequential a second time"):
+        if stage == "fit":
+            t.fit(TwoViews(), loader(ds, GLOBAL_BATCH))
+        else:
+            t.validate(TwoViews(), DataLoader(ds, batch_size=GLOBAL_BATCH))
+
+
 class StructuredPredictions(MNISTClassifier):
     """predict_step outputs as users write them: a dict with a per-batch count, a tuple, a batch sum,
     a list of strings."""

@@ -79,8 +79,23 @@ class PipelineStage(nn.Module):
 
     @contextlib.contextmanager
     def running_chunk(self, chunk: nn.Module, activation: torch.Tensor) -> Iterator[None]:
-        """Inside: calling this module returns ``chunk(activation)``, whatever it is called with."""
-        with self._running(lambda x: chunk(activation)):
+        """Inside: calling this module returns ``chunk(activation)``, whatever it is called with -- once. The
+        first stage fed the pipeline the input of the step's first call; a second call (two augmented views,
+        test-time flips) would silently get the first one's output, so it raises."""
+        calls: list[int] = []
+
+        def once(x: Any) -> Any:
+            if calls:
+                raise RuntimeError(
+                    "the step called the pipelined nn.Sequential a second time. A pipeline runs it once per step: "
+                    "the first stage feeds the schedule the input of the step's first call, and a later call would "
+                    "get that call's output back. Join the inputs into one batch and call it once (e.g. "
+                    "out = self.net(torch.cat([x1, x2])), then split out), or use a strategy without "
+                    "pipeline_parallel_size.")
+            calls.append(1)
+            return chunk(activation)
+
+        with self._running(once):
             yield
 
     @contextlib.contextmanager
