@@ -200,11 +200,17 @@ class LightningStageIO:
             return getattr(self.module, self.step)(self.batch, self.batch_idx, *self.extra)
 
     def finish(self, position: StagePosition, result: Any) -> Any:
-        """The last stage's ``result`` (the loss, the step's output) on every rank of the pp group, and
-        its per-microbatch logs combined and logged on every rank -- in one broadcast."""
+        """The last stage's ``result`` (the loss, the step's output) on every rank of the pp group, its
+        per-microbatch logs combined and logged on every rank, and a ``trainer.should_stop`` the step set
+        (without it the other stages would start the next step and wait for the last one forever) -- in
+        one broadcast."""
         module = self.module
-        payload = (result, _aggregate(self.records, module)) if position.is_last else None
-        result, logs = position.pp_group.broadcast_object(payload, src_member=position.last)
+        trainer = module._trainer
+        stop = bool(trainer is not None and trainer.should_stop)
+        payload = (result, _aggregate(self.records, module), stop) if position.is_last else None
+        result, logs, stop = position.pp_group.broadcast_object(payload, src_member=position.last)
+        if stop and trainer is not None:
+            trainer.should_stop = True
         for name, value, args, kwargs, metric_state in logs:
             if isinstance(value, MetricRef):
                 metric = module.get_submodule(value.path)

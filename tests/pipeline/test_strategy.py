@@ -358,6 +358,27 @@ def test_a_step_calling_the_sequential_twice_is_refused(stage):
             t.validate(TwoViews(), DataLoader(ds, batch_size=GLOBAL_BATCH))
 
 
+class StopsItself(MNISTClassifier):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        if batch_idx == 2:
+            self.trainer.should_stop = True  # e.g. a loss threshold the module checks itself
+        return loss
+
+
+@pytest.mark.parametrize("devices", [2, 4])
+def test_should_stop_set_in_the_step_stops_every_stage(devices):
+    """Only the last stage runs the step: the other stages started the next step and waited for it until the
+    runtime's timeout (300 s by default; 20 s here, so a regression fails fast)."""
+    ds = mnist_like(GLOBAL_BATCH * 8, seed=1)
+    pl.seed_everything(SEED)
+    one = trainer(devices=1, max_epochs=3)
+    one.fit(StopsItself(), loader(ds, GLOBAL_BATCH))
+    ours = trainer(strategy=pp(2, timeout=20.0), devices=devices, max_epochs=3)
+    ours.fit(StopsItself(), loader(ds, GLOBAL_BATCH // (devices // 2)))
+    assert ours.global_step == one.global_step == 3 and ours.current_epoch == one.current_epoch
+
+
 class StructuredPredictions(MNISTClassifier):
     """predict_step outputs as users write them: a dict with a per-batch count, a tuple, a batch sum,
     a list of strings."""
