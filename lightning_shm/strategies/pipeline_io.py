@@ -139,6 +139,7 @@ class LightningStageIO:
         self.records: list[LogRecord] = []
         self.finals: dict[int, Any] = {}  # evaluation: the Sequential's output per microbatch
         self.losses: dict[int, Tensor] = {}
+        self.extras: dict[int, dict[str, Any]] = {}  # training: what the step returned beside the loss
 
     def forward_context(self) -> ContextManager[Any]:
         return self._forward_context()
@@ -176,6 +177,8 @@ class LightningStageIO:
                              f"got {type(out).__name__}")
         if not recompute:
             self.losses[mb] = loss.detach() * self.weights[mb]
+            if isinstance(out, Mapping):
+                self.extras[mb] = {k: v for k, v in out.items() if k != "loss"}
         if self.check_reads and produced and loss.grad_fn is not None:  # (checkpointing: the forward without a graph)
             if iterated:
                 held = {id(p) for p in self.stage.parameters()}
@@ -185,8 +188,24 @@ class LightningStageIO:
         return loss * (self.weights[mb] * self.loss_scale)
 
     # ------------------------------------------------------------------ results
-    def total_loss(self) -> Tensor:
-        return torch.stack(list(self.losses.values())).sum()
+    def training_output(self) -> Any:
+        """The batch's loss; with a dict from the step, also its other entries over the batch: per-sample
+        tensors (``logits``) joined along it, 0-d floating tensors (an accuracy) averaged by microbatch
+        size as the loss is. Anything else (a count, a string) has no batch value to form and is left out."""
+        loss = torch.stack(list(self.losses.values())).sum()
+        if not self.extras:
+            return loss
+        parts = [self.extras[m] for m in sorted(self.extras)]
+        out: dict[str, Any] = {"loss": loss}
+        for key, first in parts[0].items():
+            values = [p.get(key) for p in parts]
+            if not all(isinstance(v, Tensor) for v in values):
+                continue
+            if first.dim() > 0:
+                out[key] = torch.cat([v.detach() for v in values])
+            elif first.is_floating_point():
+                out[key] = sum(v.detach() * w for v, w in zip(values, self.weights))
+        return out
 
     def eval_output(self) -> Any:
         """Evaluation on the last stage: the module's step called once on the whole batch, its Sequential

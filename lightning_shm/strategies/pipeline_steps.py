@@ -60,7 +60,7 @@ class PipelineSteps:
         self._fresh_grads = [(p, p.grad) for p in params]
         for p, g in zip(params, previous):
             p.grad = g
-        return io.finish(self.position, io.total_loss() if self.position.is_last else None)
+        return io.finish(self.position, io.training_output() if self.position.is_last else None)
 
     @contextlib.contextmanager
     def _held_units(self) -> Iterator[None]:

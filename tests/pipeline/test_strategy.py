@@ -379,6 +379,40 @@ def test_should_stop_set_in_the_step_stops_every_stage(devices):
     assert ours.global_step == one.global_step == 3 and ours.current_epoch == one.current_epoch
 
 
+class ReturnsADict(MNISTClassifier):
+    """training_step returns the loss with per-sample logits, a 0-d accuracy and a count."""
+
+    def training_step(self, batch, batch_idx):
+        logits = self(batch[0])
+        acc = (logits.argmax(-1) == batch[1]).double().mean()
+        return {"loss": torch.nn.functional.cross_entropy(logits, batch[1]), "logits": logits.detach(), "acc": acc,
+                "n": len(batch[1])}
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.log("logits_sum", outputs["logits"].sum(), reduce_fx="sum", on_step=False, on_epoch=True)
+        whole = (outputs["logits"].argmax(-1) == batch[1]).double().mean()
+        self.log("acc_is_the_batch_mean", float(torch.allclose(outputs["acc"], whole)), reduce_fx="min",
+                 on_step=False, on_epoch=True)
+        self.log("rows", float(len(outputs["logits"])), reduce_fx="sum", on_step=False, on_epoch=True)
+
+
+def test_training_step_dict_outputs_reach_on_train_batch_end_over_the_batch():
+    """Before, on_train_batch_end got only the loss under a pipeline (KeyError 'logits')."""
+    ds = mnist_like(GLOBAL_BATCH * 3, seed=1)
+
+    def fit(strategy, devices, loader_):
+        pl.seed_everything(SEED)
+        t = trainer(strategy=strategy, devices=devices, max_epochs=1, precision="64-true")
+        t.fit(ReturnsADict(optimizer="adam"), loader_)
+        return t.callback_metrics
+
+    one = fit("auto", 1, reference_loader(ds, GLOBAL_BATCH, SEED))
+    ours = fit(pp(2), 2, loader(ds, GLOBAL_BATCH))
+    assert float(ours["rows"]) == float(one["rows"]) == GLOBAL_BATCH * 3
+    assert float(ours["acc_is_the_batch_mean"]) == 1.0
+    assert float(ours["logits_sum"]) == pytest.approx(float(one["logits_sum"]), abs=1e-9)
+
+
 class StructuredPredictions(MNISTClassifier):
     """predict_step outputs as users write them: a dict with a per-batch count, a tuple, a batch sum,
     a list of strings."""
