@@ -33,7 +33,7 @@ def fit_data(function: Callable, args: Sequence[Any], kwargs: Mapping[str, Any])
     (``trainer._fit_impl``, which ran in the workers only): train / val dataloaders and datamodule."""
     try:
         given = inspect.signature(function).bind(*args, **kwargs).arguments
-    except TypeError:  # not fit's entry point
+    except TypeError:  # an entry point with other arguments: nothing to attach
         return {}
     data = {k: given.get(k) for k in ("train_dataloaders", "val_dataloaders", "datamodule")}
     if isinstance(data["train_dataloaders"], pl.LightningDataModule):  # fit(model, dm), as fit reads it

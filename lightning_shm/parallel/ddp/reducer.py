@@ -240,6 +240,9 @@ class GradReducer:
             all_idx = self.group.all_gather_v(idx.reshape(-1).contiguous())
             all_vals = self.group.all_gather_v(vals.reshape(-1).contiguous())
             indices = torch.cat([i.view(idx.shape[0], -1) for i in all_idx], dim=1)
+            if indices.shape[1] == 0:  # no rank looked a row up: no gradient on any rank, as in one process
+                p.grad = None
+                continue
             values = torch.cat([v.view(-1, *vals.shape[1:]) for v in all_vals]).div_(W)
             p.grad = torch.sparse_coo_tensor(indices, values, p.shape)
 
