@@ -6,8 +6,8 @@ batch (``_IndexBatchSamplerWrapper.seen_batch_indices``); we gather ``(indices, 
 ranks, split outputs into per-sample rows, sort by index and cut into batches of the dataloader's
 batch size. ``trainer.predict`` in the main process then returns exactly what ``devices=1`` would.
 
-Outputs that cannot be split per sample (not tensors with a leading batch dimension, or no recorded
-indices) are returned as every rank's batches in rank order.
+Outputs that cannot be split per sample (not tensors with a leading batch dimension or lists of one
+string / number per sample, or no recorded indices) are returned as every rank's batches in rank order.
 """
 
 from __future__ import annotations
@@ -18,9 +18,13 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
+_SCALARS = (str, bytes, int, float, bool)  # what default collation keeps as a list: file names, ids as strings
+
 
 def _split_rows(output: Any, n: int) -> Optional[list[Any]]:
     """Split a batch output into ``n`` per-sample rows, or None if it has no leading batch dim."""
+    if isinstance(output, list) and len(output) == n and output and all(isinstance(v, _SCALARS) for v in output):
+        return list(output)  # one value per sample (a collated list of strings)
     if isinstance(output, Tensor):
         return list(output.unbind(0)) if output.dim() > 0 and output.shape[0] == n else None
     if isinstance(output, dict):
@@ -39,6 +43,8 @@ def _split_rows(output: Any, n: int) -> Optional[list[Any]]:
 
 def _stack_rows(rows: Sequence[Any]) -> Any:
     first = rows[0]
+    if isinstance(first, _SCALARS):
+        return list(rows)
     if isinstance(first, Tensor):
         return torch.stack(list(rows))
     if isinstance(first, dict):

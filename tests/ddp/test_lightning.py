@@ -210,6 +210,37 @@ def test_validate_test_and_predict_return_results_of_all_ranks():
     assert ours["test_loss"] == pytest.approx(one["test_loss"], abs=1e-5)
 
 
+class _Named(torch.utils.data.Dataset):
+    """Samples with a file name, as image folders give them: collated into a list of strings."""
+
+    def __init__(self, base: torch.utils.data.Dataset) -> None:
+        self.base = base
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __getitem__(self, i: int):
+        x, y = self.base[i]
+        return {"pixels": x, "name": f"img_{i:03d}.png"}
+
+
+class _PredictsNamed(MNISTClassifier):
+    def predict_step(self, batch, batch_idx, dataloader_idx=0):
+        return {"name": batch["name"], "pred": self(batch["pixels"]).argmax(-1)}
+
+
+def test_predictions_with_per_sample_strings_come_back_in_dataset_order():
+    """Before, a list of names made the predictions unsplittable: every rank's batches came back in rank order
+    (the first batch named img_000, img_002, ...)."""
+    pl.seed_everything(0)
+    model = _PredictsNamed()
+    dl = DataLoader(_Named(mnist_like(25)), batch_size=4)
+    single = trainer(devices=1).predict(model, dl)
+    multi = trainer(strategy="shm_ddp_fork", devices=2).predict(model, dl)
+    assert [b["name"] for b in multi] == [b["name"] for b in single]
+    assert torch.equal(torch.cat([b["pred"] for b in multi]), torch.cat([b["pred"] for b in single]))
+
+
 def test_boring_model_trains():
     model = BoringModel()
     before = flat_params(model).clone()
