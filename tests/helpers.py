@@ -104,6 +104,26 @@ class SchedClassifier(MNISTClassifier):
         return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)}
 
 
+class StepsEveryOptimizer(MNISTClassifier):
+    """Manual optimization: one loss, every optimizer of ``configure_optimizers`` zeroed and stepped on it (the
+    way two optimizers over parts of a model -- Muon beside AdamW, SparseAdam beside Adam -- are driven)."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        opts = self.optimizers()
+        opts = opts if isinstance(opts, list) else [opts]
+        loss = torch.nn.functional.cross_entropy(self(batch[0]), batch[1])
+        for opt in opts:
+            opt.zero_grad()
+        self.manual_backward(loss)
+        for opt in opts:
+            opt.step()
+        return loss
+
+
 class CompiledClassifier(MNISTClassifier):
     """The MNIST module with its Sequential compiled (dynamo traces it; the eager backend runs the graph)."""
 

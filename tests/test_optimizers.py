@@ -8,7 +8,7 @@ import torch
 
 from lightning_shm import SHMDDPStrategy, SHMFSDPStrategy, SHMPipeline, SHMTensorParallel
 from lightning_shm.models import MNISTClassifier
-from tests.helpers import GLOBAL_BATCH, train_mnist
+from tests.helpers import GLOBAL_BATCH, StepsEveryOptimizer, train_mnist
 
 
 class WithLBFGS(MNISTClassifier):
@@ -21,27 +21,13 @@ class WithAdafactor(MNISTClassifier):
         return torch.optim.Adafactor(self.parameters(), lr=0.01)
 
 
-class WithMuon(MNISTClassifier):
+class WithMuon(StepsEveryOptimizer):
     """Muon on the weight matrices (it takes 2-D parameters only), AdamW on the rest, as it is used."""
 
     def configure_optimizers(self):
         mats = [p for p in self.parameters() if p.ndim == 2]
         rest = [p for p in self.parameters() if p.ndim != 2]
         return torch.optim.Muon(mats, lr=0.02), torch.optim.AdamW(rest, lr=0.01)
-
-    def __init__(self, **kw):
-        super().__init__(**kw)
-        self.automatic_optimization = False
-
-    def training_step(self, batch, batch_idx):
-        opts = self.optimizers()
-        loss = torch.nn.functional.cross_entropy(self(batch[0]), batch[1])
-        for opt in opts:
-            opt.zero_grad()
-        self.manual_backward(loss)
-        for opt in opts:
-            opt.step()
-        return loss
 
 
 @pytest.mark.parametrize("model_cls, strategy, devices, dp", [

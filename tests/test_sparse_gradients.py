@@ -14,7 +14,7 @@ from torch import nn
 
 from lightning_shm import SHMDDPStrategy, SHMModelParallel
 from lightning_shm.models import MNISTClassifier
-from tests.helpers import GLOBAL_BATCH, LAYOUTS, loader, mnist_like, train_mnist, trainer
+from tests.helpers import GLOBAL_BATCH, LAYOUTS, StepsEveryOptimizer, loader, mnist_like, train_mnist, trainer
 
 
 class Tokens(nn.Module):
@@ -60,27 +60,24 @@ class OnlySparseTrains(SparseEmbedding):
             layer.requires_grad_(False)
 
 
-class SparseAdamEmbedding(SparseEmbedding):
-    """SparseAdam on the embedding beside Adam, the usual recipe (two optimizers: manual optimization)."""
+class EmbeddingOnEvenSteps(SparseEmbedding):
+    """The embedding takes part in every other step only: on the others one process's gradient is None, and
+    SGD's momentum leaves it alone; an empty sparse gradient instead would move it by momentum."""
 
-    def __init__(self, **kw):
-        super().__init__(**kw)
-        self.automatic_optimization = False
+    def forward(self, x):
+        e = self.net[1](self.net[0](x))
+        if self.trainer.global_step % 2:
+            e = torch.ones_like(e).detach()
+        return self.net[5](self.net[4](self.net[3](self.net[2](e))))
+
+
+class SparseAdamEmbedding(StepsEveryOptimizer, SparseEmbedding):
+    """SparseAdam on the embedding beside Adam, the usual recipe (two optimizers: manual optimization)."""
 
     def configure_optimizers(self):
         emb = self.net[1].weight
         rest = [p for p in self.parameters() if p is not emb]
         return torch.optim.SparseAdam([emb], lr=0.05), torch.optim.Adam(rest, lr=0.01)
-
-    def training_step(self, batch, batch_idx):
-        opts = self.optimizers()
-        loss = torch.nn.functional.cross_entropy(self(batch[0]), batch[1])
-        for opt in opts:
-            opt.zero_grad()
-        self.manual_backward(loss)
-        for opt in opts:
-            opt.step()
-        return loss
 
 
 DP2_PP2 = (lambda: SHMModelParallel(start_method="fork", data_parallel_size=2, pipeline_parallel_size=2,
@@ -95,8 +92,10 @@ DP2_PP2 = (lambda: SHMModelParallel(start_method="fork", data_parallel_size=2, p
     (SparseEmbedding, LAYOUTS["dp2xpp2-shard"], 1),  # FSDP units held for the pipeline step
     (TiedSparseEmbedding, LAYOUTS["ddp"], 1),
     (OnlySparseTrains, LAYOUTS["ddp"], 1),
+    (EmbeddingOnEvenSteps, LAYOUTS["ddp"], 1),
     (SparseAdamEmbedding, LAYOUTS["ddp"], 1),
-], ids=["ddp", "ddp-accumulate", "fsdp", "dp2xpp2", "dp2xpp2-shard", "ddp-tied", "ddp-only-sparse", "ddp-sparseadam"])
+], ids=["ddp", "ddp-accumulate", "fsdp", "dp2xpp2", "dp2xpp2-shard", "ddp-tied", "ddp-only-sparse",
+                                    "ddp-embedding-on-even-steps", "ddp-sparseadam"])
 def test_sparse_embedding_gradients_train_as_one_process(model_cls, layout, accumulate):
     strategy, devices, dp = layout
     ref = train_mnist("auto", 1, "adam", batch=GLOBAL_BATCH, ref=True, model_cls=model_cls, accumulate=accumulate)

@@ -22,6 +22,7 @@ from tests.helpers import (
     SEED,
     CompiledClassifier,
     SchedClassifier,
+    StepsEveryOptimizer,
     check_plain_checkpoint,
     fit_adam64,
     flat_params,
@@ -349,22 +350,8 @@ class DecayGroups(MNISTClassifier):
                                  lr=1e-2)
 
 
-class TwoOptimizers(MNISTClassifier):
+class TwoOptimizers(StepsEveryOptimizer):
     """Two optimizers over slices of ``parameters()`` by position, stepped by hand (manual optimization)."""
-
-    def __init__(self, **kw):
-        super().__init__(**kw)
-        self.automatic_optimization = False
-
-    def training_step(self, batch, batch_idx):
-        first, second = self.optimizers()
-        loss = nn.functional.cross_entropy(self(batch[0]), batch[1])
-        first.zero_grad()
-        second.zero_grad()
-        self.manual_backward(loss)
-        first.step()
-        second.step()
-        return loss
 
     def configure_optimizers(self):
         params = list(self.parameters())

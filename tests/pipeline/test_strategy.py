@@ -394,6 +394,7 @@ class ReturnsADict(MNISTClassifier):
         self.log("acc_is_the_batch_mean", float(torch.allclose(outputs["acc"], whole)), reduce_fx="min",
                  on_step=False, on_epoch=True)
         self.log("rows", float(len(outputs["logits"])), reduce_fx="sum", on_step=False, on_epoch=True)
+        self.log("count_returned", float("n" in outputs), reduce_fx="max", on_step=False, on_epoch=True)
 
 
 def test_training_step_dict_outputs_reach_on_train_batch_end_over_the_batch():
@@ -410,6 +411,7 @@ def test_training_step_dict_outputs_reach_on_train_batch_end_over_the_batch():
     ours = fit(pp(2), 2, loader(ds, GLOBAL_BATCH))
     assert float(ours["rows"]) == float(one["rows"]) == GLOBAL_BATCH * 3
     assert float(ours["acc_is_the_batch_mean"]) == 1.0
+    assert float(one["count_returned"]) == 1.0 and float(ours["count_returned"]) == 0.0  # no batch value: left out
     assert float(ours["logits_sum"]) == pytest.approx(float(one["logits_sum"]), abs=1e-9)
 
 
@@ -440,6 +442,27 @@ def test_predict_step_runs_once_per_batch_as_in_one_process(schedule):
         torch.testing.assert_close(got["sum"], want["sum"])
         assert isinstance(got["top"], tuple) and torch.equal(got["top"][0], want["top"][0])
         torch.testing.assert_close(got["top"][1], want["top"][1])
+
+
+class SumsItsOutput(MNISTClassifier):
+    """A Sequential that reduces over the batch (a 0-d output): microbatch outputs cannot be joined."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.net.append(Total())
+
+    def predict_step(self, batch, batch_idx, dataloader_idx=0):
+        return self(batch[0])
+
+
+class Total(nn.Module):
+    def forward(self, x):
+        return x.sum()
+
+
+def test_evaluation_refuses_a_sequential_output_it_cannot_join():
+    with pytest.raises(TypeError, match="returned a Tensor of 0 dimensions per microbatch"):
+        trainer(strategy=pp(2), devices=2).predict(SumsItsOutput(), DataLoader(mnist_like(16), batch_size=8))
 
 
 def test_checkpoint_is_plain_resumable_and_monitors_work(tmp_path):
