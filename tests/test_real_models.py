@@ -112,20 +112,31 @@ def cnn_refs():
     return one, gloo
 
 
-@pytest.mark.parametrize("strategy", ["shm_ddp_fork", "shm_fsdp_fork"])
+# dp2 x tp2: each data-parallel replica's BatchNorm sliced over its tp ranks (the running statistics consolidated)
+CNN_DP_RUNS = {"shm_ddp_fork": 2, "shm_fsdp_fork": 2, "dp2xtp2": 4}
+
+
+def _cnn_dp_strategy(name):
+    if name == "dp2xtp2":
+        return SHMModelParallel(start_method="fork", data_parallel_size=2, tensor_parallel_size=2)
+    return name
+
+
+@pytest.mark.parametrize("strategy", list(CNN_DP_RUNS))
 def test_cnn_without_sync_batchnorm_equals_lightning_ddp(cnn_refs, strategy):
     """Per-rank batch statistics, rank 0's running statistics on every rank -- as torch DDP."""
     _, gloo = cnn_refs
-    got = train_mnist(strategy, 2, "sgd", batch=GLOBAL_BATCH // 2, model_cls=CNN, buffers=True)
+    got = train_mnist(_cnn_dp_strategy(strategy), CNN_DP_RUNS[strategy], "sgd", batch=GLOBAL_BATCH // 2,
+                      model_cls=CNN, buffers=True)
     torch.testing.assert_close(got, gloo, rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("strategy", ["shm_ddp_fork", "shm_fsdp_fork"])
+@pytest.mark.parametrize("strategy", list(CNN_DP_RUNS))
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
 def test_cnn_with_sync_batchnorm_equals_one_process_on_the_global_batch(cnn_refs, strategy, optimizer):
     one, gloo = cnn_refs
-    got = train_mnist(strategy, 2, optimizer, batch=GLOBAL_BATCH // 2, model_cls=CNN, buffers=True,
-                      sync_batchnorm=True)
+    got = train_mnist(_cnn_dp_strategy(strategy), CNN_DP_RUNS[strategy], optimizer, batch=GLOBAL_BATCH // 2,
+                      model_cls=CNN, buffers=True, sync_batchnorm=True)
     torch.testing.assert_close(got, one[optimizer], rtol=0, atol=1e-5)  # parameters and running statistics
     assert (got - gloo).abs().max() > 1e-4 or optimizer == "adam"  # and not what per-rank statistics give
 

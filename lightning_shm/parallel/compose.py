@@ -268,10 +268,10 @@ def parallelize(module: nn.Module, config: ParallelConfig, world: World, groups:
     topo = groups.topology
     plain_keys = list(module.state_dict())
     plain_params = [n for n, _ in module.named_parameters()]
-    if config.sync_batchnorm and groups.dp_size > 1:
-        convert_sync_batchnorm(module, groups.dp)
     plan = _tp_plan(module, config, topo.tp) if topo.tp > 1 else {}
     splits = check_plan(module, plan, topo.tp) if plan else {}  # on the whole model, before any stage cut
+    if config.sync_batchnorm and groups.dp_size > 1:  # after the plan, checked on the user's BatchNorm types
+        convert_sync_batchnorm(module, groups.dp)  # (sliced per channel by tp, each slice synced over dp)
     stage = engine = starts = None
     if topo.pp > 1:
         stage, starts = _split_pipeline(module, config, world, groups, plan, sample_input, log)
@@ -290,8 +290,9 @@ def parallelize(module: nn.Module, config: ParallelConfig, world: World, groups:
         if groups.nodes > 1:
             placements = {n: p.replicated(groups.nodes) for n, p in placements.items()}
     elif groups.dp_size > 1:
-        placements = {n: placements.get(n, Placement()).replicated(groups.dp_size)
-                      for n, _ in module.named_parameters()}
+        # every parameter, and the tp-split buffers (a sliced BatchNorm's running statistics) with their split
+        names = dict.fromkeys([*(n for n, _ in module.named_parameters()), *placements])
+        placements = {n: placements.get(n, Placement()).replicated(groups.dp_size) for n in names}
         # a pipeline stage of frozen layers only (a fine-tuned model's backbone) has nothing to reduce
         if training and (topo.pp == 1 or any(p.requires_grad for p in module.parameters())):
             reducer = GradReducer(list(module.named_parameters()), groups.dp, config.bucket_cap_mb,

@@ -181,12 +181,14 @@ class ShardedLayerNorm(nn.Module):
 
 def sliced_batchnorm(full: nn.modules.batchnorm._BatchNorm, group: Group, sizes: Sequence[int]) -> nn.Module:
     """The same BatchNorm over this rank's channels only: exact without communication, since its
-    statistics, affine parameters and running buffers are all per channel."""
+    statistics, affine parameters and running buffers are all per channel. A data-parallel SyncBatchNorm
+    stays one over its own group (the replicas' same channels): the copy shares that group."""
     if full.num_features != sum(sizes):
         raise ValueError(f"{type(full).__name__}({full.num_features}) follows a column layer with {sum(sizes)} "
                          "output channels")
     i, lo, n = group.index, sum(sizes[:group.index]), sizes[group.index]
-    bn = copy.deepcopy(full)
+    dp = getattr(full, "group", None)
+    bn = copy.deepcopy(full, {id(dp): dp} if dp is not None else None)
     bn.num_features = n
     for name in ("weight", "bias"):
         if getattr(full, name) is not None:
