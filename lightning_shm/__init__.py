@@ -14,6 +14,7 @@ from lightning_shm.strategies import (
     SHMPipeline,
     SHMStrategyBase,
     SHMTensorParallel,
+    grad_norm,
     register_all,
 )
 
@@ -23,5 +24,5 @@ register_all(StrategyRegistry)
 
 __all__ = [
     "MNISTClassifier", "SHMDDPStrategy", "SHMFSDPStrategy", "SHMModelParallel", "SHMPipeline", "SHMStrategyBase",
-    "SHMTensorParallel", "build_mlp",
+    "SHMTensorParallel", "build_mlp", "grad_norm",
 ]

@@ -1,15 +1,18 @@
-"""Gradient clipping by the *global* norm when gradients are split across ranks.
+"""Gradient norms and clipping by the *global* norm when gradients are split across ranks.
 
 With FSDP each rank holds 1/W of every gradient, with pipelines each stage holds its own layers,
 with tensor parallelism weight shards differ while some parameters are replicated. Clipping each
 rank's piece by its local norm would scale ranks differently and break the equivalence with one
 process. Here every rank computes the sum of squares of the gradient elements it *owns*, the group
-all-reduces it, and every rank scales by the same factor.
+all-reduces it, and every rank scales by the same factor. :func:`grad_norms` does the same per
+parameter, so each parameter's norm is the one a single process would log.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Optional
+import math
+import zlib
+from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
@@ -45,3 +48,46 @@ def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float, group: Opti
         for p in params:
             p.grad.detach().mul_(coef)
     return norm
+
+
+def grad_norms(named: Iterable[tuple[str, torch.Tensor]], names: Sequence[str], norm_type: float,
+               group: Optional[Group], copies: Callable[[torch.Tensor], int] = lambda p: 1) -> dict[str, torch.Tensor]:
+    """Each parameter's gradient ``norm_type``-norm over all ranks' pieces: one process's ``p.grad.norm()``.
+
+    ``names`` are the plain module's parameter names, the same list in the same order on every rank;
+    ``named`` this rank's ``(name, parameter)`` pairs -- a pipeline stage holds some of the names, an
+    FSDP or tp rank pieces of them. One all-reduce of a float64 ``[2 * len(names)]`` vector:
+    ``[sum |g|^p / copies(p) per name | 1 where this rank has the gradient]`` (for ``inf``: the max of
+    ``|g|`` and the flags, reduced by max). Returns ``{name: norm}`` in ``names`` order for the names some
+    rank has a gradient of, in that gradient's dtype (the first one this rank holds, else the default).
+    Two more entries, ``[h, -h]`` with ``h`` a checksum of ``names``, find ranks that asked for different
+    parameters of the same count (each pipeline stage passing its own first Linear).
+    """
+    index = {n: i for i, n in enumerate(names)}
+    inf = math.isinf(norm_type)
+    h = float(zlib.crc32("\n".join(names).encode()))
+    check = torch.tensor([h, -h], dtype=torch.float64)
+    vec = torch.zeros(2 * len(names), dtype=torch.float64)
+    dtype = None
+    for name, p in named:
+        g = p.grad
+        if g is None or name not in index:
+            continue
+        dtype = dtype or g.dtype
+        g = (g.coalesce().values() if g.is_sparse else g).detach().double().abs()
+        i = index[name]
+        if inf:
+            vec[i] = g.max() if g.numel() else 0.0
+        else:
+            vec[i] = (g.square() if norm_type == 2 else g.pow(norm_type)).sum() / copies(p)
+        vec[len(names) + i] = 1.0
+    if group is not None and group.size > 1:
+        both = group.all_reduce(torch.cat([check, vec]), "max" if inf else "sum")
+        if not torch.equal(both[:2], check if inf else check * group.size):
+            raise ValueError(f"grad_norm: the ranks asked for the norms of different parameters (rank "
+                             f"{group.global_rank}: {list(names)[:3]}{'...' if len(names) > 3 else ''}); pass the same "
+                             "module on every rank")
+        vec = both[2:]
+    dtype = dtype or torch.get_default_dtype()
+    root = vec[:len(names)] if inf else vec[:len(names)].pow(1.0 / norm_type)
+    return {n: root[i].to(dtype) for i, n in enumerate(names) if vec[len(names) + i] > 0}

@@ -9,6 +9,7 @@ from typing import Any
 from lightning_shm.strategies.base import SHMStrategyBase
 from lightning_shm.strategies.ddp import SHMDDPStrategy
 from lightning_shm.strategies.fsdp import SHMFSDPStrategy
+from lightning_shm.strategies.grad_norm import grad_norm
 from lightning_shm.strategies.model_parallel import SHMModelParallel
 from lightning_shm.strategies.pipeline import SHMPipeline
 from lightning_shm.strategies.tp import SHMTensorParallel
@@ -30,4 +31,4 @@ def register_all(strategy_registry: Any) -> None:
 
 
 __all__ = ["REGISTRY", "SHMDDPStrategy", "SHMFSDPStrategy", "SHMModelParallel", "SHMPipeline", "SHMStrategyBase",
-           "SHMTensorParallel", "register_all"]
+           "SHMTensorParallel", "grad_norm", "register_all"]

@@ -31,6 +31,7 @@ import torch
 from lightning.pytorch.callbacks import ModelPruning
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import grad_norm as lightning_grad_norm
 from lightning.pytorch.utilities import rank_zero_info
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
@@ -46,6 +47,7 @@ from lightning_shm.parallel.tp.inputs import MODES, broadcast_from_first, check_
 from lightning_shm.parallel.tp.loading import is_group_batch, split_loader, why_not_splittable
 from lightning_shm.runtime import Group, ParallelGroups, Topology, World
 from lightning_shm.strategies.base import SHMStrategyBase
+from lightning_shm.strategies.grad_norm import GradNormLogs, split_grad_norm
 from lightning_shm.strategies.pipeline_steps import PipelineSteps
 from lightning_shm.strategies.summary import full_model_summary
 from lightning_shm.strategies.swa import adapt_swa
@@ -111,6 +113,8 @@ class SHMModelParallel(SHMStrategyBase):
         self._exit: Optional[contextlib.ExitStack] = None  # what setup patched for the run (ModelSummary)
         self._buffer_owners: Optional[list[tuple[nn.Module, str]]] = None
         self._in_stage_step = False
+        self._grads_split = False  # some rank holds a gradient that is not every rank's whole one (setup)
+        self._norm_logs = GradNormLogs(self._layout)
 
     # ------------------------------------------------------------------ grid
     def topology(self) -> Topology:
@@ -228,9 +232,9 @@ class SHMModelParallel(SHMStrategyBase):
         """``gradient_clip_val`` (norm) clips by the norm over every rank's gradient pieces, each element
         once: Lightning's own clipping would use each rank's local norm, different where gradients are
         split. Where every rank holds every gradient (pure data parallelism) Lightning's is that norm."""
-        assert self.parallel is not None and self.lightning_module is not None
         state, W = self.parallel.state, self.world_size
-        if all(state.copies(p) == W for p in self.lightning_module.parameters()):
+        self._grads_split = not all(state.copies(p) == W for p in self.lightning_module.parameters())
+        if not self._grads_split:
             return
         world = self.group
 
@@ -239,6 +243,22 @@ class SHMModelParallel(SHMStrategyBase):
             clip_grad_norm_(params, float(clip_val), world, state.copies)
 
         self.precision_plugin.clip_grad_by_norm = clip_grad_by_norm  # instance attribute: this strategy's plugin
+
+    def grad_norm(self, module: nn.Module, norm_type: Union[float, int, str],
+                  group_separator: str = "/") -> dict[str, Tensor]:
+        """Lightning's ``grad_norm`` for ``module`` (the LightningModule or a submodule this rank holds) with one
+        process's values: per parameter over every rank's pieces (collective where gradients are split)."""
+        if self.parallel is None or not self._grads_split:
+            return lightning_grad_norm(module, norm_type, group_separator)
+        return self._norm_logs.record(split_grad_norm(module, self.lightning_module, self.parallel.state,
+                                                      self.group, norm_type, group_separator))
+
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        """Lightning's, watching what ``on_before_optimizer_step`` logs where gradients are split."""
+        if self.parallel is None or not self._grads_split:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        with self._norm_logs.watching(self.lightning_module):
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
 
     # ------------------------------------------------------------------ steps
     def process_dataloader(self, dataloader: object) -> object:

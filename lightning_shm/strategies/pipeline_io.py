@@ -62,11 +62,15 @@ def recording_logs(module: pl.LightningModule, sink: Optional[list[LogRecord]], 
         if sink is not None:
             sink.append((name, _as_logged(value), args, kwargs, weight))
 
+    previous = module.__dict__.get("log")  # an optimizer step's watcher (:mod:`.grad_norm`)
     module.log = record  # type: ignore[method-assign]
     try:
         yield
     finally:
-        del module.log
+        if previous is None:
+            del module.log
+        else:
+            module.log = previous  # type: ignore[method-assign]
 
 
 def _as_logged(value: Any) -> Any:

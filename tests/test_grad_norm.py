@@ -1,0 +1,130 @@
+"""Gradient norms logged from ``on_before_optimizer_step`` equal one process's in every layout.
+
+Lightning's ``grad_norm`` takes each rank's pieces (FSDP rows, tp columns, a stage's layers);
+``lightning_shm.grad_norm`` all-reduces them, and Lightning's, where it would be wrong, warns.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.utilities import grad_norm as lightning_grad_norm
+
+import lightning_shm
+from lightning_shm.models import MNISTClassifier
+from lightning_shm.parallel.clip import grad_norms
+from tests.helpers import GLOBAL_BATCH, LAYOUTS, SEED, layouts, loader, mnist_like, reference_loader, trainer
+
+NORMS = (2, 1, "inf")
+
+
+class LogsGradNorms(MNISTClassifier):
+    """Logs the norms of every gradient (three norm types) and of the Sequential's, as a submodule, before each
+    optimizer step; ``warned`` = 1 if logging them raised a warning."""
+
+    def __init__(self, norm_fn=None, **kw):
+        super().__init__(**kw)
+        self.norm_fn = norm_fn or lightning_shm.grad_norm
+
+    def on_before_optimizer_step(self, optimizer):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for norm in NORMS:
+                self.log_dict(self.norm_fn(self, norm))
+        self.warned = getattr(self, "warned", False) or any("grad_norm" in str(w.message) for w in caught)
+        self.log("warned", float(self.warned))  # the last step's value is kept: whether any step warned
+        if self.norm_fn is lightning_shm.grad_norm:  # a submodule: through the strategy
+            strategy = self.trainer.strategy
+            norm_of = strategy.grad_norm if hasattr(strategy, "grad_norm") else lightning_grad_norm
+            self.log_dict({f"net/{k}": v for k, v in norm_of(self.net, 2).items()})
+
+
+def _logged(strategy, devices, batch, ref=False, **kw):
+    pl.seed_everything(SEED)
+    model = LogsGradNorms(optimizer="adam", lr=0.01, **kw)
+    ds = mnist_like(GLOBAL_BATCH * 2, seed=1)
+    t = trainer(strategy=strategy, devices=devices, max_epochs=1, precision="64-true")
+    t.fit(model, reference_loader(ds, batch, SEED) if ref else loader(ds, batch))
+    return {k: float(v) for k, v in t.callback_metrics.items()}
+
+
+@pytest.fixture(scope="module")
+def one_process():
+    return _logged("auto", 1, GLOBAL_BATCH, ref=True)
+
+
+@pytest.mark.parametrize("name", ["fsdp", "tp2", "pp2-1f1b", "dp2xpp2-shard"])
+def test_grad_norms_equal_one_process(one_process, name):
+    strategy, devices, dp = layouts(name)[name]
+    got = _logged(strategy(), devices, GLOBAL_BATCH // dp)
+    keys = [k for k in one_process if k.startswith(("grad_", "net/grad_"))]
+    assert len(keys) == 4 * 11  # three norms of 10 parameters and their total; the Sequential's 2-norms too
+    assert "grad_2.0_norm/net.1.weight" in keys and "net/grad_2.0_norm/1.weight" in keys
+    assert sorted(got) == sorted(one_process)  # every stage's parameters, on rank 0 too
+    for k in keys:
+        assert got[k] == pytest.approx(one_process[k], rel=1e-12, abs=1e-15), k
+    assert got["warned"] == 0.0
+
+
+@pytest.mark.parametrize("name", ["fsdp", "pp2-1f1b"])
+def test_lightning_grad_norm_warns_where_gradients_are_split(name):
+    """Its values are this rank's pieces' (under fsdp each rank's half of every weight): said, not silent."""
+    strategy, devices, dp = layouts(name)[name]
+    got = _logged(strategy(), devices, GLOBAL_BATCH // dp, norm_fn=lightning_grad_norm)
+    assert got["warned"] == 1.0
+
+
+def test_lightning_grad_norm_is_right_and_quiet_under_ddp(one_process):
+    strategy, devices, dp = LAYOUTS["ddp"]
+    got = _logged(strategy(), devices, GLOBAL_BATCH // dp, norm_fn=lightning_grad_norm)
+    assert got["warned"] == 0.0
+    for k in [k for k in one_process if k.startswith("grad_")]:
+        assert got[k] == pytest.approx(one_process[k], rel=1e-12, abs=1e-15), k
+
+
+def test_grad_norms_count_replicated_pieces_once_and_skip_absent_gradients():
+    """One rank (no group): a replicated piece held by 2 ranks counts half; a gradient-less parameter is left out."""
+    a, b, frozen = (torch.nn.Parameter(torch.zeros(3)) for _ in range(3))
+    a.grad, b.grad = torch.tensor([3.0, 0.0, 4.0]), torch.tensor([-1.0, 2.0, 0.0])
+    copies = lambda p: {id(a): 1, id(b): 2}[id(p)]  # noqa: E731
+    named = [("a", a), ("b", b), ("frozen", frozen)]
+    two = grad_norms(named, ["a", "b", "frozen"], 2.0, None, copies)
+    assert list(two) == ["a", "b"] and two["a"].item() == 5.0
+    assert two["b"].item() == pytest.approx((5 / 2) ** 0.5)
+    assert grad_norms(named, ["a", "b", "frozen"], float("inf"), None, copies)["b"].item() == 2.0
+    assert {k: v.item() for k, v in grad_norms(named, ["b"], 1.0, None, copies).items()} == {"b": 1.5}
+
+
+def test_grad_norm_outside_a_trainer_is_lightnings():
+    net = torch.nn.Linear(2, 1)
+    net(torch.ones(1, 2)).sum().backward()
+    mine = lightning_shm.grad_norm(net, 2)
+    assert mine.keys() == lightning_grad_norm(net, 2).keys()
+
+
+class NormOfLastLayer(MNISTClassifier):
+    """A pipeline stage holds its own layers of ``self.net``, a placeholder for each of the others'."""
+
+    def __init__(self, module_of=lambda model: model.net[-1], **kw):
+        super().__init__(**kw)
+        self.module_of = module_of
+
+    def on_before_optimizer_step(self, optimizer):
+        self.log_dict(self.trainer.strategy.grad_norm(self.module_of(self), 2))
+
+
+@pytest.mark.parametrize("module_of, match", [
+    (lambda model: next(m for m in model.net if len(list(m.parameters())) == 2),  # a Linear: another per stage
+     "asked for the norms of different parameters"),
+    (lambda model: model.net[-1], "this LayerElsewhere is not part of the trained NormOfLastLayer on rank 0"),
+    (lambda model: torch.nn.Linear(2, 2), "this Linear is not part of the trained NormOfLastLayer on rank"),
+], ids=["another-layer-per-stage", "another-stage-s-layer", "not-a-submodule"])
+def test_modules_the_ranks_do_not_share_are_refused_with_a_message(module_of, match):
+    strategy, devices, dp = LAYOUTS["pp2-1f1b"]
+    pl.seed_everything(SEED)
+    t = trainer(strategy=strategy(), devices=devices, max_epochs=1)
+    with pytest.raises(Exception, match=match):
+        t.fit(NormOfLastLayer(module_of, optimizer="adam"), loader(mnist_like(GLOBAL_BATCH, seed=1), GLOBAL_BATCH))
