@@ -13,12 +13,23 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import LearningRateFinder, ModelCheckpoint
+from lightning.pytorch.tuner import Tuner
 from torch.utils.data import DataLoader
 
 from lightning_shm import SHMPipeline, SHMTensorParallel
+from lightning_shm.models import MNISTClassifier
 from lightning_shm.runtime import SharedMemoryFullError
-from tests.helpers import GLOBAL_BATCH, SEED, SchedClassifier, loader, mnist_like, reference_loader, trainer
+from tests.helpers import (
+    GLOBAL_BATCH,
+    LAYOUTS,
+    SEED,
+    SchedClassifier,
+    loader,
+    mnist_like,
+    reference_loader,
+    trainer,
+)
 
 
 def _fit_then_save(strategy: Any, devices: int, batch: int, ckpt_dir, path, ref: bool = False):
@@ -142,3 +153,51 @@ def test_main_process_rebuilds_a_schedule_sized_from_the_data(data, caplog):
     sched = t.lr_scheduler_configs[0].scheduler
     assert sched.total_steps == 6 and sched.last_epoch == t.global_step == 6  # 3 steps per epoch per rank, 2 epochs
     assert t.optimizers[0].state, "the rebuilt optimizer holds no state"
+
+
+class _FindsItsRate(MNISTClassifier):
+    """Its training data as a hook (the Tuner needs ``train_dataloader``), per data-parallel rank or, ``ref``, one
+    process's order of the same global batches."""
+
+    def __init__(self, batch: int, ref: bool = False, **kw):
+        super().__init__(**kw)
+        self.batch, self.ref = batch, ref
+
+    def train_dataloader(self):
+        ds = mnist_like(GLOBAL_BATCH * 24, seed=1)
+        return reference_loader(ds, self.batch, SEED) if self.ref else loader(ds, self.batch)
+
+
+def _lr_find(strategy: Any, devices: int, batch: int, ref: bool = False):
+    pl.seed_everything(SEED)
+    model = _FindsItsRate(batch, ref, optimizer="adam", lr=0.01)
+    t = trainer(strategy=strategy, devices=devices, max_epochs=1, precision="64-true")
+    finder = Tuner(t).lr_find(model, num_training=20)
+    return finder, model, t
+
+
+@pytest.mark.parametrize("layout", ["ddp", "tp2", "pp2-1f1b"])
+def test_tuner_lr_find_reports_and_sets_the_rate_it_found(layout):
+    """It ran in the workers and came back empty (None, the module's rate unchanged); now as in one process. With
+    tp / pp every rank sees the global batch: one process's loss curve; with dp > 1 rank 0's, as Lightning's ddp."""
+    one, one_model, _ = _lr_find("auto", 1, GLOBAL_BATCH, ref=True)
+    strategy, devices, dp = LAYOUTS[layout]
+    finder, model, t = _lr_find(strategy(), devices, GLOBAL_BATCH // dp)
+    assert finder is not None and len(finder.results["loss"]) == 20
+    assert model.hparams.lr == finder.suggestion() != 0.01  # the module's rate is the one found
+    assert t.global_step == 0 and t.state.finished  # the weights and loops as before, as the finder restores them
+    if dp == 1:
+        torch.testing.assert_close(torch.tensor(finder.results["loss"]), torch.tensor(one.results["loss"]),
+                                   rtol=0, atol=1e-12)
+        assert finder.suggestion() == one.suggestion() == one_model.hparams.lr
+
+
+def test_learning_rate_finder_callback_result_comes_back():
+    """The callback finds the rate and training goes on with it: the main process's callback holds the result and
+    its module the rate, as in one process."""
+    strategy, devices, dp = LAYOUTS["ddp"]
+    pl.seed_everything(SEED)
+    model = _FindsItsRate(GLOBAL_BATCH // dp, optimizer="adam", lr=0.01)
+    finder = LearningRateFinder(num_training_steps=20)
+    trainer(strategy=strategy(), devices=devices, max_epochs=1, callbacks=[finder]).fit(model)
+    assert finder.optimal_lr is not None and model.hparams.lr == finder.optimal_lr.suggestion() != 0.01

@@ -31,12 +31,17 @@ from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from lightning.pytorch.strategies.launchers.multiprocessing import _GlobalStateSnapshot
 from lightning.pytorch.trainer import call
 from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
-from lightning.pytorch.trainer.states import TrainerFn, TrainerState
-from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.trainer.states import TrainerFn, TrainerState, TrainerStatus
+from lightning.pytorch.utilities.exceptions import SIGTERMException, _TunerExitException
 from lightning_utilities.core.apply_func import apply_to_collection
 
 from lightning_shm.runtime import LaunchConfig, Launcher, World
-from lightning_shm.strategies.main_state import fit_data, restore_trainer
+from lightning_shm.strategies.main_state import (
+    apply_found_learning_rates,
+    fit_data,
+    found_learning_rates,
+    restore_trainer,
+)
 
 # what the fork server imports once, so that no worker of any later fit imports it again
 FORKSERVER_PRELOAD = ("torch", "lightning.pytorch", "lightning_shm")
@@ -53,6 +58,7 @@ class WorkerOutput(NamedTuple):
     trainer_results: Any
     callback_metrics_bytes: bytes
     stopped_by: int  # the signal all ranks agreed to stop on (0: ran to the end)
+    learning_rates: list  # what LearningRateFinder callbacks found (:func:`.main_state.found_learning_rates`)
 
 
 class SHMLauncher(_Launcher):
@@ -106,13 +112,15 @@ class SHMLauncher(_Launcher):
             self._runtime.kill(int(signum))
 
     # ------------------------------------------------------------------ worker side
-    def _collect_results(self, trainer: "pl.Trainer", results: Any, stopped_by: int) -> Optional[WorkerOutput]:
-        """Collective on all ranks; rank 0 returns what the main process needs."""
+    def _collect_results(self, trainer: "pl.Trainer", results: Any, stopped_by: int,
+                         tuned: bool = False) -> Optional[WorkerOutput]:
+        """Collective on all ranks; rank 0 returns what the main process needs. ``tuned``: ``Tuner.lr_find``
+        ended the run; it restored the weights the main process holds, and the strategy is torn down."""
         strategy = self._strategy
         if trainer.state.fn == TrainerFn.PREDICTING and trainer.predict_loop.return_predictions:
             results = strategy.gather_predictions(trainer, results)
         checkpoint = None
-        if trainer.state.fn == TrainerFn.FITTING:  # what rank 0 would write now (collective for sharded models)
+        if trainer.state.fn == TrainerFn.FITTING and not tuned:  # what rank 0 would write now (collective if sharded)
             checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
         if strategy.local_rank != 0:  # local rank 0 of each node reports to that node's main process
             return None
@@ -123,13 +131,14 @@ class SHMLauncher(_Launcher):
         metrics = apply_to_collection(trainer.callback_metrics, torch.Tensor, lambda t: t.detach().cpu())
         buffer = io.BytesIO()
         torch.save(metrics, buffer)
-        return WorkerOutput(path, trainer.state, results, buffer.getvalue(), stopped_by)
+        return WorkerOutput(path, trainer.state, results, buffer.getvalue(), stopped_by, found_learning_rates(trainer))
 
     # ------------------------------------------------------------------ main side
     def _recover_in_main_process(self, output: WorkerOutput, trainer: "pl.Trainer", data: dict[str, Any]) -> None:
         trainer.state = output.trainer_state
         metrics = torch.load(io.BytesIO(output.callback_metrics_bytes), weights_only=True)
         trainer.callback_metrics.update(metrics)
+        apply_found_learning_rates(trainer, output.learning_rates)
         if output.checkpoint_path is not None:
             checkpoint = torch.load(output.checkpoint_path, weights_only=False)
             try:
@@ -170,6 +179,7 @@ def _run_in_worker(world: World, launcher: SHMLauncher, trainer: Optional["pl.Tr
         results = function(*args, **kwargs)
         return results if world.rank == 0 else None
     trainer._signal_connector = _StopRequestConnector(trainer, world)
+    tuned = False
     try:
         try:
             results = function(*args, **kwargs)
@@ -180,7 +190,12 @@ def _run_in_worker(world: World, launcher: SHMLauncher, trainer: Optional["pl.Tr
             call._interrupt(trainer, exc)
             trainer._teardown()
             results = None
-        return launcher._collect_results(trainer, results, strategy.stop_agreed)
+        except _TunerExitException:  # Tuner.lr_find found the rate (every rank): finish as Lightning's entry point
+            call._call_teardown_hook(trainer)
+            trainer._teardown()
+            trainer.state.status, trainer.state.stage = TrainerStatus.FINISHED, None
+            results, tuned = None, True
+        return launcher._collect_results(trainer, results, strategy.stop_agreed, tuned)
     finally:
         strategy.detach_world()
 

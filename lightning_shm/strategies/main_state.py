@@ -11,6 +11,10 @@ single process would not call after ``fit`` either.
 Optimizers are built here by the module's ``configure_optimizers`` over the plain module and loaded
 with the plain (consolidated) state; if that cannot run in the main process the Trainer keeps no
 optimizers and says so.
+
+What a ``LearningRateFinder`` found (``Tuner.lr_find`` or the callback) is not in any checkpoint: its
+result object and the learning-rate attribute it set come back beside it (:func:`found_learning_rates`,
+:func:`apply_found_learning_rates`).
 """
 
 from __future__ import annotations
@@ -20,8 +24,10 @@ import logging
 from typing import Any, Callable, Mapping, Sequence
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import LearningRateFinder, ModelCheckpoint
 from lightning.pytorch.trainer import call
+from lightning.pytorch.tuner.lr_finder import _determine_lr_attr_name
+from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_setattr
 
 log = logging.getLogger(__name__)
 
@@ -104,3 +110,23 @@ def _restore_optimizers(trainer: "pl.Trainer", checkpoint: dict[str, Any]) -> No
         log.warning("the main process could not rebuild the optimizers after the run (%r): its Trainer holds the "
                     "trained weights, loops and callbacks but no optimizer state; the checkpoints the workers "
                     "wrote hold it.", e)
+
+
+def found_learning_rates(trainer: "pl.Trainer") -> list[tuple[int, Any, str, Any]]:
+    """In a worker after the run: ``(callback index, its optimal_lr, lr attribute, the attribute's value)`` for
+    every ``LearningRateFinder`` that ran (the same on every rank: Lightning broadcasts rank 0's results)."""
+    found = []
+    for i, cb in enumerate(trainer.callbacks):
+        if isinstance(cb, LearningRateFinder) and cb.optimal_lr is not None:
+            attr = _determine_lr_attr_name(trainer.lightning_module, cb._attr_name) if cb._update_attr else ""
+            found.append((i, cb.optimal_lr, attr, lightning_getattr(trainer.lightning_module, attr) if attr else None))
+    return found
+
+
+def apply_found_learning_rates(trainer: "pl.Trainer", found: list[tuple[int, Any, str, Any]]) -> None:
+    """In the main process: the finders' results on its own callbacks (same order as the workers' copies), and
+    the learning rate they set on its module, as one process's ``Tuner.lr_find`` leaves them."""
+    for i, optimal_lr, attr, value in found:
+        trainer.callbacks[i].optimal_lr = optimal_lr
+        if attr:
+            lightning_setattr(trainer.lightning_module, attr, value)
