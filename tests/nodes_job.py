@@ -21,7 +21,7 @@ from torchmetrics import SumMetric
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import lightning_shm  # noqa: E402,F401
+import lightning_shm  # noqa: E402
 from lightning_shm import SHMFSDPStrategy, SHMPipeline, SHMTensorParallel  # noqa: E402
 from lightning_shm.models import MNISTClassifier  # noqa: E402
 from tests.helpers import GLOBAL_BATCH, SEED, flat_params, loader, mnist_like  # noqa: E402
@@ -50,6 +50,9 @@ class Counted(MNISTClassifier):
         self.log("rank_sum", self.counter, on_step=False, on_epoch=True)
         self.log("rank_mean", float(self.global_rank), sync_dist=True, on_step=False, on_epoch=True)
         return loss
+
+    def on_before_optimizer_step(self, optimizer):  # over both nodes' pieces: one process's norm
+        self.log("grad_norm", lightning_shm.grad_norm(self, 2)["grad_2.0_norm_total"])
 
 
 def main() -> None:

@@ -10,11 +10,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import lightning.pytorch as pl
 import pytest
 import torch
 
 from lightning_shm.models import MNISTClassifier
-from tests.helpers import GLOBAL_BATCH, STEPS, train_mnist
+from tests.helpers import GLOBAL_BATCH, SEED, STEPS, mnist_like, reference_loader, train_mnist, trainer
+from tests.nodes_job import Counted
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -28,8 +30,14 @@ def run_nodes(name: str, out: Path, mode: str = "train") -> subprocess.Completed
 
 @pytest.fixture(scope="module")
 def reference():
-    return train_mnist("auto", 1, "sgd", batch=GLOBAL_BATCH, ref=True, model_cls=MNISTClassifier,
-                       samples=GLOBAL_BATCH * STEPS)
+    """One process's weights, and the gradient norm of its last step (the job's module logs it too)."""
+    weights = train_mnist("auto", 1, "sgd", batch=GLOBAL_BATCH, ref=True, model_cls=MNISTClassifier,
+                          samples=GLOBAL_BATCH * STEPS)
+    pl.seed_everything(SEED)
+    t = trainer(devices=1, max_epochs=1)
+    data = reference_loader(mnist_like(GLOBAL_BATCH * STEPS, seed=1), GLOBAL_BATCH, SEED)
+    t.fit(Counted(optimizer="sgd", lr=0.1), data)
+    return weights, float(t.callback_metrics["grad_norm"])
 
 
 @pytest.mark.parametrize("name", ["ddp", "fsdp", "tp", "pipeline"])
@@ -37,7 +45,8 @@ def test_two_nodes_equal_one_process(tmp_path, reference, name):
     done = run_nodes(name, tmp_path)
     assert done.returncode == 0, done.stderr[-4000:]
     got = [torch.load(tmp_path / f"node{n}.pt").double() for n in (0, 1)]
-    torch.testing.assert_close(got[0], reference, rtol=0, atol=1e-5)
+    weights, grad_norm = reference
+    torch.testing.assert_close(got[0], weights, rtol=0, atol=1e-5)
     assert torch.equal(got[0], got[1])  # every node's main process holds the trained model
     meta = [json.loads((tmp_path / f"node{n}.json").read_text()) for n in (0, 1)]
     assert meta[0]["global_step"] == meta[1]["global_step"] == STEPS
@@ -48,6 +57,7 @@ def test_two_nodes_equal_one_process(tmp_path, reference, name):
     expected = {"ddp": (STEPS * 10, 1.5), "fsdp": (STEPS * 10, 1.5), "tp": (STEPS * 4, 1.0),
                 "pipeline": (STEPS * 2 * 6, 2.0)}[name]
     assert (metrics["rank_sum"], metrics["rank_mean"]) == pytest.approx(expected)
+    assert metrics["grad_norm"] == pytest.approx(grad_norm, rel=1e-5)  # every node's pieces (lightning_shm.grad_norm)
     # one checkpoint, written once (global rank 0), plain: it loads in one process
     files = sorted((tmp_path / "ckpt").iterdir())
     assert len(files) == 1 and meta[0]["best"] == meta[1]["best"] == str(files[0])
