@@ -89,6 +89,7 @@ class SHMStrategyBase(ParallelStrategy):
         self._group: Optional[Group] = None
         self._rail: Optional[Rail] = None
         self._metric_state: list = []
+        self._metric_sync: Optional[collectives.MetricSync] = None
 
     # ------------------------------------------------------------------ topology
     @property
@@ -220,6 +221,18 @@ class SHMStrategyBase(ParallelStrategy):
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self.stop_point(batch_idx)
 
+    def on_train_start(self) -> None:
+        self.attach_metrics()
+
+    def on_validation_start(self) -> None:
+        self.attach_metrics()
+
+    def on_test_start(self) -> None:
+        self.attach_metrics()
+
+    def on_predict_start(self) -> None:
+        self.attach_metrics()
+
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         """In the main process while Lightning handles a failure or stop that happened in the workers, nothing
         is written: the workers ran ``on_exception`` themselves (a stop) or hold no consistent state (a
@@ -282,9 +295,15 @@ class SHMStrategyBase(ParallelStrategy):
         return collectives.all_gather(g, tensor, sync_grads=sync_grads)
 
     def attach_metrics(self) -> None:
-        """Make every torchmetrics Metric of the module sync over the data-parallel group."""
+        """Make every torchmetrics Metric of the module sync over the data-parallel group -- at setup, and again
+        when a loop starts (after the module's own ``on_*_start`` hooks, which may create metrics)."""
         assert self.lightning_module is not None
-        self._metric_state = collectives.attach_metric_sync(self.lightning_module, self.metric_group())
+        if self._metric_sync is None:
+            self._metric_sync = self.metric_sync()
+        self._metric_state += collectives.attach_metric_sync(self.lightning_module, self._metric_sync)
+
+    def metric_sync(self) -> collectives.MetricSync:
+        return collectives.MetricSync(self.metric_group())
 
     def metric_group(self) -> Group:
         g = self.data_parallel_group()
@@ -317,7 +336,7 @@ class SHMStrategyBase(ParallelStrategy):
     def teardown(self) -> None:
         self.workers_handled_failure = False  # main process: Lightning's failure handling ends with teardown
         collectives.detach_metric_sync(self._metric_state)
-        self._metric_state = []
+        self._metric_state, self._metric_sync = [], None
         if self.cluster_environment is not None:
             self.cluster_environment.teardown()
         if self.accelerator is None:  # never connected to a Trainer: nothing else was set up

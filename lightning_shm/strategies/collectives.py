@@ -5,12 +5,14 @@
   with ``sync_grads=True`` (backward sums the gathered gradients and keeps this rank's slice).
 * :class:`MetricSync` -- torchmetrics only syncs when ``torch.distributed`` is initialised; we set
   ``dist_sync_fn`` and ``distributed_available_fn`` on every Metric so their states are gathered
-  over shared memory instead, with unequal shapes handled like ``gather_all_tensors``.
+  over shared memory instead, with unequal shapes handled like ``gather_all_tensors``. Every Metric:
+  submodules, and those a module keeps in a dict, list or tuple (torchmetrics cannot find those
+  either, but with ``torch.distributed`` up they would sync).
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import Tensor, nn
@@ -66,14 +68,29 @@ def gather_all_tensors(group: Group, result: Tensor) -> list[Tensor]:
 
 
 class MetricSync:
-    """``dist_sync_fn`` for torchmetrics, bound to a group. Not picklable by design (see ``__reduce__``)."""
+    """``dist_sync_fn`` for torchmetrics, bound to a group. Not picklable by design (see ``__reduce__``).
 
-    def __init__(self, group: Group) -> None:
+    Under a pipeline (``stages``: this rank's pp group, ``last``: the last stage's member index) the
+    steps -- and so a metric's ``update`` -- run on the last stage only: a ``compute()`` outside a step
+    (an epoch-end hook, on every rank) gathers over the data-parallel group, and the last stage's
+    gathered states are broadcast over the pp group, so every stage computes the last stage's value
+    (the other stages' states are empty). Inside a step (``in_step()``: a ``dist_sync_on_step``, on the
+    last stage only) the data-parallel gather alone."""
+
+    def __init__(self, group: Group, stages: Optional[Group] = None, last: int = 0,
+                 in_step: Callable[[], bool] = lambda: False) -> None:
         self.group = group
+        self.stages = stages if stages is not None and stages.size > 1 else None
+        self.last, self.in_step = last, in_step
 
     def __call__(self, result: Tensor, group: Optional[Any] = None) -> list[Tensor]:
         g = group if isinstance(group, Group) else self.group
-        return gather_all_tensors(g, result)
+        parts = gather_all_tensors(g, result)
+        if self.stages is None or isinstance(group, Group) or self.in_step():
+            return parts
+        mine = self.stages.index == self.last
+        theirs = self.stages.broadcast_object([p.detach() for p in parts] if mine else None, src_member=self.last)
+        return parts if mine else theirs
 
     def __deepcopy__(self, memo: dict) -> "MetricSync":
         return self  # metrics get deep-copied (e.g. MetricCollection); the group is a process resource
@@ -90,18 +107,40 @@ def _always_distributed() -> bool:
     return True
 
 
-def attach_metric_sync(module: nn.Module, group: Group) -> list[tuple[Any, Any, Any]]:
-    """Route every torchmetrics Metric in ``module`` through ``group``. Returns what to restore."""
-    from torchmetrics import Metric
-
+def attach_metric_sync(module: nn.Module, sync: MetricSync) -> list[tuple[Any, Any, Any]]:
+    """Route every torchmetrics Metric of ``module`` not routed yet through ``sync``. Returns what to restore."""
     saved = []
-    sync = MetricSync(group)
-    for m in module.modules():
-        if isinstance(m, Metric):
+    for m in metrics_of(module):
+        if not isinstance(m.dist_sync_fn, MetricSync):
             saved.append((m, m.dist_sync_fn, m.distributed_available_fn))
             m.dist_sync_fn = sync
             m.distributed_available_fn = _always_distributed
     return saved
+
+
+def metrics_of(module: nn.Module) -> Iterator[Any]:
+    """The Metrics of ``module``: submodules, and those its modules keep in dicts, lists or tuples (depth 3)."""
+    from torchmetrics import Metric
+
+    seen: set[int] = set()
+
+    def walk(obj: Any, depth: int) -> Iterator[Any]:
+        if isinstance(obj, Metric):
+            if id(obj) not in seen:
+                seen.add(id(obj))
+                yield obj
+        elif depth and isinstance(obj, dict):
+            for v in obj.values():
+                yield from walk(v, depth - 1)
+        elif depth and isinstance(obj, (list, tuple)):
+            for v in obj:
+                yield from walk(v, depth - 1)
+
+    for m in module.modules():
+        yield from walk(m, 0)
+        for name, value in vars(m).items():
+            if isinstance(value, (dict, list, tuple)) and not name.startswith("_"):
+                yield from walk(value, 3)
 
 
 def detach_metric_sync(saved: list[tuple[Any, Any, Any]]) -> None:

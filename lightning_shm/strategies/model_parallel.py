@@ -47,6 +47,7 @@ from lightning_shm.parallel.tp.inputs import MODES, broadcast_from_first, check_
 from lightning_shm.parallel.tp.loading import is_group_batch, split_loader, why_not_splittable
 from lightning_shm.runtime import Group, ParallelGroups, Topology, World
 from lightning_shm.strategies.base import SHMStrategyBase
+from lightning_shm.strategies.collectives import MetricSync
 from lightning_shm.strategies.grad_norm import GradNormLogs, split_grad_norm
 from lightning_shm.strategies.pipeline_steps import PipelineSteps
 from lightning_shm.strategies.summary import full_model_summary
@@ -355,13 +356,21 @@ class SHMModelParallel(SHMStrategyBase):
         return super().all_gather(tensor, group, sync_grads)
 
     def on_validation_start(self) -> None:
+        super().on_validation_start()
         self._before_forward()
 
     def on_test_start(self) -> None:
+        super().on_test_start()
         self._before_forward()
 
     def on_predict_start(self) -> None:
+        super().on_predict_start()
         self._before_forward()
+
+    def metric_sync(self) -> MetricSync:
+        """Under a pipeline a metric's states come from the last stage (:class:`.collectives.MetricSync`)."""
+        stages = self._groups.pp if self._groups is not None and self.topology().pp > 1 else None
+        return MetricSync(self.metric_group(), stages, self.topology().pp - 1, lambda: self._in_stage_step)
 
     def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
         if self.pipeline is None:
