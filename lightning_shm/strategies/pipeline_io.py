@@ -8,7 +8,9 @@ steps: once per batch, on the microbatches' outputs joined). Those
 means; sum / max / min as ``reduce_fx`` says) and replayed with the real ``LightningModule.log`` on
 *every* rank of the pipeline, so monitors, the progress bar and ``callback_metrics`` see them
 everywhere. A torchmetrics object logged on the last stage is replayed as each rank's own copy of
-that metric, after its state was copied from the last stage.
+that metric, after its state was copied from the last stage. What the step appended to a list the
+module keeps (Lightning's ``self.validation_step_outputs.append(...)`` pattern, also per key of a
+dict of lists) is appended on every stage too, so an epoch-end hook that stacks it runs everywhere.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any, ContextManager, Iterator, Mapping, Optional, Sequence
 
 import lightning.pytorch as pl
 import torch
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 
 from lightning_shm.parallel.pipeline import CapturedInput, PipelineStage, split_batch
@@ -144,6 +147,7 @@ class LightningStageIO:
         self.finals: dict[int, Any] = {}  # evaluation: the Sequential's output per microbatch
         self.losses: dict[int, Tensor] = {}
         self.extras: dict[int, dict[str, Any]] = {}  # training: what the step returned beside the loss
+        self.lists = _list_lengths(module)  # before the step: what it appends goes to every stage
 
     def forward_context(self) -> ContextManager[Any]:
         return self._forward_context()
@@ -230,10 +234,13 @@ class LightningStageIO:
         module = self.module
         trainer = module._trainer
         stop = bool(trainer is not None and trainer.should_stop)
-        payload = (result, _aggregate(self.records, module), stop) if position.is_last else None
-        result, logs, stop = position.pp_group.broadcast_object(payload, src_member=position.last)
+        payload = ((result, _aggregate(self.records, module), stop, _appended(module, self.lists))
+                   if position.is_last else None)
+        result, logs, stop, appended = position.pp_group.broadcast_object(payload, src_member=position.last)
         if stop and trainer is not None:
             trainer.should_stop = True
+        if not position.is_last:
+            _append(module, self.lists, appended)
         for name, value, args, kwargs, metric_state in logs:
             if isinstance(value, MetricRef):
                 metric = module.get_submodule(value.path)
@@ -241,6 +248,48 @@ class LightningStageIO:
                 value = metric
             module.log(name, value, *args, **kwargs)
         return result
+
+
+_ListKey = tuple[str, Any]  # (attribute, None) for a list; (attribute, key) for a list in a dict
+
+
+def _list_lengths(module: nn.Module) -> dict[_ListKey, int]:
+    """The lists ``module`` keeps in public attributes, directly or as values of a dict, and their lengths."""
+    out: dict[_ListKey, int] = {}
+    for name, value in vars(module).items():
+        if name.startswith("_"):
+            continue
+        if isinstance(value, list):
+            out[(name, None)] = len(value)
+        elif isinstance(value, dict):
+            out.update(((name, k), len(v)) for k, v in value.items() if isinstance(v, list))
+    return out
+
+
+def _appended(module: nn.Module, before: Mapping[_ListKey, int]) -> dict[_ListKey, list]:
+    """On the last stage after the step: what it appended to each list (tensors detached)."""
+    out = {}
+    for key, n in _list_lengths(module).items():
+        start = before.get(key, 0)
+        if n > start:
+            lst = getattr(module, key[0]) if key[1] is None else getattr(module, key[0])[key[1]]
+            out[key] = apply_to_collection(lst[start:], Tensor, lambda t: t.detach())
+    return out
+
+
+def _append(module: nn.Module, before: Mapping[_ListKey, int], appended: Mapping[_ListKey, list]) -> None:
+    """On the other stages: the last stage's appends in place of what this stage's partial run appended."""
+    for (name, key), items in appended.items():
+        holder = getattr(module, name, None)
+        if key is None and not isinstance(holder, list):
+            setattr(module, name, list(items))  # created by the step itself
+            continue
+        if key is not None:
+            if not isinstance(holder, dict):
+                continue
+            holder = holder.setdefault(key, [])
+        del holder[before.get((name, key), 0):]
+        holder.extend(items)
 
 
 def _join(parts: Sequence[Any]) -> Any:

@@ -24,6 +24,7 @@ from tests.helpers import (
     check_plain_checkpoint,
     fit_adam64,
     flat_params,
+    layouts,
     loader,
     mnist_like,
     reference_loader,
@@ -672,3 +673,50 @@ def test_a_loss_over_the_enumerated_parameters_is_refused_and_a_held_layer_read_
     ref = train_mnist("auto", 1, "sgd", batch=GLOBAL_BATCH, ref=True, model_cls=_LastLayerInStep)
     got = train_mnist(pp(2), 2, "sgd", batch=GLOBAL_BATCH, model_cls=_LastLayerInStep)
     torch.testing.assert_close(got, ref, rtol=0, atol=2e-5)
+
+
+class KeepsStepOutputs(MNISTClassifier):
+    """Lightning's documented pattern: steps append to lists the module keeps, epoch-end hooks stack them."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.train_losses, self.val_outputs, self.sizes = [], {"val": []}, []
+
+    def training_step(self, batch, batch_idx):
+        self.sizes.append(len(batch[1]))  # before the Sequential call: the first stage runs this part too
+        loss = super().training_step(batch, batch_idx)
+        self.train_losses.append(loss)
+        return loss
+
+    def on_train_epoch_end(self):
+        self.log("train_mean", torch.stack(self.train_losses).mean(), sync_dist=True)
+        self.log("seen", float(sum(self.sizes)), sync_dist=True, reduce_fx="sum")
+        self.train_losses.clear()
+        self.sizes.clear()
+
+    def validation_step(self, batch, batch_idx):
+        self.val_outputs["val"].append(nn.functional.cross_entropy(self(batch[0]), batch[1]))
+
+    def on_validation_epoch_end(self):
+        self.log("val_mean", torch.stack(self.val_outputs["val"]).mean(), sync_dist=True)
+        self.val_outputs["val"].clear()
+
+
+@pytest.mark.parametrize("name", ["pp2-1f1b", "dp2xpp2-shard"])
+def test_lists_the_steps_append_to_are_appended_on_every_stage(name):
+    """They were appended on the last stage only: rank 0's hook failed ("stack expects a non-empty TensorList")."""
+    def run(strategy, devices, batch, ref=False):
+        pl.seed_everything(SEED)
+        ds = mnist_like(GLOBAL_BATCH * 4, seed=1)
+        dl = reference_loader(ds, batch, SEED) if ref else loader(ds, batch)
+        t = trainer(strategy=strategy, devices=devices, max_epochs=1, num_sanity_val_steps=0, precision="64-true")
+        t.fit(KeepsStepOutputs(optimizer="adam"), dl, dl)
+        return {k: float(t.callback_metrics[k]) for k in ("train_mean", "val_mean", "seen")}
+
+    one = run("auto", 1, GLOBAL_BATCH, ref=True)
+    strategy, devices, dp = layouts(name)[name]
+    got = run(strategy(), devices, GLOBAL_BATCH // dp)
+    assert one["seen"] == got["seen"] == GLOBAL_BATCH * 4  # each sample once (the first stage's appends replaced)
+    # the mean of the microbatches' (equal) means is the batch mean; synced over the data-parallel ranks
+    for key in ("train_mean", "val_mean"):
+        assert got[key] == pytest.approx(one[key], rel=1e-12), key
