@@ -8,12 +8,14 @@ a single process writes, and ``test(ckpt_path="best")`` finds the best checkpoin
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import LearningRateFinder, ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.tuner import Tuner
 from torch.utils.data import DataLoader
 
@@ -201,3 +203,19 @@ def test_learning_rate_finder_callback_result_comes_back():
     finder = LearningRateFinder(num_training_steps=20)
     trainer(strategy=strategy(), devices=devices, max_epochs=1, callbacks=[finder]).fit(model)
     assert finder.optimal_lr is not None and model.hparams.lr == finder.optimal_lr.suggestion() != 0.01
+
+
+def test_the_main_process_logger_points_where_rank_0_wrote(tmp_path):
+    """The main process's CSVLogger named its version only after the workers ran: ``log_dir`` said version_1 while
+    rank 0 had written version_0 (and version_2 for the next run's version_1)."""
+    strategy, devices, dp = LAYOUTS["ddp"]
+    dirs = []
+    for _ in range(2):
+        t = pl.Trainer(logger=CSVLogger(tmp_path, name="exp"), strategy=strategy(), devices=devices,
+                       accelerator="cpu", max_epochs=1, log_every_n_steps=1, enable_progress_bar=False,
+                       enable_model_summary=False, enable_checkpointing=False)
+        t.fit(MNISTClassifier(optimizer="adam"), loader(mnist_like(GLOBAL_BATCH * 2, seed=1), GLOBAL_BATCH // dp))
+        dirs.append(t.logger.log_dir)
+    assert dirs == [str(tmp_path / "exp" / f"version_{i}") for i in range(2)]
+    for d in dirs:
+        assert "train_loss" in (Path(d) / "metrics.csv").read_text()

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional
 
 import torch
 from lightning.fabric.strategies.launchers.multiprocessing import _check_missing_main_guard
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from lightning.pytorch.strategies.launchers.multiprocessing import _GlobalStateSnapshot
 from lightning.pytorch.trainer import call
@@ -88,6 +89,8 @@ class SHMLauncher(_Launcher):
         if trainer is not None and trainer.lightning_module is not None:  # bad input fails before any worker starts
             strategy.validate_model(trainer.lightning_module, trainer, (args, kwargs))
             strategy.check_shared_memory(trainer.lightning_module)
+        if trainer is not None:
+            _resolve_log_versions(trainer)
         snapshot = _GlobalStateSnapshot.capture() if self._start_method != "fork" else None
         predicting = trainer is not None and trainer.state.fn == TrainerFn.PREDICTING
         config = LaunchConfig(world_size=strategy.num_processes, start_method=self._start_method,
@@ -198,6 +201,16 @@ def _run_in_worker(world: World, launcher: SHMLauncher, trainer: Optional["pl.Tr
         return launcher._collect_results(trainer, results, strategy.stop_agreed, tuned)
     finally:
         strategy.detach_world()
+
+
+def _resolve_log_versions(trainer: "pl.Trainer") -> None:
+    """A CSV / TensorBoard logger picks its version (``version_N``) the first time it is asked, by listing the
+    directory. Asked here, before the workers copy the Trainer, so rank 0 writes where the main process's
+    ``trainer.logger.log_dir`` points; asked later in the main process it found rank 0's new directory and
+    named the next one, which does not exist."""
+    for logger in trainer.loggers:
+        if isinstance(logger, (CSVLogger, TensorBoardLogger)):
+            logger.version  # noqa: B018 -- the property picks and keeps the version
 
 
 def _check_main_is_importable(start_method: str) -> None:
