@@ -219,3 +219,28 @@ def test_the_main_process_logger_points_where_rank_0_wrote(tmp_path):
     assert dirs == [str(tmp_path / "exp" / f"version_{i}") for i in range(2)]
     for d in dirs:
         assert "train_loss" in (Path(d) / "metrics.csv").read_text()
+
+
+def test_the_main_process_trainer_holds_each_run_s_logged_and_progress_bar_metrics():
+    """They were empty after fit (only callback_metrics came back, as from Lightning's ddp_spawn), and a second
+    run's callback_metrics kept the first run's keys; one process starts each run's afresh."""
+    def runs(strategy, devices, batch, ref=False):
+        pl.seed_everything(SEED)
+        t = trainer(strategy=strategy, devices=devices, max_epochs=1, precision="64-true")
+        ds = mnist_like(GLOBAL_BATCH * 2, seed=1)
+        dl = reference_loader(ds, batch, SEED) if ref else loader(ds, batch)
+        model = MNISTClassifier(optimizer="adam")
+        t.fit(model, dl, dl)
+        out = [{a: {k: float(v) for k, v in getattr(t, a).items()} for a in ("callback_metrics", "logged_metrics",
+                                                                            "progress_bar_metrics")}]
+        t.validate(model, dl, verbose=False)
+        return out + [{"callback_metrics": dict(t.callback_metrics), "logged_metrics": dict(t.logged_metrics)}]
+
+    strategy, devices, dp = LAYOUTS["pp2-1f1b"]
+    one_fit, one_val = runs("auto", 1, GLOBAL_BATCH, ref=True)
+    fit, val = runs(strategy(), devices, GLOBAL_BATCH // dp)
+    assert set(one_fit["logged_metrics"]) == {"train_loss", "val_loss", "val_acc"}
+    for name in one_fit:
+        assert fit[name] == pytest.approx(one_fit[name], rel=1e-12), name
+    assert set(val["callback_metrics"]) == set(val["logged_metrics"]) == set(one_val["logged_metrics"]) == {
+        "val_loss", "val_acc"}

@@ -4,7 +4,8 @@ The main process calls ``trainer.fit`` -> :meth:`SHMLauncher.launch`, which runs
 ``_fit_impl`` / ``_test_impl`` / ``_predict_impl`` in W workers through
 :class:`lightning_shm.runtime.Launcher` (segments, fault handling, clean-up), then makes the main
 process's Trainer the one that ran (:mod:`.main_state`): weights, loops, optimizer, scheduler and
-callback states, ``callback_metrics`` and -- unlike Lightning's spawn launcher -- the predictions
+callback states, ``callback_metrics``, ``logged_metrics``, ``progress_bar_metrics`` and -- unlike
+Lightning's spawn launcher, which hands back only the first -- the predictions
 of *all* ranks, in dataset order.
 
 Interrupts (SIGINT / SIGTERM to the main process or the process group): the runtime turns the
@@ -44,6 +45,7 @@ from lightning_shm.strategies.main_state import (
     restore_trainer,
 )
 
+_METRICS = ("callback_metrics", "logged_metrics", "progress_bar_metrics")
 # what the fork server imports once, so that no worker of any later fit imports it again
 FORKSERVER_PRELOAD = ("torch", "lightning.pytorch", "lightning_shm")
 
@@ -57,7 +59,7 @@ class WorkerOutput(NamedTuple):
     checkpoint_path: Optional[str]  # rank 0's full end-of-fit checkpoint, for the main process's Trainer
     trainer_state: TrainerState
     trainer_results: Any
-    callback_metrics_bytes: bytes
+    metrics_bytes: bytes  # the Trainer's callback, logged and progress-bar metrics (torch.save of a dict)
     stopped_by: int  # the signal all ranks agreed to stop on (0: ran to the end)
     learning_rates: list  # what LearningRateFinder callbacks found (:func:`.main_state.found_learning_rates`)
 
@@ -131,7 +133,8 @@ class SHMLauncher(_Launcher):
         if checkpoint is not None:
             path = os.path.join(tempfile.mkdtemp(prefix="lightning_shm_"), "end.ckpt")
             torch.save(checkpoint, path)
-        metrics = apply_to_collection(trainer.callback_metrics, torch.Tensor, lambda t: t.detach().cpu())
+        metrics = {name: apply_to_collection(dict(getattr(trainer, name)), torch.Tensor, lambda t: t.detach().cpu())
+                   for name in _METRICS}
         buffer = io.BytesIO()
         torch.save(metrics, buffer)
         return WorkerOutput(path, trainer.state, results, buffer.getvalue(), stopped_by, found_learning_rates(trainer))
@@ -139,8 +142,11 @@ class SHMLauncher(_Launcher):
     # ------------------------------------------------------------------ main side
     def _recover_in_main_process(self, output: WorkerOutput, trainer: "pl.Trainer", data: dict[str, Any]) -> None:
         trainer.state = output.trainer_state
-        metrics = torch.load(io.BytesIO(output.callback_metrics_bytes), weights_only=True)
-        trainer.callback_metrics.update(metrics)
+        metrics = torch.load(io.BytesIO(output.metrics_bytes), weights_only=True)
+        for name in _METRICS:  # the Trainer's own dicts (it holds no results to compute them from here), as
+            held = getattr(trainer, name)  # rank 0's: each run starts them afresh, as one process's run does
+            held.clear()
+            held.update(metrics[name])
         apply_found_learning_rates(trainer, output.learning_rates)
         if output.checkpoint_path is not None:
             checkpoint = torch.load(output.checkpoint_path, weights_only=False)
