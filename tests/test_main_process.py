@@ -8,13 +8,15 @@ a single process writes, and ``test(ckpt_path="best")`` finds the best checkpoin
 
 from __future__ import annotations
 
+import collections
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import pytest
 import torch
-from lightning.pytorch.callbacks import LearningRateFinder, ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, LearningRateFinder, LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.tuner import Tuner
 from torch.utils.data import DataLoader
@@ -244,3 +246,43 @@ def test_the_main_process_trainer_holds_each_run_s_logged_and_progress_bar_metri
         assert fit[name] == pytest.approx(one_fit[name], rel=1e-12), name
     assert set(val["callback_metrics"]) == set(val["logged_metrics"]) == set(one_val["logged_metrics"]) == {
         "val_loss", "val_acc"}
+
+
+class _History(Callback):
+    """A callback without state_dict gathering what it sees in public attributes."""
+
+    def __init__(self):
+        self.val_losses, self.epochs, self.by_epoch = [], 0, {}
+        self.per_epoch = collections.defaultdict(lambda: 0)  # cannot be pickled: stays in the workers
+
+    def on_validation_epoch_end(self, trainer, pl_module):
+        self.val_losses.append(trainer.callback_metrics["val_loss"].clone())
+        self.by_epoch[trainer.current_epoch] = float(trainer.callback_metrics["val_loss"])
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        self.epochs += 1
+        self.per_epoch[trainer.current_epoch] += 1
+
+
+@pytest.mark.parametrize("layout", ["ddp", "pp2-1f1b"])
+def test_callbacks_gathered_data_comes_back_to_the_main_process(layout):
+    """It stayed in the workers: after fit the main process's callback held what it held before the run (an
+    empty history) -- as after Lightning's ddp_spawn, unlike one process. LearningRateMonitor's ``lrs`` too."""
+    def run(strategy, devices, batch, ref=False):
+        pl.seed_everything(SEED)
+        history, lrs = _History(), LearningRateMonitor()
+        ds = mnist_like(GLOBAL_BATCH * 2, seed=1)
+        dl = reference_loader(ds, batch, SEED) if ref else loader(ds, batch)
+        t = trainer(strategy=strategy, devices=devices, max_epochs=3, num_sanity_val_steps=0, precision="64-true",
+                    callbacks=[history, lrs], logger=CSVLogger(tempfile.mkdtemp()))
+        t.fit(SchedClassifier(optimizer="adam", lr=0.01), dl, dl)
+        return history, lrs.lrs
+
+    one, one_lrs = run("auto", 1, GLOBAL_BATCH, ref=True)
+    strategy, devices, dp = LAYOUTS[layout]
+    got, got_lrs = run(strategy(), devices, GLOBAL_BATCH // dp)
+    assert got.epochs == one.epochs == 3 and len(got.val_losses) == 3
+    assert len(one.per_epoch) == 3 and len(got.per_epoch) == 0  # left as it was, without failing the run
+    torch.testing.assert_close(torch.stack(got.val_losses), torch.stack(one.val_losses), rtol=1e-12, atol=0)
+    assert got.by_epoch == pytest.approx(one.by_epoch, rel=1e-12)
+    assert got_lrs == one_lrs == {"lr-Adam": [0.01, 0.01, 0.005]}  # StepLR(step_size=2, gamma=0.5), per epoch

@@ -14,20 +14,26 @@ optimizers and says so.
 
 What a ``LearningRateFinder`` found (``Tuner.lr_find`` or the callback) is not in any checkpoint: its
 result object and the learning-rate attribute it set come back beside it (:func:`found_learning_rates`,
-:func:`apply_found_learning_rates`).
+:func:`apply_found_learning_rates`). Neither is what a callback without ``state_dict`` gathered in
+public attributes (a history of validation losses): plain data -- numbers, strings, tensors and lists
+or dicts of them -- comes back too (:func:`callback_attributes`), where Lightning's spawn launcher
+leaves the main process's callbacks as they were before the run.
 """
 
 from __future__ import annotations
 
 import inspect
 import logging
+import pickle
 from typing import Any, Callable, Mapping, Sequence
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import LearningRateFinder, ModelCheckpoint
 from lightning.pytorch.trainer import call
 from lightning.pytorch.tuner.lr_finder import _determine_lr_attr_name
 from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_setattr
+from lightning_utilities.core.apply_func import apply_to_collection
 
 log = logging.getLogger(__name__)
 
@@ -130,3 +136,40 @@ def apply_found_learning_rates(trainer: "pl.Trainer", found: list[tuple[int, Any
         trainer.callbacks[i].optimal_lr = optimal_lr
         if attr:
             lightning_setattr(trainer.lightning_module, attr, value)
+
+
+def callback_attributes(trainer: "pl.Trainer") -> list[tuple[str, dict[str, Any]]]:
+    """On rank 0 after the run: each callback's type and its public attributes that hold plain data."""
+    out = []
+    for cb in trainer.callbacks:
+        attrs = {}
+        for name, value in vars(cb).items():
+            if name.startswith("_") or not _plain(value):
+                continue
+            value = apply_to_collection(value, torch.Tensor, lambda t: t.detach().cpu())
+            try:
+                pickle.dumps(value)  # e.g. a defaultdict whose factory is a lambda
+            except Exception:
+                continue
+            attrs[name] = value
+        out.append((type(cb).__qualname__, attrs))
+    return out
+
+
+def apply_callback_attributes(trainer: "pl.Trainer", attributes: list[tuple[str, dict[str, Any]]]) -> None:
+    """In the main process: rank 0's attributes on the callback at the same position (and of the same type)."""
+    for cb, (kind, attrs) in zip(trainer.callbacks, attributes):
+        if type(cb).__qualname__ == kind:
+            for name, value in attrs.items():
+                setattr(cb, name, value)
+
+
+def _plain(value: Any, depth: int = 0) -> bool:
+    if value is None or isinstance(value, (bool, int, float, str, torch.Tensor)):
+        return True
+    if depth < 4 and isinstance(value, (list, tuple)):
+        return all(_plain(v, depth + 1) for v in value)
+    if depth < 4 and isinstance(value, dict):
+        return all(_plain(k, depth + 1) and _plain(v, depth + 1) for k, v in value.items())
+    return False
+
