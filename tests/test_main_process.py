@@ -264,10 +264,21 @@ class _History(Callback):
         self.per_epoch[trainer.current_epoch] += 1
 
 
+class _KeepsHistory(SchedClassifier):
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.val_history, self.best_val = [], None
+
+    def on_validation_epoch_end(self):
+        v = float(self.trainer.callback_metrics["val_loss"])
+        self.val_history.append(v)
+        self.best_val = v if self.best_val is None else min(v, self.best_val)
+
+
 @pytest.mark.parametrize("layout", ["ddp", "pp2-1f1b"])
-def test_callbacks_gathered_data_comes_back_to_the_main_process(layout):
-    """It stayed in the workers: after fit the main process's callback held what it held before the run (an
-    empty history) -- as after Lightning's ddp_spawn, unlike one process. LearningRateMonitor's ``lrs`` too."""
+def test_what_the_module_and_callbacks_gathered_comes_back_to_the_main_process(layout):
+    """It stayed in the workers: after fit the main process's module and callbacks held what they held before the
+    run (empty histories) -- as after Lightning's ddp_spawn, unlike one process. LearningRateMonitor's ``lrs`` too."""
     def run(strategy, devices, batch, ref=False):
         pl.seed_everything(SEED)
         history, lrs = _History(), LearningRateMonitor()
@@ -275,12 +286,15 @@ def test_callbacks_gathered_data_comes_back_to_the_main_process(layout):
         dl = reference_loader(ds, batch, SEED) if ref else loader(ds, batch)
         t = trainer(strategy=strategy, devices=devices, max_epochs=3, num_sanity_val_steps=0, precision="64-true",
                     callbacks=[history, lrs], logger=CSVLogger(tempfile.mkdtemp()))
-        t.fit(SchedClassifier(optimizer="adam", lr=0.01), dl, dl)
-        return history, lrs.lrs
+        model = _KeepsHistory(optimizer="adam", lr=0.01)
+        t.fit(model, dl, dl)
+        return history, lrs.lrs, model
 
-    one, one_lrs = run("auto", 1, GLOBAL_BATCH, ref=True)
+    one, one_lrs, one_model = run("auto", 1, GLOBAL_BATCH, ref=True)
     strategy, devices, dp = LAYOUTS[layout]
-    got, got_lrs = run(strategy(), devices, GLOBAL_BATCH // dp)
+    got, got_lrs, model = run(strategy(), devices, GLOBAL_BATCH // dp)
+    assert len(model.val_history) == 3 and model.val_history == pytest.approx(one_model.val_history, rel=1e-12)
+    assert model.best_val == pytest.approx(one_model.best_val, rel=1e-12)
     assert got.epochs == one.epochs == 3 and len(got.val_losses) == 3
     assert len(one.per_epoch) == 3 and len(got.per_epoch) == 0  # left as it was, without failing the run
     torch.testing.assert_close(torch.stack(got.val_losses), torch.stack(one.val_losses), rtol=1e-12, atol=0)

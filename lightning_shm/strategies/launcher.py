@@ -39,11 +39,11 @@ from lightning_utilities.core.apply_func import apply_to_collection
 
 from lightning_shm.runtime import LaunchConfig, Launcher, World
 from lightning_shm.strategies.main_state import (
-    apply_callback_attributes,
     apply_found_learning_rates,
-    callback_attributes,
+    apply_gathered_attributes,
     fit_data,
     found_learning_rates,
+    gathered_attributes,
     restore_trainer,
 )
 
@@ -64,7 +64,7 @@ class WorkerOutput(NamedTuple):
     metrics_bytes: bytes  # the Trainer's callback, logged and progress-bar metrics (torch.save of a dict)
     stopped_by: int  # the signal all ranks agreed to stop on (0: ran to the end)
     learning_rates: list  # what LearningRateFinder callbacks found (:func:`.main_state.found_learning_rates`)
-    callback_attributes: list  # callbacks' public plain-data attributes (:func:`.main_state.callback_attributes`)
+    attributes: list  # the module's and callbacks' public plain data (:func:`.main_state.gathered_attributes`)
 
 
 class SHMLauncher(_Launcher):
@@ -141,7 +141,7 @@ class SHMLauncher(_Launcher):
         buffer = io.BytesIO()
         torch.save(metrics, buffer)
         return WorkerOutput(path, trainer.state, results, buffer.getvalue(), stopped_by, found_learning_rates(trainer),
-                            callback_attributes(trainer))
+                            gathered_attributes(trainer))
 
     # ------------------------------------------------------------------ main side
     def _recover_in_main_process(self, output: WorkerOutput, trainer: "pl.Trainer", data: dict[str, Any]) -> None:
@@ -159,7 +159,7 @@ class SHMLauncher(_Launcher):
             finally:
                 os.remove(output.checkpoint_path)
                 os.rmdir(os.path.dirname(output.checkpoint_path))
-        apply_callback_attributes(trainer, output.callback_attributes)
+        apply_gathered_attributes(trainer, output.attributes)
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()

@@ -16,8 +16,9 @@ What a ``LearningRateFinder`` found (``Tuner.lr_find`` or the callback) is not i
 result object and the learning-rate attribute it set come back beside it (:func:`found_learning_rates`,
 :func:`apply_found_learning_rates`). Neither is what a callback without ``state_dict`` gathered in
 public attributes (a history of validation losses): plain data -- numbers, strings, tensors and lists
-or dicts of them -- comes back too (:func:`callback_attributes`), where Lightning's spawn launcher
-leaves the main process's callbacks as they were before the run.
+or dicts of them -- comes back too, and so does what the LightningModule kept that way (a list of
+epoch losses, a best score) (:func:`gathered_attributes`), where Lightning's spawn launcher leaves the
+main process's module and callbacks as they were before the run.
 """
 
 from __future__ import annotations
@@ -138,30 +139,34 @@ def apply_found_learning_rates(trainer: "pl.Trainer", found: list[tuple[int, Any
             lightning_setattr(trainer.lightning_module, attr, value)
 
 
-def callback_attributes(trainer: "pl.Trainer") -> list[tuple[str, dict[str, Any]]]:
-    """On rank 0 after the run: each callback's type and its public attributes that hold plain data."""
-    out = []
-    for cb in trainer.callbacks:
-        attrs = {}
-        for name, value in vars(cb).items():
-            if name.startswith("_") or not _plain(value):
-                continue
-            value = apply_to_collection(value, torch.Tensor, lambda t: t.detach().cpu())
-            try:
-                pickle.dumps(value)  # e.g. a defaultdict whose factory is a lambda
-            except Exception:
-                continue
-            attrs[name] = value
-        out.append((type(cb).__qualname__, attrs))
-    return out
+def gathered_attributes(trainer: "pl.Trainer") -> list[tuple[str, dict[str, Any]]]:
+    """On rank 0 after the run: the type and the public plain-data attributes of the LightningModule, then of
+    each callback."""
+    return [(type(obj).__qualname__, plain_attributes(obj)) for obj in (trainer.lightning_module, *trainer.callbacks)]
 
 
-def apply_callback_attributes(trainer: "pl.Trainer", attributes: list[tuple[str, dict[str, Any]]]) -> None:
-    """In the main process: rank 0's attributes on the callback at the same position (and of the same type)."""
-    for cb, (kind, attrs) in zip(trainer.callbacks, attributes):
-        if type(cb).__qualname__ == kind:
+def apply_gathered_attributes(trainer: "pl.Trainer", attributes: list[tuple[str, dict[str, Any]]]) -> None:
+    """In the main process: rank 0's attributes on the module and on the callback at the same position (each
+    of the same type)."""
+    for obj, (kind, attrs) in zip((trainer.lightning_module, *trainer.callbacks), attributes):
+        if type(obj).__qualname__ == kind:
             for name, value in attrs.items():
-                setattr(cb, name, value)
+                setattr(obj, name, value)
+
+
+def plain_attributes(obj: Any) -> dict[str, Any]:
+    """``obj``'s public attributes holding plain data (tensors detached), each one that pickles."""
+    attrs = {}
+    for name, value in vars(obj).items():
+        if name.startswith("_") or not _plain(value):
+            continue
+        value = apply_to_collection(value, torch.Tensor, lambda t: t.detach().cpu())
+        try:
+            pickle.dumps(value)  # e.g. a defaultdict whose factory is a lambda
+        except Exception:
+            continue
+        attrs[name] = value
+    return attrs
 
 
 def _plain(value: Any, depth: int = 0) -> bool:
