@@ -300,3 +300,24 @@ def test_what_the_module_and_callbacks_gathered_comes_back_to_the_main_process(l
     torch.testing.assert_close(torch.stack(got.val_losses), torch.stack(one.val_losses), rtol=1e-12, atol=0)
     assert got.by_epoch == pytest.approx(one.by_epoch, rel=1e-12)
     assert got_lrs == one_lrs == {"lr-Adam": [0.01, 0.01, 0.005]}  # StepLR(step_size=2, gamma=0.5), per epoch
+
+
+class _DerivesInSetup(pl.LightningDataModule):
+    def __init__(self, batch: int):
+        super().__init__()
+        self.batch = batch
+
+    def setup(self, stage: str):
+        self.ds = mnist_like(GLOBAL_BATCH * 2, seed=1)
+        self.num_samples, self.stages = len(self.ds), getattr(self, "stages", []) + [stage]
+
+    def train_dataloader(self):
+        return loader(self.ds, self.batch)
+
+
+def test_what_the_datamodule_setup_derived_comes_back_to_the_main_process():
+    """A count derived in ``setup`` stayed in the workers; the dataset itself still does (no setup here)."""
+    strategy, devices, dp = LAYOUTS["ddp"]
+    dm = _DerivesInSetup(GLOBAL_BATCH // dp)
+    trainer(strategy=strategy(), devices=devices, max_epochs=1).fit(MNISTClassifier(optimizer="adam"), datamodule=dm)
+    assert (dm.num_samples, dm.stages) == (GLOBAL_BATCH * 2, ["fit"]) and not hasattr(dm, "ds")

@@ -16,9 +16,10 @@ What a ``LearningRateFinder`` found (``Tuner.lr_find`` or the callback) is not i
 result object and the learning-rate attribute it set come back beside it (:func:`found_learning_rates`,
 :func:`apply_found_learning_rates`). Neither is what a callback without ``state_dict`` gathered in
 public attributes (a history of validation losses): plain data -- numbers, strings, tensors and lists
-or dicts of them -- comes back too, and so does what the LightningModule kept that way (a list of
-epoch losses, a best score) (:func:`gathered_attributes`), where Lightning's spawn launcher leaves the
-main process's module and callbacks as they were before the run.
+or dicts of them -- comes back too, and so does what the LightningModule and the datamodule kept that
+way (a list of epoch losses, a best score, a sample count ``setup`` derived) (:func:`gathered_attributes`),
+where Lightning's spawn launcher leaves them as they were before the run. Datasets ``setup`` built stay in
+the workers (the main process does not run ``setup``).
 """
 
 from __future__ import annotations
@@ -140,18 +141,22 @@ def apply_found_learning_rates(trainer: "pl.Trainer", found: list[tuple[int, Any
 
 
 def gathered_attributes(trainer: "pl.Trainer") -> list[tuple[str, dict[str, Any]]]:
-    """On rank 0 after the run: the type and the public plain-data attributes of the LightningModule, then of
-    each callback."""
-    return [(type(obj).__qualname__, plain_attributes(obj)) for obj in (trainer.lightning_module, *trainer.callbacks)]
+    """On rank 0 after the run: the type and the public plain-data attributes of the LightningModule, of the
+    datamodule (what its ``setup`` derived: a sample count, a mean) and of each callback."""
+    return [(type(obj).__qualname__, plain_attributes(obj) if obj is not None else {}) for obj in _holders(trainer)]
 
 
 def apply_gathered_attributes(trainer: "pl.Trainer", attributes: list[tuple[str, dict[str, Any]]]) -> None:
-    """In the main process: rank 0's attributes on the module and on the callback at the same position (each
-    of the same type)."""
-    for obj, (kind, attrs) in zip((trainer.lightning_module, *trainer.callbacks), attributes):
-        if type(obj).__qualname__ == kind:
+    """In the main process: rank 0's attributes on the module, the datamodule and the callback at the same
+    position (each of the same type)."""
+    for obj, (kind, attrs) in zip(_holders(trainer), attributes):
+        if obj is not None and type(obj).__qualname__ == kind:
             for name, value in attrs.items():
                 setattr(obj, name, value)
+
+
+def _holders(trainer: "pl.Trainer") -> list[Any]:
+    return [trainer.lightning_module, trainer.datamodule, *trainer.callbacks]
 
 
 def plain_attributes(obj: Any) -> dict[str, Any]:
