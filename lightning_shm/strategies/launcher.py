@@ -147,8 +147,10 @@ class SHMLauncher(_Launcher):
     def _recover_in_main_process(self, output: WorkerOutput, trainer: "pl.Trainer", data: dict[str, Any]) -> None:
         trainer.state = output.trainer_state
         metrics = torch.load(io.BytesIO(output.metrics_bytes), weights_only=True)
-        for name in _METRICS:  # the Trainer's own dicts (it holds no results to compute them from here), as
-            held = getattr(trainer, name)  # rank 0's: each run starts them afresh, as one process's run does
+        # the Trainer's own dicts (it holds no results to compute them from here): rank 0's, replacing the
+        # previous run's, as each run of one process starts them afresh
+        for name in _METRICS:
+            held = getattr(trainer, name)
             held.clear()
             held.update(metrics[name])
         apply_found_learning_rates(trainer, output.learning_rates)

@@ -355,6 +355,24 @@ class SHMModelParallel(SHMStrategyBase):
             group = self.data_parallel_group()
         return super().all_gather(tensor, group, sync_grads)
 
+    def barrier(self, name: Optional[str] = None) -> None:
+        """Inside a pipeline's step over the data-parallel group (the ranks running that code), as ``all_gather``."""
+        dp = self.data_parallel_group() if self._in_stage_step else None
+        if dp is not None:
+            dp.barrier()
+        else:
+            super().barrier(name)
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """Inside a pipeline's step from ``src``'s data-parallel replica on this stage (``src=0``: the first),
+        over the data-parallel group: global rank ``src`` may be on another stage, not running the step."""
+        dp = self.data_parallel_group() if self._in_stage_step else None
+        if dp is None:
+            return super().broadcast(obj, src)
+        local_dp = self.topology().dp
+        member = (src // self.num_processes) * local_dp + self.topology().coords(src % self.num_processes).dp
+        return dp.broadcast_object(obj, src_member=member)
+
     def on_validation_start(self) -> None:
         super().on_validation_start()
         self._before_forward()

@@ -326,6 +326,31 @@ def test_all_gather_inside_a_step_gathers_over_the_ranks_running_it(devices):
         assert ours[name].dtype == one[name].dtype == torch.float64, name
 
 
+class SyncsInStep(MNISTClassifier):
+    """A barrier and a broadcast of the replica's rank inside the training step, as users write around I/O."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.trainer.strategy.barrier()
+        rank = torch.tensor(float(self.global_rank))
+        self.log("from_first", float(self.trainer.strategy.broadcast(rank)))
+        self.log("from_last", float(self.trainer.strategy.broadcast(rank, src=self.trainer.world_size - 1)))
+        return loss
+
+
+@pytest.mark.parametrize("devices", [2, 4])
+def test_barrier_and_broadcast_inside_a_step_run_over_the_ranks_running_it(devices):
+    """They ran over every rank, which only the last stage's reach inside a step: waited for the runtime's
+    timeout (15 s here; 300 s by default). Now over the data-parallel group; the broadcast from ``src``'s
+    replica on the stage running the step (``src=0``: global rank ``devices // 2``, its first replica)."""
+    strategy = SHMModelParallel(start_method="fork", pipeline_parallel_size=2, data_parallel_size=devices // 2,
+                                microbatches=2, timeout=15)
+    t = trainer(strategy=strategy, devices=devices, max_epochs=1)
+    t.fit(SyncsInStep(optimizer="adam"), loader(mnist_like(GLOBAL_BATCH * 2, seed=1), GLOBAL_BATCH // (devices // 2)))
+    assert t.global_step == 2 and float(t.callback_metrics["from_first"]) == devices // 2
+    assert float(t.callback_metrics["from_last"]) == devices - 1  # src's own replica
+
+
 def test_predict_runs_forward_through_the_pipeline():
     pl.seed_everything(0)
     model = MNISTClassifier()
