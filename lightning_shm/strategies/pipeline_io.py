@@ -240,7 +240,7 @@ class LightningStageIO:
         if stop and trainer is not None:
             trainer.should_stop = True
         if not position.is_last:
-            _append(module, self.lists, appended)
+            _append(module, appended)
         for name, value, args, kwargs, metric_state in logs:
             if isinstance(value, MetricRef):
                 metric = module.get_submodule(value.path)
@@ -253,33 +253,36 @@ class LightningStageIO:
 _ListKey = tuple[str, Any]  # (attribute, None) for a list; (attribute, key) for a list in a dict
 
 
-def _list_lengths(module: nn.Module) -> dict[_ListKey, int]:
-    """The lists ``module`` keeps in public attributes, directly or as values of a dict, and their lengths."""
-    out: dict[_ListKey, int] = {}
+def _list_lengths(module: nn.Module) -> dict[_ListKey, tuple[int, int]]:
+    """The lists ``module`` keeps in public attributes, directly or as values of a dict: ``(id, length)``."""
+    out: dict[_ListKey, tuple[int, int]] = {}
     for name, value in vars(module).items():
         if name.startswith("_"):
             continue
         if isinstance(value, list):
-            out[(name, None)] = len(value)
+            out[(name, None)] = (id(value), len(value))
         elif isinstance(value, dict):
-            out.update(((name, k), len(v)) for k, v in value.items() if isinstance(v, list))
+            out.update(((name, k), (id(v), len(v))) for k, v in value.items() if isinstance(v, list))
     return out
 
 
-def _appended(module: nn.Module, before: Mapping[_ListKey, int]) -> dict[_ListKey, list]:
-    """On the last stage after the step: what it appended to each list (tensors detached)."""
+def _appended(module: nn.Module, before: Mapping[_ListKey, tuple[int, int]]) -> dict[_ListKey, tuple[int, list]]:
+    """On the last stage after the step, per list it grew: ``(start, the items from start)``; per list it created
+    or replaced (``self.buf = self.buf[-9:] + [x]``): ``(0, all its items)``. Tensors detached."""
     out = {}
-    for key, n in _list_lengths(module).items():
-        start = before.get(key, 0)
-        if n > start:
+    for key, (ident, n) in _list_lengths(module).items():
+        was = before.get(key)
+        start = was[1] if was is not None and was[0] == ident else 0
+        if n > start or start == 0 and was is not None and was[0] != ident:
             lst = getattr(module, key[0]) if key[1] is None else getattr(module, key[0])[key[1]]
-            out[key] = apply_to_collection(lst[start:], Tensor, lambda t: t.detach())
+            out[key] = (start, apply_to_collection(lst[start:], Tensor, lambda t: t.detach()))
     return out
 
 
-def _append(module: nn.Module, before: Mapping[_ListKey, int], appended: Mapping[_ListKey, list]) -> None:
-    """On the other stages: the last stage's appends in place of what this stage's partial run appended."""
-    for (name, key), items in appended.items():
+def _append(module: nn.Module, appended: Mapping[_ListKey, tuple[int, list]]) -> None:
+    """On the other stages: each list as the last stage left it -- cut at ``start`` (dropping what this stage's
+    partial run of the step appended) and extended with the last stage's items."""
+    for (name, key), (start, items) in appended.items():
         holder = getattr(module, name, None)
         if key is None and not isinstance(holder, list):
             setattr(module, name, list(items))  # created by the step itself
@@ -288,7 +291,7 @@ def _append(module: nn.Module, before: Mapping[_ListKey, int], appended: Mapping
             if not isinstance(holder, dict):
                 continue
             holder = holder.setdefault(key, [])
-        del holder[before.get((name, key), 0):]
+        del holder[start:]
         holder.extend(items)
 
 

@@ -705,7 +705,7 @@ class KeepsStepOutputs(MNISTClassifier):
 
     def __init__(self, **kw):
         super().__init__(**kw)
-        self.train_losses, self.val_outputs, self.sizes = [], {"val": []}, []
+        self.train_losses, self.val_outputs, self.sizes, self.window = [], {"val": []}, [], []
 
     def training_step(self, batch, batch_idx):
         self.sizes.append(len(batch[1]))  # before the Sequential call: the first stage runs this part too
@@ -721,9 +721,11 @@ class KeepsStepOutputs(MNISTClassifier):
 
     def validation_step(self, batch, batch_idx):
         self.val_outputs["val"].append(nn.functional.cross_entropy(self(batch[0]), batch[1]))
+        self.window = self.window[-2:] + [batch_idx]  # a new list each step: the last three batches
 
     def on_validation_epoch_end(self):
         self.log("val_mean", torch.stack(self.val_outputs["val"]).mean(), sync_dist=True)
+        self.log("window", float(sum(self.window)))
         self.val_outputs["val"].clear()
 
 
@@ -736,7 +738,7 @@ def test_lists_the_steps_append_to_are_appended_on_every_stage(name):
         dl = reference_loader(ds, batch, SEED) if ref else loader(ds, batch)
         t = trainer(strategy=strategy, devices=devices, max_epochs=1, num_sanity_val_steps=0, precision="64-true")
         t.fit(KeepsStepOutputs(optimizer="adam"), dl, dl)
-        return {k: float(t.callback_metrics[k]) for k in ("train_mean", "val_mean", "seen")}
+        return {k: float(t.callback_metrics[k]) for k in ("train_mean", "val_mean", "seen", "window")}
 
     one = run("auto", 1, GLOBAL_BATCH, ref=True)
     strategy, devices, dp = layouts(name)[name]
@@ -745,3 +747,4 @@ def test_lists_the_steps_append_to_are_appended_on_every_stage(name):
     # the mean of the microbatches' (equal) means is the batch mean; synced over the data-parallel ranks
     for key in ("train_mean", "val_mean"):
         assert got[key] == pytest.approx(one[key], rel=1e-12), key
+    assert got["window"] == one["window"] == 1 + 2 + 3  # the last three of each rank's 4 validation batches
