@@ -185,6 +185,8 @@ class SHMModelParallel(SHMStrategyBase):
             if self.parallel.state.placements or self.parallel.state.stages is not None:
                 adapt_swa(trainer, module, self.parallel.state)
         self.setup_precision_plugin()
+        state, W = self.parallel.state, self.world_size
+        self._grads_split = not all(state.copies(p) == W for p in module.parameters())
         self._install_clipping()
         self.attach_metrics()
 
@@ -233,11 +235,9 @@ class SHMModelParallel(SHMStrategyBase):
         """``gradient_clip_val`` (norm) clips by the norm over every rank's gradient pieces, each element
         once: Lightning's own clipping would use each rank's local norm, different where gradients are
         split. Where every rank holds every gradient (pure data parallelism) Lightning's is that norm."""
-        state, W = self.parallel.state, self.world_size
-        self._grads_split = not all(state.copies(p) == W for p in self.lightning_module.parameters())
         if not self._grads_split:
             return
-        world = self.group
+        state, world = self.parallel.state, self.group
 
         def clip_grad_by_norm(optimizer: Any, clip_val: Union[int, float]) -> None:
             params = [p for g in optimizer.param_groups for p in g["params"]]
