@@ -39,6 +39,25 @@ def trainer(**kwargs: Any) -> pl.Trainer:
     return pl.Trainer(**{**QUIET, **kwargs})
 
 
+def fit_seeded(make_model: Callable[[], pl.LightningModule], strategy: Any, devices: int, batch: int, *,
+               ref: bool = False, samples: int = 0, validate: bool = False,
+               **trainer_kw: Any) -> tuple[pl.Trainer, pl.LightningModule]:
+    """One seeded float64 fit of ``make_model()`` on ``samples`` synthetic samples (default 2 global batches) in
+    batches of ``batch`` per data-parallel rank (``ref``: one process in the distributed sampler's order); with
+    ``validate`` the same loader validates. Returns the trainer and the model, for what a test reads of them."""
+    pl.seed_everything(SEED)
+    model = make_model()
+    ds = mnist_like(samples or GLOBAL_BATCH * 2, seed=1)
+    dl = reference_loader(ds, batch, SEED) if ref else loader(ds, batch)
+    t = trainer(**{"strategy": strategy, "devices": devices, "max_epochs": 1, "precision": "64-true", **trainer_kw})
+    t.fit(model, dl, dl if validate else None)
+    return t, model
+
+
+def logged_floats(t: pl.Trainer) -> dict[str, float]:
+    return {k: float(v) for k, v in t.callback_metrics.items()}
+
+
 def flat_params(module: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in module.parameters()])
 

@@ -16,7 +16,17 @@ from lightning.pytorch.utilities import grad_norm as lightning_grad_norm
 import lightning_shm
 from lightning_shm.models import MNISTClassifier
 from lightning_shm.parallel.clip import grad_norms
-from tests.helpers import GLOBAL_BATCH, LAYOUTS, SEED, layouts, loader, mnist_like, reference_loader, trainer
+from tests.helpers import (
+    GLOBAL_BATCH,
+    LAYOUTS,
+    SEED,
+    fit_seeded,
+    layouts,
+    loader,
+    logged_floats,
+    mnist_like,
+    trainer,
+)
 
 NORMS = (2, 1, "inf")
 
@@ -43,12 +53,8 @@ class LogsGradNorms(MNISTClassifier):
 
 
 def _logged(strategy, devices, batch, ref=False, **kw):
-    pl.seed_everything(SEED)
-    model = LogsGradNorms(optimizer="adam", lr=0.01, **kw)
-    ds = mnist_like(GLOBAL_BATCH * 2, seed=1)
-    t = trainer(strategy=strategy, devices=devices, max_epochs=1, precision="64-true")
-    t.fit(model, reference_loader(ds, batch, SEED) if ref else loader(ds, batch))
-    return {k: float(v) for k, v in t.callback_metrics.items()}
+    t, _ = fit_seeded(lambda: LogsGradNorms(optimizer="adam", lr=0.01, **kw), strategy, devices, batch, ref=ref)
+    return logged_floats(t)
 
 
 @pytest.fixture(scope="module")

@@ -29,6 +29,7 @@ from tests.helpers import (
     LAYOUTS,
     SEED,
     SchedClassifier,
+    fit_seeded,
     loader,
     mnist_like,
     reference_loader,
@@ -280,14 +281,10 @@ def test_what_the_module_and_callbacks_gathered_comes_back_to_the_main_process(l
     """It stayed in the workers: after fit the main process's module and callbacks held what they held before the
     run (empty histories) -- as after Lightning's ddp_spawn, unlike one process. LearningRateMonitor's ``lrs`` too."""
     def run(strategy, devices, batch, ref=False):
-        pl.seed_everything(SEED)
         history, lrs = _History(), LearningRateMonitor()
-        ds = mnist_like(GLOBAL_BATCH * 2, seed=1)
-        dl = reference_loader(ds, batch, SEED) if ref else loader(ds, batch)
-        t = trainer(strategy=strategy, devices=devices, max_epochs=3, num_sanity_val_steps=0, precision="64-true",
-                    callbacks=[history, lrs], logger=CSVLogger(tempfile.mkdtemp()))
-        model = _KeepsHistory(optimizer="adam", lr=0.01)
-        t.fit(model, dl, dl)
+        _, model = fit_seeded(lambda: _KeepsHistory(optimizer="adam", lr=0.01), strategy, devices, batch, ref=ref,
+                              validate=True, max_epochs=3, callbacks=[history, lrs],
+                              logger=CSVLogger(tempfile.mkdtemp()))
         return history, lrs.lrs, model
 
     one, one_lrs, one_model = run("auto", 1, GLOBAL_BATCH, ref=True)

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from lightning_shm.parallel.clip import grad_norms
 from lightning_shm.parallel.state import ModelState
 from lightning_shm.runtime import Group
+from lightning_shm.strategies.module_log import logging_through
 
 _LIGHTNING_KEY = re.compile(r"grad_(inf|[0-9.e+-]+)_norm")
 
@@ -93,12 +94,5 @@ class GradNormLogs:
                                "lightning_shm.grad_norm(self, norm_type) gives one process's values.")
             log(name, *args, **kwargs)
 
-        previous = module.__dict__.get("log")
-        module.log = checked  # type: ignore[method-assign]
-        try:
+        with logging_through(module, checked):
             yield
-        finally:
-            if previous is None:
-                del module.log
-            else:
-                module.log = previous  # type: ignore[method-assign]

@@ -29,6 +29,7 @@ from lightning_shm.parallel.pipeline.stage import batch_size as batch_size_of
 from lightning_shm.parallel.pipeline.stage import parameters_read_outside
 from lightning_shm.runtime import Group
 from lightning_shm.strategies.metric_state import export_state, import_state
+from lightning_shm.strategies.module_log import logging_through
 
 LogRecord = tuple[str, Any, tuple, dict, float]  # name, value, args, kwargs, microbatch weight
 
@@ -65,15 +66,8 @@ def recording_logs(module: pl.LightningModule, sink: Optional[list[LogRecord]], 
         if sink is not None:
             sink.append((name, _as_logged(value), args, kwargs, weight))
 
-    previous = module.__dict__.get("log")  # an optimizer step's watcher (:mod:`.grad_norm`)
-    module.log = record  # type: ignore[method-assign]
-    try:
+    with logging_through(module, record):
         yield
-    finally:
-        if previous is None:
-            del module.log
-        else:
-            module.log = previous  # type: ignore[method-assign]
 
 
 def _as_logged(value: Any) -> Any:

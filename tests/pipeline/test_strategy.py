@@ -23,6 +23,7 @@ from tests.helpers import (
     SchedClassifier,
     check_plain_checkpoint,
     fit_adam64,
+    fit_seeded,
     flat_params,
     layouts,
     loader,
@@ -733,11 +734,8 @@ class KeepsStepOutputs(MNISTClassifier):
 def test_lists_the_steps_append_to_are_appended_on_every_stage(name):
     """They were appended on the last stage only: rank 0's hook failed ("stack expects a non-empty TensorList")."""
     def run(strategy, devices, batch, ref=False):
-        pl.seed_everything(SEED)
-        ds = mnist_like(GLOBAL_BATCH * 4, seed=1)
-        dl = reference_loader(ds, batch, SEED) if ref else loader(ds, batch)
-        t = trainer(strategy=strategy, devices=devices, max_epochs=1, num_sanity_val_steps=0, precision="64-true")
-        t.fit(KeepsStepOutputs(optimizer="adam"), dl, dl)
+        t, _ = fit_seeded(lambda: KeepsStepOutputs(optimizer="adam"), strategy, devices, batch, ref=ref,
+                          samples=GLOBAL_BATCH * 4, validate=True)
         return {k: float(t.callback_metrics[k]) for k in ("train_mean", "val_mean", "seen", "window")}
 
     one = run("auto", 1, GLOBAL_BATCH, ref=True)
