@@ -32,7 +32,7 @@ from lightning.pytorch.callbacks import ModelPruning
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import grad_norm as lightning_grad_norm
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.optim import Optimizer
@@ -43,6 +43,7 @@ from lightning_shm.parallel.ddp import broadcast_module_state, broadcast_tensors
 from lightning_shm.parallel.fsdp import UnitPolicy
 from lightning_shm.parallel.fsdp.policy import PolicyFn
 from lightning_shm.parallel.pipeline import PipelineEngine
+from lightning_shm.parallel.pipeline.split import why_sample_fails
 from lightning_shm.parallel.tp.inputs import MODES, broadcast_from_first, check_same
 from lightning_shm.parallel.tp.loading import is_group_batch, split_loader, why_not_splittable
 from lightning_shm.runtime import Group, ParallelGroups, Topology, World
@@ -215,21 +216,31 @@ class SHMModelParallel(SHMStrategyBase):
         if config.pipeline_parallel_size == 1 or config.balance != "time":
             return None
         if self.sample_input is not None:
-            return self.sample_input
-        rows = 64
-        example = getattr(module, "example_input_array", None)
-        if isinstance(example, Tensor):
-            return example.repeat(rows, *[1] * (example.dim() - 1)) if example.shape[0] == 1 else example
+            return self.sample_input  # the user's: a layer that refuses it raises, naming the layer
         from lightning_shm.parallel.sequential import find_sequential
 
+        rows = 64
         _, seq = find_sequential(module, config.sequential)
-        for m in seq:  # Flatten/activations then a Linear: any [rows, in_features] tensor fits
-            if isinstance(m, nn.Linear):
-                # the parameters' dtype: ``m.weight`` may be computed (weight_norm) and not yet converted
-                return torch.randn(rows, m.in_features, dtype=next(m.parameters()).dtype)
-            if not isinstance(m, _ELEMENTWISE_FRONT):
-                break
-        return None
+        example = getattr(module, "example_input_array", None)
+        if isinstance(example, Tensor):  # the LightningModule's input: the Sequential's only if forward is net(x)
+            sample, source = (example.repeat(rows, *[1] * (example.dim() - 1)) if example.shape[0] == 1
+                              else example), "example_input_array"
+        else:
+            first = next((m for m in seq if not isinstance(m, _ELEMENTWISE_FRONT)), None)
+            if not isinstance(first, nn.Linear):
+                return None
+            # Flatten/activations then a Linear: a [rows, in_features] matrix fits an MLP, not a sequence model;
+            # the parameters' dtype: ``first.weight`` may be computed (weight_norm) and not yet converted
+            sample, source = torch.randn(rows, first.in_features, dtype=next(first.parameters()).dtype), \
+                f"an input guessed from the first Linear's in_features ({first.in_features})"
+        why = why_sample_fails(seq, sample)
+        if why is not None:
+            rank_zero_warn(f"balance='time' times the pipeline's layers on {source}, which does not run through "
+                           f"the Sequential ({why}); the stages are balanced by parameter count instead. Pass "
+                           "sample_input=<a batch of the Sequential's input> to balance by measured time, or "
+                           "balance='params' to say so.")
+            return None
+        return sample
 
     def _install_clipping(self) -> None:
         """``gradient_clip_val`` (norm) clips by the norm over every rank's gradient pieces, each element

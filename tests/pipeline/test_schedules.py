@@ -131,6 +131,29 @@ def test_reference_mlp_split_by_measured_time_gives_every_rank_parameters():
         plan_chunks(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), 2, split_points=[1, 1])
 
 
+def test_a_sample_that_does_not_run_through_the_sequential_is_named_and_leaves_no_trace():
+    """Timing runs the user's layers on a sample: one that a layer refuses is named (layer, shape, error),
+    and a run that fails half-way still leaves the BatchNorm statistics and the random stream as they were."""
+    import torch
+
+    from lightning_shm.models.transformer import Block
+    from lightning_shm.parallel.pipeline.split import layer_costs_by_time, why_sample_fails
+
+    seq = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Dropout(0.5), Block(16, 4), nn.Linear(16, 10))
+    seq.train()
+    why = why_sample_fails(seq, torch.randn(64, 8))  # Block wants [B, T, D]
+    assert why.startswith("layer 3 (Block) on an input of shape [64, 16]: ValueError: not enough values to unpack")
+    assert why_sample_fails(nn.Sequential(nn.Linear(8, 16), Block(16, 4)), torch.randn(4, 5, 8)) is None
+    x = torch.randn(64, 8)
+    before = seq[1].running_mean.clone(), seq[1].num_batches_tracked.clone(), torch.random.get_rng_state()
+    why_sample_fails(seq, x)
+    after = seq[1].running_mean, seq[1].num_batches_tracked, torch.random.get_rng_state()
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    with pytest.raises(ValueError, match=r"does not run through the Sequential: layer 3 \(Block\) on an input of "
+                                         r"shape \[64, 16\].*sample_input=.*balance='params'"):
+        layer_costs_by_time(seq, torch.randn(64, 8))
+
+
 def test_simulate_takes_measured_per_chunk_costs():
     """The ideal of a schedule on unequal stages: GPipe P=2 with stage 1 three times stage 0
     (F 1 / 3, B 2 / 6). Stage 1 runs back to back once stage 0's first F is done, then stage 0's

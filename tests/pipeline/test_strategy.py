@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import itertools
+import logging
+import warnings
 
 import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.demos.boring_classes import BoringModel
 from torch import nn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_shm  # noqa: F401
 from lightning_shm import SHMModelParallel, SHMPipeline
 from lightning_shm.models import MNISTClassifier
+from lightning_shm.models.transformer import Block
 from lightning_shm.parallel.pipeline.row_cut import LinearRows
 from tests.helpers import (
     GLOBAL_BATCH,
@@ -143,6 +146,77 @@ def test_a_layer_returning_neither_a_tensor_nor_a_tuple_of_them_is_named():
     with pytest.raises(TypeError, match="a pipeline hands a tensor or a tuple of tensors from layer to layer and "
                                         "stage to stage; a layer returned a dict"):
         train_mnist(pp(2, split_points=[3]), 2, "sgd", batch=GLOBAL_BATCH, model_cls=Model)
+
+
+class _MeanTokens(nn.Module):
+    def forward(self, x):
+        return x.mean(1)
+
+
+class _TokenModel(MNISTClassifier):
+    """A Linear projecting [B, 98, 8] tokens, then attention: the Sequential's input is not a matrix."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.net = nn.Sequential(nn.Linear(8, 16), Block(16, 4), Block(16, 4), _MeanTokens(), nn.Linear(16, 10))
+
+
+def _tokens(ds):
+    return TensorDataset(ds.tensors[0].reshape(-1, 98, 8), ds.tensors[1])
+
+
+class _SetupMessages(pl.Callback):
+    """Logs (as 0/1) whether the strategy's setup in the worker warned or logged each of ``texts``."""
+
+    def __init__(self, **texts: str) -> None:
+        self.texts, self.seen = texts, []
+
+    def setup(self, trainer, pl_module, stage):  # runs before the strategy's setup
+        self._warnings = warnings.catch_warnings(record=True)
+        self.seen = self._warnings.__enter__()
+        warnings.simplefilter("always")
+        self._handler = logging.Handler()
+        self._handler.emit = lambda record: self.seen.append(record.getMessage())
+        logging.getLogger("lightning.pytorch").addHandler(self._handler)
+
+    def on_train_start(self, trainer, pl_module):
+        self._warnings.__exit__(None, None, None)
+        logging.getLogger("lightning.pytorch").removeHandler(self._handler)
+        text = "\n".join(m if isinstance(m, str) else str(m.message) for m in self.seen)
+        for key, t in self.texts.items():
+            pl_module.log(key, float(t in text))
+
+
+def test_a_sequence_model_is_balanced_without_the_guessed_matrix_input_or_on_the_given_one():
+    """Balancing by time needs an input of the Sequential: one guessed from the first Linear ([64, 8]) fits an
+    MLP; here it fails in the first Block (it failed the fit: 'not enough values to unpack'). The stages are then
+    balanced by parameter count, with a warning naming the layer; a given ``sample_input`` is timed; a given
+    one that does not fit is an error naming the layer."""
+    def seen():
+        return _SetupMessages(warned=("times the pipeline's layers on an input guessed from the first Linear's "
+                                      "in_features (8), which does not run through the Sequential (layer 1 (Block) "
+                                      "on an input of shape [64, 16]"),
+                              by_params="split by parameter count", timed="split by measured time")
+
+    ref = train_mnist("auto", 1, "sgd", batch=GLOBAL_BATCH, ref=True, model_cls=_TokenModel, data=_tokens)
+    t = trainer(strategy=pp(2), devices=2, max_epochs=1, callbacks=[seen()])
+    pl.seed_everything(SEED)
+    model = _TokenModel(optimizer="sgd", lr=0.1)
+    t.fit(model, loader(_tokens(mnist_like(GLOBAL_BATCH * STEPS, seed=1)), GLOBAL_BATCH))
+    torch.testing.assert_close(flat_params(model).double(), ref, rtol=0, atol=2e-5)
+    assert {k: float(t.callback_metrics[k]) for k in ("warned", "by_params", "timed")} == \
+        {"warned": 1.0, "by_params": 1.0, "timed": 0.0}
+    t = trainer(strategy=pp(2, sample_input=torch.randn(4, 98, 8)), devices=2, max_epochs=1, callbacks=[seen()])
+    pl.seed_everything(SEED)
+    model = _TokenModel(optimizer="sgd", lr=0.1)
+    t.fit(model, loader(_tokens(mnist_like(GLOBAL_BATCH * STEPS, seed=1)), GLOBAL_BATCH))
+    torch.testing.assert_close(flat_params(model).double(), ref, rtol=0, atol=2e-5)
+    assert {k: float(t.callback_metrics[k]) for k in ("warned", "by_params", "timed")} == \
+        {"warned": 0.0, "by_params": 0.0, "timed": 1.0}
+    with pytest.raises(ValueError, match=r"does not run through the Sequential: layer 1 \(Block\) on an input of "
+                                         r"shape \[4, 16\]"):
+        train_mnist(pp(2, sample_input=torch.randn(4, 8)), 2, "sgd", batch=GLOBAL_BATCH, model_cls=_TokenModel,
+                    data=_tokens)
 
 
 class _SeesFallback(pl.Callback):

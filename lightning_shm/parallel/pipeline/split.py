@@ -29,9 +29,23 @@ def layer_costs_by_params(seq: nn.Sequential) -> list[float]:
     return [float(sum(p.numel() for p in m.parameters()) + 1) for m in seq]
 
 
-@torch.no_grad()
-def _warm(seq: nn.Sequential, x: torch.Tensor) -> None:
-    seq(x)
+def why_sample_fails(seq: nn.Sequential, sample: torch.Tensor) -> Optional[str]:
+    """None if ``sample`` runs through ``seq``; else which layer refused it and why. An input guessed
+    for timing (a ``[rows, in_features]`` matrix for a first Linear) fits an MLP but not a sequence
+    model whose Linear projects ``[B, T, features]``; the caller then balances without timing."""
+    x = sample
+    with _leaving_no_trace(seq), torch.no_grad():
+        for i, layer in enumerate(seq):
+            try:
+                x = layer(x)
+            except Exception as e:  # any error of the user's layer on this input
+                return f"layer {i} ({type(layer).__name__}) on an input of shape {_shapes(x)}: {type(e).__name__}: {e}"
+    return None
+
+
+def _shapes(a: object) -> str:
+    items = a if isinstance(a, (tuple, list)) else (a,)
+    return ", ".join(str(list(t.shape)) if isinstance(t, torch.Tensor) else type(t).__name__ for t in items)
 
 
 def layer_costs_by_time(seq: nn.Sequential, sample: torch.Tensor, repeats: int = 5) -> list[float]:
@@ -42,7 +56,11 @@ def layer_costs_by_time(seq: nn.Sequential, sample: torch.Tensor, repeats: int =
     dropout draw from the random stream, and backward leave gradients."""
     costs: list[list[float]] = [[] for _ in seq]
     with _leaving_no_trace(seq):
-        _warm(seq, sample)
+        why = why_sample_fails(seq, sample)  # also the warm-up run
+        if why is not None:
+            raise ValueError(f"the sample input for timing the pipeline's layers does not run through the "
+                             f"Sequential: {why}. Pass sample_input=<a batch of the Sequential's input>, or "
+                             "balance='params'.")
         for _ in range(repeats):
             x = sample
             for i, layer in enumerate(seq):
