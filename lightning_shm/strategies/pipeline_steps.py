@@ -22,6 +22,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 
 from lightning_shm.parallel.compose import ParallelState
+from lightning_shm.parallel.hooks import parameter_hooks_suspended, run_grad_hooks, run_post_accumulate_hooks
 from lightning_shm.parallel.pipeline import PipelineSchedule, Schedule
 from lightning_shm.strategies.pipeline_io import LightningStageIO, StagePosition
 
@@ -55,7 +56,8 @@ class PipelineSteps:
         previous = [p.grad for p in params]
         for p in params:
             p.grad = None
-        with self._held_units():
+        # the microbatches are one batch: the model's gradient hooks run once, on the step's gradient (hand-over)
+        with self._held_units(), parameter_hooks_suspended(params):
             self.engine.train_step(io, self._schedule_for(io.parts))
         self._fresh_grads = [(p, p.grad) for p in params]
         for p, g in zip(params, previous):
@@ -73,8 +75,10 @@ class PipelineSteps:
         """After Lightning's zero_grad: add the step's gradients, reduce them over the data-parallel group."""
         with torch.no_grad():
             for p, g in self._fresh_grads:
-                if g is not None:
+                if g is not None:  # what autograd does for a leaf: hooks, accumulate, post-accumulate hooks
+                    g = run_grad_hooks(p, g)
                     p.grad = g if p.grad is None else p.grad.add_(g)
+                    run_post_accumulate_hooks(p)
         self._fresh_grads = []
         if self.parallel.fsdp is not None:
             self.parallel.fsdp.release()  # one reduce-scatter per parameter of the summed gradient

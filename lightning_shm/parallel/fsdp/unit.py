@@ -53,6 +53,7 @@ from torch import nn
 
 from lightning_shm.parallel.fsdp.policy import UnitSpec
 from lightning_shm.parallel.fsdp.prefetch import Prefetcher
+from lightning_shm.parallel.hooks import move_tensor_hooks, run_grad_hooks, run_post_accumulate_hooks
 from lightning_shm.runtime import Group, SharedBuffer, even_split
 
 GATHERS = ("view", "copy")
@@ -172,6 +173,7 @@ class FSDPUnit:
             lo = b.row_start(r) * b.row_numel
             mine.copy_(p.detach().reshape(-1)[lo:lo + mine.numel()])
             b.shard = nn.Parameter(mine.view(b.rows[r], *b.shape[1:]), requires_grad=p.requires_grad)
+            move_tensor_hooks(p, b.shard)  # the user's gradient hooks see the block's (averaged) gradient
             for owner, attr in b.owners:  # the model now holds the block under the parameter's own name
                 owner._parameters[attr] = b.shard
         self._live: Optional[torch.Tensor] = None  # full flat parameters of the current forward
@@ -304,7 +306,9 @@ class FSDPUnit:
 
     # ------------------------------------------------------------------ a whole pipeline step
     def hold(self) -> None:
-        """Gather now and keep the unit gathered until :meth:`release` (all microbatches of a step)."""
+        """Gather now and keep the unit gathered until :meth:`release` (all microbatches of a step). The
+        blocks' gradient hooks belong to the step's gradient, so they run in :meth:`release`; the caller
+        suspends them meanwhile (autograd would call them with no gradient at every microbatch)."""
         if self.held is None:
             self.held = self.gather_new()
 
@@ -340,8 +344,10 @@ class FSDPUnit:
         if self._held_grad is not None:
             held_grads = [self._held_grad[b.full_offset:b.full_offset + b.numel] for b in self.blocks]
             for b, g in zip(self.blocks, self.reduce_scatter(held_grads)):
-                if b.shard.requires_grad:
+                if b.shard.requires_grad:  # what autograd does for a leaf: hooks, accumulate, post-accumulate hooks
+                    g = run_grad_hooks(b.shard, g)
                     b.shard.grad = g if b.shard.grad is None else b.shard.grad.add_(g)
+                    run_post_accumulate_hooks(b.shard)
             self._held_grad = None
         if self.held is not None:
             self.free(self.held)

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_shm.parallel.hooks import has_module_hooks, move_tensor_hooks
 from lightning_shm.parallel.pipeline.split import (
     NO_CUT_RULES,
     balanced_split,
@@ -50,9 +51,11 @@ class LinearRows(nn.Module):
         self.in_features, self.out_features, self.lo, self.hi = linear.in_features, linear.out_features, lo, hi
         w = linear.weight.detach()
         self.weight = nn.Parameter(w[lo:hi].clone(), requires_grad=linear.weight.requires_grad)
+        move_tensor_hooks(linear.weight, self.weight)
         if linear.bias is not None:
             self.bias: Optional[nn.Parameter] = nn.Parameter(linear.bias.detach()[lo:hi].clone(),
                                                              requires_grad=linear.bias.requires_grad)
+            move_tensor_hooks(linear.bias, self.bias)
         else:
             self.register_parameter("bias", None)
 
@@ -93,7 +96,8 @@ def plan_row_cuts(layers: Sequence[nn.Module], costs: Sequence[float], parts: in
     pieces: list[tuple[int, int, float, bool]] = []  # (layer, first row, cost, has params)
     prefix = 0.0
     for i, (m, c) in enumerate(zip(layers, costs)):
-        n = m.out_features if type(m) is nn.Linear else 0
+        # a Linear with the user's forward / backward hooks stays whole: they expect its whole input and output
+        n = m.out_features if type(m) is nn.Linear and not has_module_hooks(m) else 0
         inside = [t for t in targets if prefix < t < prefix + c]
         r = min(max(round((inside[0] - prefix) / c * n), 1), n - 1) if n >= 2 and inside else 0
         if r:

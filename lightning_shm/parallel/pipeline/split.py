@@ -19,6 +19,7 @@ from typing import Iterator, Mapping, Optional, Sequence
 import torch
 from torch import nn
 
+from lightning_shm.parallel.hooks import gradient_hooks_suspended
 from lightning_shm.parallel.pipeline import activation as act
 
 NO_CUT_RULES: Mapping[int, str] = MappingProxyType({})
@@ -53,7 +54,8 @@ def layer_costs_by_time(seq: nn.Sequential, sample: torch.Tensor, repeats: int =
 
     The model's own layers run, so they must come out as they went in: a BatchNorm would count the
     sample into its running statistics, a spectral_norm advance its power iteration (both buffers), a
-    dropout draw from the random stream, and backward leave gradients."""
+    dropout draw from the random stream, and backward leave gradients and run the model's gradient hooks
+    (suspended meanwhile)."""
     costs: list[list[float]] = [[] for _ in seq]
     with _leaving_no_trace(seq):
         why = why_sample_fails(seq, sample)  # also the warm-up run
@@ -78,7 +80,7 @@ def layer_costs_by_time(seq: nn.Sequential, sample: torch.Tensor, repeats: int =
 def _leaving_no_trace(seq: nn.Sequential) -> Iterator[None]:
     buffers = [(b, b.detach().clone()) for b in seq.buffers()]
     grads = [(p, p.grad) for p in seq.parameters()]
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), gradient_hooks_suspended(seq):
         yield
     with torch.no_grad():
         for b, saved in buffers:

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_shm.parallel.hooks import move_tensor_hooks
 from lightning_shm.parallel.tp.layernorm import distributed_layer_norm
 from lightning_shm.parallel.tp.mappings import copy_to_tp, gather_from_tp, reduce_from_tp
 from lightning_shm.parallel.tp.rng import SplitRegionRandom
@@ -38,11 +39,17 @@ def _slice(t: Optional[torch.Tensor], dim: int, sizes: Sequence[int], index: int
     if t is None:
         return None
     lo = sum(sizes[:index])
-    return nn.Parameter(t.detach().narrow(dim, lo, sizes[index]).clone(), requires_grad=t.requires_grad)
+    p = nn.Parameter(t.detach().narrow(dim, lo, sizes[index]).clone(), requires_grad=t.requires_grad)
+    move_tensor_hooks(t, p)
+    return p
 
 
 def _replicate(t: Optional[torch.Tensor]) -> Optional[nn.Parameter]:
-    return None if t is None else nn.Parameter(t.detach().clone(), requires_grad=t.requires_grad)
+    if t is None:
+        return None
+    p = nn.Parameter(t.detach().clone(), requires_grad=t.requires_grad)
+    move_tensor_hooks(t, p)
+    return p
 
 
 class ColumnParallelLinear(nn.Module):

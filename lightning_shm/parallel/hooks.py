@@ -1,0 +1,98 @@
+"""The user's hooks on what a parallelism replaces.
+
+FSDP holds each parameter as a new tensor (its row block), tensor parallelism a layer as a new module
+over new parameters (its slice), a pipeline's ``split_linear`` a Linear as two row pieces. Hooks the
+model registered on the originals in ``__init__`` -- ``p.register_hook(lambda g: g * mask)``, a
+post-accumulate hook, a forward or backward hook on a layer -- would stay on objects nothing runs any
+more, and training would go on without them, silently. They move to the replacement instead::
+
+    original p  --(hooks dict shared)-->  p's block / slice / row piece: the hook sees its gradient
+    original m  --(hooks dicts shared)--> m's tensor-parallel module / row piece: the hook sees its
+                                          input and output (a column layer's output: this rank's piece)
+
+The dicts are shared, not copied, so a handle the user kept still removes the hook. An elementwise hook
+(scale, clamp, zero) gives what it gives in one process wherever the piece holds the whole gradient or
+output of its elements; a hook that needs the whole tensor (a full-shape mask, a norm) sees a piece.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import OrderedDict
+from typing import Iterable, Iterator
+
+import torch
+from torch import nn
+
+_MODULE_HOOKS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
+                 "_forward_hooks_always_called", "_backward_pre_hooks", "_backward_hooks")
+
+
+def has_module_hooks(m: nn.Module) -> bool:
+    return any(getattr(m, attr) for attr in _MODULE_HOOKS)
+
+
+@contextlib.contextmanager
+def parameter_hooks_suspended(params: Iterable[torch.Tensor]) -> Iterator[None]:
+    """No gradient hook of ``params`` runs inside (``register_hook``, post-accumulate); restored after. The
+    dicts are emptied, not detached: autograd holds them (assigning None does not unregister a post-accumulate
+    hook)."""
+    emptied = [(hooks, dict(hooks)) for p in params
+               for hooks in (p._backward_hooks, p._post_accumulate_grad_hooks) if hooks]
+    for hooks, _ in emptied:
+        hooks.clear()
+    try:
+        yield
+    finally:
+        for hooks, saved in emptied:
+            hooks.update(saved)
+
+
+@contextlib.contextmanager
+def gradient_hooks_suspended(module: nn.Module) -> Iterator[None]:
+    """No gradient hook of ``module``'s parameters or layers runs inside: a backward the strategy runs on its
+    own (timing layers) is none of the model's business. Forward hooks still run (the older weight_norm and
+    spectral_norm compute the weight in one)."""
+    layers = [(m, m._backward_pre_hooks, m._backward_hooks) for m in module.modules()]
+    for m, _, _ in layers:
+        m._backward_pre_hooks, m._backward_hooks = OrderedDict(), OrderedDict()
+    try:
+        with parameter_hooks_suspended(module.parameters()):
+            yield
+    finally:
+        for m, pre_hooks, hooks in layers:
+            m._backward_pre_hooks, m._backward_hooks = pre_hooks, hooks
+
+
+def move_tensor_hooks(old: torch.Tensor, new: torch.Tensor) -> None:
+    """``old``'s gradient hooks (``register_hook``, ``register_post_accumulate_grad_hook``) run on ``new``."""
+    if old._backward_hooks:  # assigning the dict registers it with autograd, as torch's own unpickling does
+        new._backward_hooks = old._backward_hooks
+    if old._post_accumulate_grad_hooks:
+        new._post_accumulate_grad_hooks = old._post_accumulate_grad_hooks
+
+
+def run_grad_hooks(p: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """``p``'s ``register_hook`` hooks on ``grad``, as autograd runs them -- for a gradient that reaches ``p``
+    outside autograd (a pipeline step's sum over its microbatches, FSDP's reduce-scatter of it)."""
+    for hook in list((p._backward_hooks or {}).values()):
+        out = hook(grad)
+        grad = grad if out is None else out
+    return grad
+
+
+def run_post_accumulate_hooks(p: torch.Tensor) -> None:
+    """``p``'s post-accumulate hooks, after a gradient was added to ``p.grad`` outside autograd."""
+    for hook in list((p._post_accumulate_grad_hooks or {}).values()):
+        hook(p)
+
+
+def move_module_hooks(old: nn.Module, new: nn.Module) -> None:
+    """``old``'s forward (pre-)hooks and backward (pre-)hooks run on ``new``, before any of ``new``'s own."""
+    for attr in _MODULE_HOOKS:
+        hooks = getattr(old, attr)
+        if hooks and hooks is not getattr(new, attr):
+            hooks.update(getattr(new, attr))
+            setattr(new, attr, hooks)
+    if old._backward_hooks:
+        new._is_full_backward_hook = old._is_full_backward_hook

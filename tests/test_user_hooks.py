@@ -1,0 +1,109 @@
+"""Hooks a model registers on its own parameters and layers in ``__init__``, trained under every layout that
+replaces them (FSDP's row blocks, tensor-parallel slices and layers, a pipeline's row cut of a Linear)
+against one process.
+
+Until 2026-12-03 those hooks stayed on the replaced objects and training went on without them, silently:
+a gradient hook scaling the first Linear's weight gradient by 0 left one process's weights 0.061 away under
+shm_fsdp, shm_tp and dp x pp (shm_ddp and the pipelines keep the model's own tensors and were right).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_shm import SHMModelParallel, SHMPipeline, SHMTensorParallel
+from lightning_shm.models import MNISTClassifier
+from lightning_shm.models.mlp import build_mlp
+from lightning_shm.parallel.pipeline.row_cut import LinearRows, plan_row_cuts
+from tests.helpers import GLOBAL_BATCH, LAYOUTS, fit_seeded, flat_params
+
+PLAN = {"net.1": "column", "net.4": "row"}
+HOOK_LAYOUTS = {
+    **{n: LAYOUTS[n] for n in ("ddp", "fsdp", "fsdp-copy", "pp2-zero-bubble", "dp2xpp2-shard")},
+    "tp2": (lambda: SHMTensorParallel(start_method="fork", tensor_parallel_size=2, plan=PLAN), 2, 1),
+    "dp2xtp2": (lambda: SHMModelParallel(start_method="fork", data_parallel_size=2, tensor_parallel_size=2,
+                                         plan=PLAN), 4, 2),
+    "pp2-split-linear": (lambda: SHMPipeline(start_method="fork", pipeline_parallel_size=2, microbatches=4,
+                                             split_linear=True, balance="params"), 2, 1),
+}
+
+
+def _triple(p: torch.Tensor) -> None:
+    p.grad.mul_(3.0)
+
+
+def _never(grad: torch.Tensor) -> None:
+    raise AssertionError("a hook removed by its handle ran")
+
+
+class Hooked(MNISTClassifier):
+    """Five hooks, each elementwise (so each piece of a split tensor gets what one process gives its
+    elements) and each changing what SGD trains; a sixth is removed through its handle before training."""
+
+    def __init__(self, hooks: bool = True, **kw):
+        super().__init__(**kw)
+        first, second = self.net[1], self.net[4]  # under tp: the column and the row layer
+        if hooks:
+            first.weight.register_hook(lambda g: g * 0.25)
+            second.bias.register_post_accumulate_grad_hook(_triple)
+            first.register_forward_pre_hook(lambda m, args: (args[0] * 2.0,))
+            second.register_forward_hook(lambda m, args, out: out * 0.5)
+            second.register_full_backward_hook(lambda m, grad_in, grad_out: (grad_in[0] * 0.5,))
+            self._removed = first.bias.register_hook(_never)
+
+    def on_fit_start(self) -> None:  # after the strategy replaced the parameters
+        if hasattr(self, "_removed"):
+            self._removed.remove()
+
+
+def _fit(strategy, devices, batch, ref=False, hooks=True):
+    _, model = fit_seeded(lambda: Hooked(hooks=hooks, optimizer="sgd", lr=0.1), strategy, devices, batch, ref=ref,
+                          samples=GLOBAL_BATCH * 3)
+    return flat_params(model)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    ref = _fit("auto", 1, GLOBAL_BATCH, ref=True)
+    assert (ref - _fit("auto", 1, GLOBAL_BATCH, ref=True, hooks=False)).abs().max() > 1e-2  # the hooks matter
+    return ref
+
+
+@pytest.mark.parametrize("name", list(HOOK_LAYOUTS))
+def test_hooks_registered_in_init_run_under_every_layout_as_in_one_process(reference, name):
+    strategy, devices, dp = HOOK_LAYOUTS[name]
+    torch.testing.assert_close(_fit(strategy(), devices, GLOBAL_BATCH // dp), reference, rtol=0, atol=1e-10)
+
+
+class GradientHooked(MNISTClassifier):
+    """Gradient hooks only, on the Linear that ``split_linear`` cuts into two stages' row pieces (module hooks
+    keep a Linear whole: they expect its whole input and output)."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.net[1].weight.register_hook(lambda g: g * 0.25)
+        self.net[1].bias.register_post_accumulate_grad_hook(_triple)
+
+    def on_train_start(self) -> None:
+        self.log("cut", float(any(isinstance(m, LinearRows) for m in self.modules())))
+
+
+def test_gradient_hooks_run_on_both_row_pieces_of_a_cut_linear():
+    def fit(strategy, devices, ref=False):
+        t, model = fit_seeded(lambda: GradientHooked(optimizer="sgd", lr=0.1), strategy, devices, GLOBAL_BATCH,
+                              ref=ref, samples=GLOBAL_BATCH * 3)
+        return flat_params(model), t
+
+    ref, _ = fit("auto", 1, ref=True)
+    got, t = fit(HOOK_LAYOUTS["pp2-split-linear"][0](), 2)
+    assert float(t.callback_metrics["cut"]) == 1.0
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-10)
+
+
+def test_a_linear_with_module_hooks_is_not_cut_by_rows():
+    layers = list(build_mlp([256, 64]))
+    costs = [1.0, 100.0, 1.0, 1.0, 30.0, 1.0, 1.0, 3.0]
+    assert any(r for _, r in plan_row_cuts(layers, costs, 2))  # the first Linear holds most of the cost
+    layers[1].register_forward_hook(lambda m, args, out: None)
+    assert not any(r for _, r in plan_row_cuts(layers, costs, 2) or [])
