@@ -109,14 +109,19 @@ LinearForward = Callable[[Any, Any, torch.Tensor], torch.Tensor]  # (module, own
 def route_linears(modules: Iterable[nn.Module], forward: LinearForward, owner: Any, attr: str = "forward",
                   kind: type = nn.Linear) -> None:
     """Run every ``kind`` module among ``modules`` through ``forward(module, owner, x)`` (installed as the
-    instance attribute ``attr``), which decides per call between :class:`SinkLinear` and ``F.linear``."""
+    instance attribute ``attr``), which decides per call between :class:`SinkLinear` and ``F.linear``. Not a
+    subclass with its own ``attr`` (a scaled or LoRA Linear): ``F.linear`` would replace what it computes."""
     for m in modules:
-        if isinstance(m, kind):
+        if routable(m, attr, kind):
             setattr(m, attr, functools.partial(forward, m, owner))
+
+
+def routable(m: nn.Module, attr: str = "forward", kind: type = nn.Linear) -> bool:
+    return isinstance(m, kind) and getattr(type(m), attr) is getattr(kind, attr)
 
 
 def restore_linears(modules: Iterable[nn.Module], attr: str = "forward", kind: type = nn.Linear) -> None:
     """Undo :func:`route_linears`."""
     for m in modules:
-        if isinstance(m, kind):
+        if routable(m, attr, kind):
             m.__dict__.pop(attr, None)

@@ -22,8 +22,8 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 
 from lightning_shm.parallel.compose import ParallelState
-from lightning_shm.parallel.hooks import parameter_hooks_suspended, run_grad_hooks, run_post_accumulate_hooks
 from lightning_shm.parallel.pipeline import PipelineSchedule, Schedule
+from lightning_shm.parallel.replaced import parameter_hooks_suspended, run_grad_hooks, run_post_accumulate_hooks
 from lightning_shm.strategies.pipeline_io import LightningStageIO, StagePosition
 
 

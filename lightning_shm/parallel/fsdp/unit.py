@@ -53,7 +53,7 @@ from torch import nn
 
 from lightning_shm.parallel.fsdp.policy import UnitSpec
 from lightning_shm.parallel.fsdp.prefetch import Prefetcher
-from lightning_shm.parallel.hooks import move_tensor_hooks, run_grad_hooks, run_post_accumulate_hooks
+from lightning_shm.parallel.replaced import carry_over, run_grad_hooks, run_post_accumulate_hooks
 from lightning_shm.runtime import Group, SharedBuffer, even_split
 
 GATHERS = ("view", "copy")
@@ -173,7 +173,7 @@ class FSDPUnit:
             lo = b.row_start(r) * b.row_numel
             mine.copy_(p.detach().reshape(-1)[lo:lo + mine.numel()])
             b.shard = nn.Parameter(mine.view(b.rows[r], *b.shape[1:]), requires_grad=p.requires_grad)
-            move_tensor_hooks(p, b.shard)  # the user's gradient hooks see the block's (averaged) gradient
+            carry_over(p, b.shard)  # the user's gradient hooks see the block's (averaged) gradient
             for owner, attr in b.owners:  # the model now holds the block under the parameter's own name
                 owner._parameters[attr] = b.shard
         self._live: Optional[torch.Tensor] = None  # full flat parameters of the current forward

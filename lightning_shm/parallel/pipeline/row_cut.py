@@ -26,7 +26,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_shm.parallel.hooks import has_module_hooks, move_tensor_hooks
 from lightning_shm.parallel.pipeline.split import (
     NO_CUT_RULES,
     balanced_split,
@@ -36,6 +35,7 @@ from lightning_shm.parallel.pipeline.split import (
     layers_to_spread,
     plan_chunks,
 )
+from lightning_shm.parallel.replaced import carry_over, has_module_hooks
 
 MIN_GAIN = 0.02  # a row cut must lower the slowest chunk's cost by this fraction to be worth a new layer kind
 
@@ -51,11 +51,11 @@ class LinearRows(nn.Module):
         self.in_features, self.out_features, self.lo, self.hi = linear.in_features, linear.out_features, lo, hi
         w = linear.weight.detach()
         self.weight = nn.Parameter(w[lo:hi].clone(), requires_grad=linear.weight.requires_grad)
-        move_tensor_hooks(linear.weight, self.weight)
+        carry_over(linear.weight, self.weight)
         if linear.bias is not None:
             self.bias: Optional[nn.Parameter] = nn.Parameter(linear.bias.detach()[lo:hi].clone(),
                                                              requires_grad=linear.bias.requires_grad)
-            move_tensor_hooks(linear.bias, self.bias)
+            carry_over(linear.bias, self.bias)
         else:
             self.register_parameter("bias", None)
 

@@ -19,8 +19,8 @@ from typing import Iterator, Mapping, Optional, Sequence
 import torch
 from torch import nn
 
-from lightning_shm.parallel.hooks import gradient_hooks_suspended
 from lightning_shm.parallel.pipeline import activation as act
+from lightning_shm.parallel.replaced import gradient_hooks_suspended
 
 NO_CUT_RULES: Mapping[int, str] = MappingProxyType({})
 

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_shm.parallel.hooks import move_tensor_hooks
+from lightning_shm.parallel.replaced import carry_over
 from lightning_shm.parallel.tp.layernorm import distributed_layer_norm
 from lightning_shm.parallel.tp.mappings import copy_to_tp, gather_from_tp, reduce_from_tp
 from lightning_shm.parallel.tp.rng import SplitRegionRandom
@@ -40,7 +40,7 @@ def _slice(t: Optional[torch.Tensor], dim: int, sizes: Sequence[int], index: int
         return None
     lo = sum(sizes[:index])
     p = nn.Parameter(t.detach().narrow(dim, lo, sizes[index]).clone(), requires_grad=t.requires_grad)
-    move_tensor_hooks(t, p)
+    carry_over(t, p)
     return p
 
 
@@ -48,7 +48,7 @@ def _replicate(t: Optional[torch.Tensor]) -> Optional[nn.Parameter]:
     if t is None:
         return None
     p = nn.Parameter(t.detach().clone(), requires_grad=t.requires_grad)
-    move_tensor_hooks(t, p)
+    carry_over(t, p)
     return p
 
 

@@ -40,7 +40,7 @@ from typing import Any, Mapping, Optional
 from torch import nn
 from torch.nn.utils import parametrize
 
-from lightning_shm.parallel.hooks import move_module_hooks
+from lightning_shm.parallel.replaced import move_module_hooks
 from lightning_shm.parallel.sequential import find_sequential, layers_of, parameter_holders, shared_spans
 from lightning_shm.parallel.tp.layers import (
     ColumnParallelConv2d,
@@ -139,7 +139,8 @@ def derive_plan(seq: nn.Sequential, tp: int, prefix: str = "") -> dict[str, Laye
     for i, (name, m) in enumerate(layers):
         q = _qual(prefix, name)
         kind = _kind(m)
-        whole = i in shared or kind is not None and computed_weight(m)  # split, it would stop sharing / computing
+        # split, it would stop sharing its parameters / computing its weight / running its own forward
+        whole = i in shared or kind is not None and (computed_weight(m) or own_behaviour(m))
         if kind is nn.Linear and pending is None and _numel(m) <= replicate_upto:
             continue
         pair = kind is not None and pending is not None and pending[1] is kind
@@ -234,6 +235,11 @@ def check_plan(module: nn.Module, plan: Mapping[str, LayerPlan], tp: int) -> dic
                              "its weights itself (F.multi_head_attention_forward), never calling the layer: a split "
                              "layer's collectives would not run. Leave it replicated, or write the attention with "
                              "nn.Linear projections that its forward calls.")
+        own = own_behaviour(mods[name])
+        if own:
+            raise ValueError(f"'{name}' ({lp.style}): {own}, and a tensor-parallel layer computes the plain "
+                             f"{_plain(mods[name]).__name__}'s forward over a piece of weight and bias only. "
+                             "Leave the layer replicated.")
         how = computed_weight(mods[name]) if isinstance(mods[name], _SPLITTABLE) else None
         if how:
             raise ValueError(f"'{name}' ({lp.style}) computes its weight from other parameters ({how}): the "
@@ -279,6 +285,9 @@ def _check_sequential(seq: nn.Sequential, prefix: str, splits: Mapping[str, Laye
                 raise ValueError(f"'{q}' ({type(m).__name__}) cannot run on features split by column layer "
                                  f"'{region[0]}'; only {', '.join(t.__name__ for t in _BETWEEN[region[1]][:3])}, "
                                  "elementwise and pooling modules can")
+            if isinstance(m, nn.LayerNorm) and own_behaviour(m):
+                raise ValueError(f"'{q}' sits between column layer '{region[0]}' and its row layer, so it would "
+                                 f"run split, but {own_behaviour(m)}: end the pair before it")
             if isinstance(m, (nn.LayerNorm, nn.modules.batchnorm._BatchNorm)):
                 norms[q] = LayerSplit("norm", splits[region[0]].sizes)
     if region is not None:
@@ -348,6 +357,23 @@ def _numel(m: nn.Module) -> int:
     if isinstance(m, nn.Linear):
         return m.in_features * m.out_features
     return m.out_channels * m.in_channels // m.groups * math.prod(m.kernel_size)
+
+
+def _plain(m: nn.Module) -> Optional[type]:
+    return next((t for t in (nn.Linear, nn.Conv2d, nn.LayerNorm) if isinstance(m, t)), None)
+
+
+def own_behaviour(m: nn.Module) -> str:
+    """What ``m``'s class adds to the plain Linear / Conv2d / LayerNorm it derives from ('' if nothing): its own
+    forward (a scaled or LoRA Linear), or parameters and modules besides weight and bias. A tensor-parallel
+    layer replaces the module and would silently drop it. A computed weight is :func:`computed_weight`'s."""
+    plain = _plain(m)
+    if plain is None or computed_weight(m):
+        return ""
+    if type(m).forward is not plain.forward:
+        return f"its class {type(m).__name__} has a forward of its own"
+    extra = sorted(set(m._parameters) - {"weight", "bias"}) + sorted(m._modules)
+    return f"it holds {extra} besides weight and bias" if extra else ""
 
 
 def _kind(m: nn.Module) -> Optional[type]:

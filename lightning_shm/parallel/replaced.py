@@ -1,14 +1,16 @@
-"""The user's hooks on what a parallelism replaces.
+"""What the model attached to the objects a parallelism replaces: hooks, and attributes on parameters.
 
 FSDP holds each parameter as a new tensor (its row block), tensor parallelism a layer as a new module
-over new parameters (its slice), a pipeline's ``split_linear`` a Linear as two row pieces. Hooks the
-model registered on the originals in ``__init__`` -- ``p.register_hook(lambda g: g * mask)``, a
-post-accumulate hook, a forward or backward hook on a layer -- would stay on objects nothing runs any
-more, and training would go on without them, silently. They move to the replacement instead::
+over new parameters (its slice), a pipeline's ``split_linear`` a Linear as two row pieces. What the
+model set on the originals in ``__init__`` -- ``p.register_hook(lambda g: g * mask)``, a post-accumulate
+hook, a forward or backward hook on a layer, ``p.no_weight_decay = True`` read by its
+``configure_optimizers`` -- would stay on objects nothing uses any more, and training would go on
+without it, silently. It moves to the replacement instead::
 
-    original p  --(hooks dict shared)-->  p's block / slice / row piece: the hook sees its gradient
-    original m  --(hooks dicts shared)--> m's tensor-parallel module / row piece: the hook sees its
-                                          input and output (a column layer's output: this rank's piece)
+    original p  --(hooks dict shared, attributes copied)-->  p's block / slice / row piece: a gradient
+                                                             hook sees the piece's gradient
+    original m  --(hooks dicts shared)-->  m's tensor-parallel module: a hook sees its input and output
+                                           (a column layer's output, a row layer's input: this rank's piece)
 
 The dicts are shared, not copied, so a handle the user kept still removes the hook. An elementwise hook
 (scale, clamp, zero) gives what it gives in one process wherever the piece holds the whole gradient or
@@ -64,8 +66,10 @@ def gradient_hooks_suspended(module: nn.Module) -> Iterator[None]:
             m._backward_pre_hooks, m._backward_hooks = pre_hooks, hooks
 
 
-def move_tensor_hooks(old: torch.Tensor, new: torch.Tensor) -> None:
-    """``old``'s gradient hooks (``register_hook``, ``register_post_accumulate_grad_hook``) run on ``new``."""
+def carry_over(old: torch.Tensor, new: torch.Tensor) -> None:
+    """``old``'s gradient hooks (``register_hook``, ``register_post_accumulate_grad_hook``) run on ``new``, and
+    ``new`` has ``old``'s Python attributes (``p.no_weight_decay``: parameter groups built from them)."""
+    new.__dict__.update(old.__dict__)
     if old._backward_hooks:  # assigning the dict registers it with autograd, as torch's own unpickling does
         new._backward_hooks = old._backward_hooks
     if old._post_accumulate_grad_hooks:

@@ -1,6 +1,6 @@
-"""Hooks a model registers on its own parameters and layers in ``__init__``, trained under every layout that
-replaces them (FSDP's row blocks, tensor-parallel slices and layers, a pipeline's row cut of a Linear)
-against one process.
+"""Hooks a model registers on its own parameters and layers in ``__init__``, and attributes it sets on its
+parameters, trained under every layout that replaces them (FSDP's row blocks, tensor-parallel slices and
+layers, a pipeline's row cut of a Linear) against one process.
 
 Until 2026-12-03 those hooks stayed on the replaced objects and training went on without them, silently:
 a gradient hook scaling the first Linear's weight gradient by 0 left one process's weights 0.061 away under
@@ -107,3 +107,34 @@ def test_a_linear_with_module_hooks_is_not_cut_by_rows():
     assert any(r for _, r in plan_row_cuts(layers, costs, 2))  # the first Linear holds most of the cost
     layers[1].register_forward_hook(lambda m, args, out: None)
     assert not any(r for _, r in plan_row_cuts(layers, costs, 2) or [])
+
+
+class GroupsByAttribute(MNISTClassifier):
+    """Parameter groups built from attributes set in ``__init__`` (no weight decay, a learning-rate scale)."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        for m in self.net:
+            if isinstance(m, torch.nn.Linear):
+                m.weight.lr_scale = 0.1
+                m.bias.no_decay = True
+            elif isinstance(m, torch.nn.LayerNorm):
+                m.weight.no_decay = m.bias.no_decay = True
+
+    def configure_optimizers(self):
+        groups: dict = {}
+        for p in self.parameters():
+            groups.setdefault((getattr(p, "no_decay", False), getattr(p, "lr_scale", 1.0)), []).append(p)
+        return torch.optim.AdamW([{"params": ps, "weight_decay": 0.0 if no_decay else 0.5, "lr": self.hparams.lr * s}
+                                  for (no_decay, s), ps in groups.items()])
+
+
+@pytest.mark.parametrize("name", ["fsdp", "tp2", "pp2-split-linear", "dp2xpp2-shard"])
+def test_attributes_set_on_parameters_reach_the_pieces_configure_optimizers_sees(name):
+    def fit(strategy, devices, batch, ref=False, cls=GroupsByAttribute):
+        return flat_params(fit_seeded(lambda: cls(optimizer="adam", lr=0.01), strategy, devices, batch, ref=ref)[1])
+
+    ref = fit("auto", 1, GLOBAL_BATCH, ref=True)
+    assert (ref - fit("auto", 1, GLOBAL_BATCH, ref=True, cls=MNISTClassifier)).abs().max() > 1e-2
+    strategy, devices, dp = HOOK_LAYOUTS[name]
+    torch.testing.assert_close(fit(strategy(), devices, GLOBAL_BATCH // dp), ref, rtol=0, atol=1e-10)
