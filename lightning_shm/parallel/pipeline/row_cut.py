@@ -40,11 +40,12 @@ from lightning_shm.parallel.replaced import carry_over, has_module_hooks
 MIN_GAIN = 0.02  # a row cut must lower the slowest chunk's cost by this fraction to be worth a new layer kind
 
 
-class LinearRows(nn.Module):
-    """Output rows ``[lo, hi)`` of ``linear``: the head (``lo == 0``) or the tail of a cut (see module doc)."""
+class LinearRows(nn.Linear):
+    """Output rows ``[lo, hi)`` of ``linear``: the head (``lo == 0``) or the tail of a cut (see module doc). An
+    ``nn.Linear`` still, for code that classifies modules by type; ``out_features`` stays the whole layer's."""
 
     def __init__(self, linear: nn.Linear, lo: int, hi: int) -> None:
-        super().__init__()
+        nn.Module.__init__(self)  # not nn.Linear's: it would allocate the whole weight
         if not 0 <= lo < hi <= linear.out_features or (lo == 0) == (hi == linear.out_features):
             raise ValueError(f"rows [{lo}, {hi}) are not the head or tail of a Linear with "
                              f"{linear.out_features} outputs")

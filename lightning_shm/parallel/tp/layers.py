@@ -14,6 +14,11 @@ a row ``Conv2d`` its input channels (weight dim 1; partial outputs summed, the b
 a BatchNorm between them normalises each of the rank's channels exactly as one process does
 (statistics are per channel), so it is only sliced.
 
+Each is an instance of the layer type it replaces (``nn.Linear``, ``nn.Conv2d``, ``nn.LayerNorm``), as torch's
+own tensor parallelism keeps the module: code that classifies modules by type -- the usual
+``configure_optimizers`` giving Linear weights weight decay and LayerNorm's none -- sees the layers it built.
+Their sizes (``out_features``, ``in_channels``, ``normalized_shape``) are this rank's, like their weights.
+
 ``sizes`` say how many features (channels) each rank holds; attention splits by whole heads, so
 its sizes are multiples of the head dimension. Each layer lists ``split_dims`` (parameter or buffer
 -> dimension it is split along), from which checkpoints are consolidated.
@@ -52,7 +57,7 @@ def _replicate(t: Optional[torch.Tensor]) -> Optional[nn.Parameter]:
     return p
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(nn.Linear):
     """Output features split across the group; input replicated. Output stays sharded, or with
     ``gather_output`` is all-gathered so the layers after it run replicated (plan style
     ``"column_gathered"``): ``y_r [B, H_r]`` --all-gather--> ``y [B, H]`` on every rank."""
@@ -61,7 +66,7 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, full: nn.Linear, group: Group, sizes: Optional[Sequence[int]] = None,
                  gather_output: bool = False, random: Optional[SplitRegionRandom] = None) -> None:
-        super().__init__()
+        nn.Module.__init__(self)  # not nn.Linear's: it would allocate the whole weight
         self.group, self.gather_output, self.random = group, gather_output, random
         self.in_features, self.full_out_features = full.in_features, full.out_features
         self.sizes = list(sizes or even_split_sizes(full.out_features, group.size))
@@ -81,14 +86,14 @@ class ColumnParallelLinear(nn.Module):
                 + (", output gathered" if self.gather_output else ""))
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(nn.Linear):
     """Input features split across the group; partial outputs summed by an all-reduce; bias replicated."""
 
     split_dims = {"weight": 1}
 
     def __init__(self, full: nn.Linear, group: Group, sizes: Optional[Sequence[int]] = None,
                  random: Optional[SplitRegionRandom] = None) -> None:
-        super().__init__()
+        nn.Module.__init__(self)
         self.group, self.random = group, random
         self.full_in_features, self.out_features = full.in_features, full.out_features
         self.sizes = list(sizes or even_split_sizes(full.in_features, group.size))
@@ -105,15 +110,17 @@ class RowParallelLinear(nn.Module):
         return f"in={self.in_features} of {self.full_in_features}, out={self.out_features}, tp={self.group.size}"
 
 
-class _ConvBase(nn.Module):
+class _ConvBase(nn.Conv2d):
     def __init__(self, full: nn.Conv2d, group: Group, random: Optional[SplitRegionRandom]) -> None:
-        super().__init__()
+        nn.Module.__init__(self)
         if full.groups != 1:
             raise ValueError(f"a grouped Conv2d (groups={full.groups}) cannot be split by channels here")
         if full.padding_mode != "zeros":
             raise ValueError(f"Conv2d padding_mode={full.padding_mode!r}: only 'zeros' is supported")
         self.group, self.random = group, random
         self.stride, self.padding, self.dilation = full.stride, full.padding, full.dilation
+        self.kernel_size, self.groups, self.padding_mode = full.kernel_size, 1, full.padding_mode
+        self.transposed, self.output_padding = False, full.output_padding
 
     def _conv(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         return F.conv2d(x, self.weight, bias, self.stride, self.padding, self.dilation)
@@ -163,19 +170,20 @@ class RowParallelConv2d(_ConvBase):
         return f"in={self.in_channels} of {sum(self.sizes)}, out={self.out_channels} channels, tp={self.group.size}"
 
 
-class ShardedLayerNorm(nn.Module):
+class ShardedLayerNorm(nn.LayerNorm):
     """LayerNorm whose normalised features are split like the preceding column layer's outputs."""
 
     split_dims = {"weight": 0, "bias": 0}
 
     def __init__(self, full: nn.LayerNorm, group: Group, sizes: Sequence[int]) -> None:
-        super().__init__()
+        nn.Module.__init__(self)
         if len(full.normalized_shape) != 1 or not full.elementwise_affine or full.bias is None:
             raise ValueError(f"only LayerNorm over one dimension with weight and bias can be sharded, got {full}")
         if full.normalized_shape[0] != sum(sizes):
             raise ValueError(f"LayerNorm over {full.normalized_shape[0]} features follows a column layer with "
                              f"{sum(sizes)} outputs")
         self.group, self.sizes, self.eps = group, list(sizes), full.eps
+        self.normalized_shape, self.elementwise_affine = (self.sizes[group.index],), True
         self.weight = _slice(full.weight, 0, self.sizes, group.index)
         self.bias = _slice(full.bias, 0, self.sizes, group.index)
 
