@@ -171,3 +171,24 @@ def test_layers_a_strategy_replaces_keep_the_type_configure_optimizers_classifie
     strategy = (SHMTensorParallel(start_method="fork", tensor_parallel_size=2) if name == "tp2-cnn"
                 else HOOK_LAYOUTS[name][0]())
     torch.testing.assert_close(fit(strategy, 2), ref, rtol=0, atol=1e-8)  # the CNN's split sums: 2e-9
+
+
+class LrMultPerLayer(MNISTClassifier):
+    """A learning-rate multiplier set on a layer in ``__init__``, read by ``configure_optimizers``."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.net[1].lr_mult = 0.1
+
+    def configure_optimizers(self):
+        return torch.optim.Adam([{"params": list(m.parameters(recurse=False)), "lr": self.hparams.lr * m.lr_mult}
+                                 if hasattr(m, "lr_mult") else {"params": list(m.parameters(recurse=False))}
+                                 for m in self.modules() if list(m.parameters(recurse=False))], lr=self.hparams.lr)
+
+
+def test_attributes_set_on_a_layer_reach_its_tensor_parallel_version():
+    def fit(strategy, devices):
+        return flat_params(fit_seeded(lambda: LrMultPerLayer(optimizer="adam", lr=0.01), strategy, devices,
+                                      GLOBAL_BATCH, ref=devices == 1)[1])
+
+    torch.testing.assert_close(fit(HOOK_LAYOUTS["tp2"][0](), 2), fit("auto", 1), rtol=0, atol=1e-10)

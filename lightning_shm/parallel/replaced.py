@@ -1,4 +1,4 @@
-"""What the model attached to the objects a parallelism replaces: hooks, and attributes on parameters.
+"""What the model attached to the objects a parallelism replaces: hooks and attributes.
 
 FSDP holds each parameter as a new tensor (its row block), tensor parallelism a layer as a new module
 over new parameters (its slice), a pipeline's ``split_linear`` a Linear as two row pieces. What the
@@ -7,10 +7,10 @@ hook, a forward or backward hook on a layer, ``p.no_weight_decay = True`` read b
 ``configure_optimizers`` -- would stay on objects nothing uses any more, and training would go on
 without it, silently. It moves to the replacement instead::
 
-    original p  --(hooks dict shared, attributes copied)-->  p's block / slice / row piece: a gradient
-                                                             hook sees the piece's gradient
-    original m  --(hooks dicts shared)-->  m's tensor-parallel module: a hook sees its input and output
-                                           (a column layer's output, a row layer's input: this rank's piece)
+    original p --(hooks dict shared, attributes copied)--> p's block / slice / row piece:
+                 a gradient hook sees the piece's gradient
+    original m --(hooks dicts shared, attributes copied)--> m's tensor-parallel module: a hook sees its
+                 input and output (a column layer's output, a row layer's input: this rank's piece)
 
 The dicts are shared, not copied, so a handle the user kept still removes the hook. An elementwise hook
 (scale, clamp, zero) gives what it gives in one process wherever the piece holds the whole gradient or
@@ -91,8 +91,12 @@ def run_post_accumulate_hooks(p: torch.Tensor) -> None:
         hook(p)
 
 
-def move_module_hooks(old: nn.Module, new: nn.Module) -> None:
-    """``old``'s forward (pre-)hooks and backward (pre-)hooks run on ``new``, before any of ``new``'s own."""
+def carry_over_module(old: nn.Module, new: nn.Module) -> None:
+    """``old``'s forward (pre-)hooks and backward (pre-)hooks run on ``new``, before any of ``new``'s own; and
+    ``new`` has the attributes the model set on ``old`` (``layer.lr_mult = 0.1``) that it does not set itself."""
+    for key, value in old.__dict__.items():
+        if not key.startswith("_") and key not in new.__dict__:
+            new.__dict__[key] = value
     for attr in _MODULE_HOOKS:
         hooks = getattr(old, attr)
         if hooks and hooks is not getattr(new, attr):

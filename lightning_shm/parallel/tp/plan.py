@@ -40,7 +40,7 @@ from typing import Any, Mapping, Optional
 from torch import nn
 from torch.nn.utils import parametrize
 
-from lightning_shm.parallel.replaced import move_module_hooks
+from lightning_shm.parallel.replaced import carry_over_module
 from lightning_shm.parallel.sequential import find_sequential, layers_of, parameter_holders, shared_spans
 from lightning_shm.parallel.tp.layers import (
     ColumnParallelConv2d,
@@ -315,7 +315,7 @@ def apply_plan(module: nn.Module, splits: Mapping[str, LayerSplit], group: Group
                 new = ColumnParallelLinear(layer, group, sp.sizes, gather_output=True)
             else:
                 new = cls[(sp.role, _kind(layer))](layer, group, sp.sizes, random=random)
-        move_module_hooks(layer, new)  # the user's hooks on the layer run on its tensor-parallel version
+        carry_over_module(layer, new)  # the user's hooks on the layer run on its tensor-parallel version
         replaced[name] = new
     for name, new in replaced.items():
         parent, _, attr = name.rpartition(".")
