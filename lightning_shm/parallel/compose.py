@@ -39,6 +39,7 @@ from lightning_shm.parallel.pipeline.outside import OutsideParameters
 from lightning_shm.parallel.pipeline.row_cut import apply_row_cuts, plan_cuts, stage_rows
 from lightning_shm.parallel.pipeline.split import plan_chunks, validate_split_points
 from lightning_shm.parallel.placement import Placement
+from lightning_shm.parallel.replaced import Originals, rebind, remember
 from lightning_shm.parallel.sequential import (
     compiled_original,
     find_sequential,
@@ -233,6 +234,7 @@ class ParallelState:
     fsdp: Optional[FSDPState] = None
     reducer: Optional[GradReducer] = None
     outside: Optional[OutsideParameters] = None  # a pipeline's parameters outside its Sequential
+    originals: Originals = field(default_factory=dict)  # the model's parameters before any was replaced
 
     def begin_step(self) -> None:
         """Before a training step: drop what a forward without backward left gathered; average the
@@ -245,6 +247,7 @@ class ParallelState:
     def watch(self, optimizers: list[torch.optim.Optimizer]) -> None:
         """The optimizers of the run: refused if they cannot update this layout's pieces as one process
         would (:mod:`.optimizers`); FSDP: every step ends with the barrier before shards are read again."""
+        rebind(optimizers, self.originals, self.module)
         pieces = {id(p): n for n, p in self.module.named_parameters()
                   if self.state.placement(n).splits or n in self.state.stage_rows}
         check_optimizers(optimizers, pieces, self.groups.topology.pp)
@@ -266,6 +269,7 @@ def parallelize(module: nn.Module, config: ParallelConfig, world: World, groups:
     """Apply the configured parallelisms to ``module`` (in place) on this rank. Every rank calls it with
     the same arguments; ``module`` holds rank 0's weights everywhere already."""
     topo = groups.topology
+    originals = remember(module)
     plain_keys = list(module.state_dict())
     plain_params = [n for n, _ in module.named_parameters()]
     plan = _tp_plan(module, config, topo.tp) if topo.tp > 1 else {}
@@ -313,7 +317,7 @@ def parallelize(module: nn.Module, config: ParallelConfig, world: World, groups:
                        before_load=fsdp.before_shards_written if fsdp is not None else None,
                        after_load=fsdp.after_shards_written if fsdp is not None else None,
                        stage_rows=stage_rows(module) if stage is not None else None)
-    return ParallelState(module, groups, state, stage, engine, starts, tp, fsdp, reducer, outside)
+    return ParallelState(module, groups, state, stage, engine, starts, tp, fsdp, reducer, outside, originals)
 
 
 def _node_mean(groups: ParallelGroups) -> Optional[Callable[[torch.Tensor], None]]:

@@ -20,6 +20,7 @@ output of its elements; a hook that needs the whole tensor (a full-shape mask, a
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections import OrderedDict
 from typing import Iterable, Iterator
 
@@ -104,3 +105,40 @@ def carry_over_module(old: nn.Module, new: nn.Module) -> None:
             setattr(new, attr, hooks)
     if old._backward_hooks:
         new._is_full_backward_hook = old._is_full_backward_hook
+
+
+Originals = dict[int, tuple["weakref.ref[torch.Tensor]", str]]
+
+
+def remember(module: nn.Module) -> Originals:
+    """``module``'s own parameters by identity and name, before a parallelism replaces any (see :func:`rebind`)."""
+    return {id(p): (weakref.ref(p), n) for n, p in module.named_parameters(remove_duplicate=False)}
+
+
+def rebind(optimizers: Iterable[torch.optim.Optimizer], originals: Originals, module: nn.Module) -> None:
+    """Parameters an optimizer holds from before the replacement (a list the model kept from ``__init__``)
+    become what this rank holds under the same name now; where it holds none (another pipeline stage's
+    layer) they leave the optimizer. An optimizer over the replaced tensors would update nothing the model
+    uses, silently. Refused where a parameter would then appear twice (the model also gave its new form)."""
+    current = dict(module.named_parameters(remove_duplicate=False))
+    live = {id(p) for p in current.values()}
+    for opt in optimizers:
+        rebound: list[str] = []
+        for group in opt.param_groups:
+            params = []
+            for p in group["params"]:
+                entry = originals.get(id(p)) if id(p) not in live else None
+                if entry is not None and entry[0]() is p:
+                    rebound.append(entry[1])
+                    p = current.get(entry[1])
+                    if p is None:
+                        continue
+                params.append(p)
+            group["params"] = params
+        ids = [id(p) for g in opt.param_groups for p in g["params"]]
+        if rebound and len(ids) != len(set(ids)):
+            twice = sorted({n for n, p in current.items() if ids.count(id(p)) > 1})
+            raise ValueError(f"{type(opt).__name__} holds {twice} twice: once as kept from before the strategy "
+                             f"replaced them (parameters {sorted(set(rebound))} were taken before setup, e.g. a list "
+                             "made in __init__) and once as this rank holds them now. Build the parameter groups "
+                             "inside configure_optimizers from self.named_parameters().")
