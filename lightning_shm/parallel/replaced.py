@@ -1,4 +1,5 @@
-"""What the model attached to the objects a parallelism replaces: hooks and attributes.
+"""What the model attached to the objects a parallelism replaces (hooks, attributes), and what it kept of them
+(parameter lists its optimizer is built from).
 
 FSDP holds each parameter as a new tensor (its row block), tensor parallelism a layer as a new module
 over new parameters (its slice), a pipeline's ``split_linear`` a Linear as two row pieces. What the
@@ -15,6 +16,8 @@ without it, silently. It moves to the replacement instead::
 The dicts are shared, not copied, so a handle the user kept still removes the hook. An elementwise hook
 (scale, clamp, zero) gives what it gives in one process wherever the piece holds the whole gradient or
 output of its elements; a hook that needs the whole tensor (a full-shape mask, a norm) sees a piece.
+A list of the original parameters the model kept (``self.head_params = list(...)`` in ``__init__``) reaches
+the optimizer after the replacement: :func:`rebind` swaps in what the rank holds now.
 """
 
 from __future__ import annotations
@@ -118,8 +121,10 @@ def remember(module: nn.Module) -> Originals:
 def rebind(optimizers: Iterable[torch.optim.Optimizer], originals: Originals, module: nn.Module) -> None:
     """Parameters an optimizer holds from before the replacement (a list the model kept from ``__init__``)
     become what this rank holds under the same name now; where it holds none (another pipeline stage's
-    layer) they leave the optimizer. An optimizer over the replaced tensors would update nothing the model
-    uses, silently. Refused where a parameter would then appear twice (the model also gave its new form)."""
+    layer) they leave the optimizer. Over the replaced tensors it would train tensors the model no longer uses
+    (and the run failed at its end, saving that optimizer's state). Refused where a parameter would then appear
+    twice (the model also gave its new form). Identity is checked through a weak reference: the id of a
+    collected original may be reused by a new tensor."""
     current = dict(module.named_parameters(remove_duplicate=False))
     live = {id(p) for p in current.values()}
     for opt in optimizers:
