@@ -16,6 +16,7 @@ from lightning_shm.models import MNISTClassifier
 from tests.helpers import (
     GLOBAL_BATCH,
     SEED,
+    fit_seeded,
     flat_params,
     layouts,
     loader,
@@ -199,3 +200,43 @@ def test_weight_averaging_swaps_write_the_pieces_between_the_layouts_write_barri
     cb._swap_models(model)  # the trained weights back
     cb._copy_average_to_current(model)  # the end of training
     assert events == [("before", 0.0), ("after", trained), ("before", trained), ("after", 0.0)]
+
+
+class _Votes(pl.Callback):
+    """Lightning's boolean decisions as its callbacks take them: all / any of the ranks' votes."""
+
+    def on_train_start(self, trainer, pl_module):
+        vote = trainer.global_rank == 0
+        decide = trainer.strategy.reduce_boolean_decision
+        pl_module.log_dict({"all_of_one": float(decide(vote)), "any_of_one": float(decide(vote, all=False)),
+                            "all_of_all": float(decide(True)), "any_of_none": float(decide(False, all=False))})
+
+
+@pytest.mark.parametrize("name", ["tp2", "pp2", "dp2xtp2"])
+def test_model_checkpoint_top_k_follows_the_monitored_score_as_in_one_process(tmp_path, name):
+    """ModelCheckpoint saves a better score only when every rank agrees (``reduce_boolean_decision``); Lightning
+    counts the votes with ``reduce``, which sums over the data-parallel group -- under tp / pp fewer ranks than
+    ``world_size``, so no later score was ever "better": the best stayed epoch 0's checkpoint (measured under pp2:
+    best epoch 0 at val_loss 1.70 while epoch 2 had 0.73)."""
+    layouts = {"tp2": (lambda: SHMTensorParallel(start_method="fork", tensor_parallel_size=2), 2, 1),
+               "pp2": (lambda: SHMPipeline(start_method="fork", pipeline_parallel_size=2, microbatches=4), 2, 1),
+               "dp2xtp2": (lambda: SHMModelParallel(start_method="fork", data_parallel_size=2,
+                                                    tensor_parallel_size=2), 4, 2)}
+
+    def fit(strategy, devices, batch, ref):
+        ckpt = ModelCheckpoint(dirpath=tmp_path / f"{name}-{ref}", monitor="val_loss", save_top_k=1,
+                               filename="{epoch}")
+        t, _ = fit_seeded(lambda: MNISTClassifier(optimizer="adam", lr=0.01), strategy, devices, batch, ref=ref,
+                          validate=True, max_epochs=3, callbacks=[ckpt] + ([] if ref else [_Votes()]),
+                          enable_checkpointing=True)
+        return t
+
+    one = fit("auto", 1, GLOBAL_BATCH, True)
+    assert one.checkpoint_callback.best_model_path.endswith("epoch=2.ckpt")  # the score improves every epoch
+    strategy, devices, dp = layouts[name]
+    t = fit(strategy(), devices, GLOBAL_BATCH // dp, False)
+    assert t.checkpoint_callback.best_model_path.endswith("epoch=2.ckpt")
+    best, one_best = t.checkpoint_callback.best_model_score, one.checkpoint_callback.best_model_score
+    assert float(best) == pytest.approx(float(one_best), abs=1e-9)
+    assert {k: float(t.callback_metrics[k]) for k in ("all_of_one", "any_of_one", "all_of_all", "any_of_none")} == \
+        {"all_of_one": 0.0, "any_of_one": 1.0, "all_of_all": 1.0, "any_of_none": 0.0}

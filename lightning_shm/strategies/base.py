@@ -278,6 +278,15 @@ class SHMStrategyBase(ParallelStrategy):
             return tensor
         return collectives.reduce(g, tensor, reduce_op)
 
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        """Every rank of the run votes. Lightning's counts ``reduce(..., SUM)`` against ``world_size``, but
+        :meth:`reduce` sums over the data-parallel group, which under tp / pp has fewer ranks: "all agree" was
+        never true there, so ModelCheckpoint's top-k kept its first checkpoints as the best, silently."""
+        if self._group is None:
+            return decision
+        votes = int(self._group.all_reduce(torch.tensor([int(decision)]), "sum").item())
+        return votes == self._group.size if all else votes > 0
+
     def barrier(self, name: Optional[str] = None) -> None:
         if self._group is not None:
             self._group.barrier()
