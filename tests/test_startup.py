@@ -59,6 +59,37 @@ def test_script_from_stdin_is_refused_before_any_worker_starts(strategy):
     assert "WorkerDiedError" not in out.stderr
 
 
+_NOTEBOOK_CELL = textwrap.dedent(
+    """
+    import lightning.pytorch as pl
+    import lightning_shm
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    class Cell(BoringModel):  # defined in __main__, as in a notebook
+        pass
+
+    t = pl.Trainer(strategy="STRATEGY", accelerator="cpu", devices=2, max_epochs=1, logger=False,
+                   enable_progress_bar=False, enable_checkpointing=False, limit_train_batches=2, limit_val_batches=0)
+    t.fit(Cell())
+    print("trained", t.global_step)
+    """
+)
+
+
+@pytest.mark.parametrize("strategy", ["shm_ddp", "shm_ddp_spawn", "shm_ddp_fork"])
+def test_a_module_defined_without_a_main_script_is_refused_unless_forked(strategy):
+    """``python -c`` or a notebook has no main script: a new interpreter cannot find the session's classes (the
+    workers failed with "Can't get attribute 'Cell' on <module '__main__'>"); a forked worker has them."""
+    out = subprocess.run([sys.executable, "-c", _NOTEBOOK_CELL.replace("STRATEGY", strategy)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    if strategy == "shm_ddp_fork":
+        assert out.returncode == 0 and "trained 2" in out.stdout, out.stderr[-3000:]
+        return
+    assert out.returncode != 0
+    assert "cannot see what this session defined in __main__ (Cell)" in out.stderr, out.stderr[-3000:]
+    assert "WorkerTraceback" not in out.stderr and "Can't get attribute" not in out.stderr
+
+
 def test_fork_server_output_holds_what_a_dead_worker_wrote_last():
     """A worker's last lines reach the fork server's pipe before it exits, but the thread forwarding
     them may not have read them when the main process sees the exit: reading the tail drains the pipe

@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import io
 import os
+import pickle
 import signal
 import sys
 import tempfile
+import types
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional
 
 import torch
@@ -84,7 +86,7 @@ class SHMLauncher(_Launcher):
         strategy = self._strategy
         if self._start_method != "fork":  # spawn, forkserver: each worker imports the main script again
             _check_missing_main_guard()
-            _check_main_is_importable(self._start_method)
+            _check_main_is_importable(self._start_method, (trainer, function, args, kwargs))
         if self._already_fit and trainer is not None and trainer.state.fn == TrainerFn.FITTING:
             raise NotImplementedError(
                 "Calling `trainer.fit()` twice on the same Trainer with a process-launching strategy is not "
@@ -226,8 +228,10 @@ def _resolve_log_versions(trainer: "pl.Trainer") -> None:
             logger.version  # noqa: B018 -- the property picks and keeps the version
 
 
-def _check_main_is_importable(start_method: str) -> None:
-    """A spawned worker re-imports the main script by its path; a script read from stdin has none."""
+def _check_main_is_importable(start_method: str, payload: Any) -> None:
+    """A spawned worker re-imports the main script by its path; a script read from stdin has none. A notebook
+    or ``python -c`` has no main script at all: what is defined there (the LightningModule's class, a dataset's)
+    cannot reach the workers -- they failed with "Can't get attribute 'Model' on <module '__main__'>"."""
     main = sys.modules.get("__main__")
     path = getattr(main, "__file__", None)
     if path is not None and getattr(main, "__spec__", None) is None and not os.path.isfile(path):
@@ -236,3 +240,33 @@ def _check_main_is_importable(start_method: str) -> None:
             f"({path!r}: a script read from stdin or typed interactively). Save it to a file, or pass "
             "start_method='fork' (e.g. strategy='shm_ddp_fork')."
         )
+    if path is None and getattr(main, "__spec__", None) is None:
+        defined = _defined_in_main(payload)
+        if defined:
+            raise RuntimeError(
+                f"start_method={start_method!r} starts each worker in a new interpreter, which cannot see what this "
+                f"session defined in __main__ ({', '.join(defined[:5])}): there is no main script to import "
+                "(a notebook, python -c). Pass start_method='fork' (e.g. strategy='shm_ddp_fork', as Lightning's "
+                "'ddp_notebook'), or move those definitions into a module."
+            )
+
+
+def _defined_in_main(payload: Any) -> list[str]:
+    """Classes and functions of ``__main__`` that pickling ``payload`` (what the workers receive) refers to."""
+    found: dict[str, None] = {}
+
+    class Finder(pickle.Pickler):
+        def reducer_override(self, obj: Any) -> Any:
+            if isinstance(obj, (type, types.FunctionType)) and obj.__module__ == "__main__":
+                found[obj.__qualname__] = None
+            return NotImplemented
+
+    class Discard:
+        def write(self, data: bytes) -> int:
+            return len(data)
+
+    try:
+        Finder(Discard(), protocol=pickle.HIGHEST_PROTOCOL).dump(payload)
+    except Exception:  # something that does not pickle at all: the launch itself reports it
+        pass
+    return list(found)
