@@ -60,7 +60,8 @@ class HeldParameters(Protocol):
 
 def _stage_linear_forward(module: nn.Linear | LinearRows, engine: "PipelineEngine", x: torch.Tensor) -> torch.Tensor:
     w = module.weight
-    # autograd's path for a weight with hooks (they must see its gradient), for one computed from other
+    # autograd's path for a weight with live hooks (they must see its gradient; a strategy's training step
+    # suspends them and runs them once on the step's sum, see PipelineSteps), for one computed from other
     # parameters (a parametrization such as weight_norm: the gradient must flow back through it), and --
     # unless zero-bubble defers it -- for one that is not a leaf (FSDP's held parameter) or too small to
     # gain from the in-place sum
