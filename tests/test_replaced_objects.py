@@ -38,7 +38,7 @@ def _never(grad: torch.Tensor) -> None:
 
 
 class Hooked(MNISTClassifier):
-    """Five hooks, each elementwise (so each piece of a split tensor gets what one process gives its
+    """Six hooks, each elementwise (so each piece of a split tensor gets what one process gives its
     elements) and each changing what SGD trains; a sixth is removed through its handle before training."""
 
     def __init__(self, hooks: bool = True, **kw):
@@ -47,6 +47,7 @@ class Hooked(MNISTClassifier):
         if hooks:
             first.weight.register_hook(lambda g: g * 0.25)
             second.bias.register_post_accumulate_grad_hook(_triple)
+            second.weight.register_post_accumulate_grad_hook(_triple)  # a Linear weight zero-bubble defers
             first.register_forward_pre_hook(lambda m, args: (args[0] * 2.0,))
             second.register_forward_hook(lambda m, args, out: out * 0.5)
             second.register_full_backward_hook(lambda m, grad_in, grad_out: (grad_in[0] * 0.5,))
