@@ -39,7 +39,7 @@ from lightning_shm.parallel.pipeline.outside import OutsideParameters
 from lightning_shm.parallel.pipeline.row_cut import apply_row_cuts, plan_cuts, stage_rows
 from lightning_shm.parallel.pipeline.split import plan_chunks, validate_split_points
 from lightning_shm.parallel.placement import Placement
-from lightning_shm.parallel.replaced import Originals, rebind, remember
+from lightning_shm.parallel.replaced import Originals, carry_over_module, rebind, remember
 from lightning_shm.parallel.sequential import (
     compiled_original,
     find_sequential,
@@ -355,5 +355,8 @@ def _split_pipeline(module: nn.Module, config: ParallelConfig, world: World, gro
         f"schedule {sched.kind.value}, {sched.microbatches} microbatches")
     pp_index = groups.coords.pp
     stage = PipelineStage(layers, starts, sched.chunks_of(pp_index))
+    # the step calls the stage where it called the Sequential: on the first stage its input is the Sequential's,
+    # on the last its output is -- so the model's hooks on the Sequential do there what they did
+    carry_over_module(seq, stage)
     replace_submodule(module, path, stage)
     return stage, starts
