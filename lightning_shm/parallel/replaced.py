@@ -80,17 +80,14 @@ def carry_over(old: torch.Tensor, new: torch.Tensor) -> None:
         new._post_accumulate_grad_hooks = old._post_accumulate_grad_hooks
 
 
-def run_grad_hooks(p: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-    """``p``'s ``register_hook`` hooks on ``grad``, as autograd runs them -- for a gradient that reaches ``p``
-    outside autograd (a pipeline step's sum over its microbatches, FSDP's reduce-scatter of it)."""
+def accumulate_grad(p: torch.Tensor, grad: torch.Tensor) -> None:
+    """Add ``grad`` to ``p.grad`` as autograd does for a leaf -- ``p``'s ``register_hook`` hooks on ``grad``,
+    the sum, its post-accumulate hooks -- for a gradient that reaches ``p`` outside autograd (a pipeline step's
+    sum over its microbatches, FSDP's reduce-scatter of it)."""
     for hook in list((p._backward_hooks or {}).values()):
         out = hook(grad)
         grad = grad if out is None else out
-    return grad
-
-
-def run_post_accumulate_hooks(p: torch.Tensor) -> None:
-    """``p``'s post-accumulate hooks, after a gradient was added to ``p.grad`` outside autograd."""
+    p.grad = grad if p.grad is None else p.grad.add_(grad)
     for hook in list((p._post_accumulate_grad_hooks or {}).values()):
         hook(p)
 

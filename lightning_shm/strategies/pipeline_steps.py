@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from lightning_shm.parallel.compose import ParallelState
 from lightning_shm.parallel.pipeline import PipelineSchedule, Schedule
-from lightning_shm.parallel.replaced import parameter_hooks_suspended, run_grad_hooks, run_post_accumulate_hooks
+from lightning_shm.parallel.replaced import accumulate_grad, parameter_hooks_suspended
 from lightning_shm.strategies.pipeline_io import LightningStageIO, StagePosition
 
 
@@ -75,10 +75,8 @@ class PipelineSteps:
         """After Lightning's zero_grad: add the step's gradients, reduce them over the data-parallel group."""
         with torch.no_grad():
             for p, g in self._fresh_grads:
-                if g is not None:  # what autograd does for a leaf: hooks, accumulate, post-accumulate hooks
-                    g = run_grad_hooks(p, g)
-                    p.grad = g if p.grad is None else p.grad.add_(g)
-                    run_post_accumulate_hooks(p)
+                if g is not None:
+                    accumulate_grad(p, g)
         self._fresh_grads = []
         if self.parallel.fsdp is not None:
             self.parallel.fsdp.release()  # one reduce-scatter per parameter of the summed gradient

@@ -53,7 +53,7 @@ from torch import nn
 
 from lightning_shm.parallel.fsdp.policy import UnitSpec
 from lightning_shm.parallel.fsdp.prefetch import Prefetcher
-from lightning_shm.parallel.replaced import carry_over, run_grad_hooks, run_post_accumulate_hooks
+from lightning_shm.parallel.replaced import accumulate_grad, carry_over
 from lightning_shm.runtime import Group, SharedBuffer, even_split
 
 GATHERS = ("view", "copy")
@@ -344,10 +344,8 @@ class FSDPUnit:
         if self._held_grad is not None:
             held_grads = [self._held_grad[b.full_offset:b.full_offset + b.numel] for b in self.blocks]
             for b, g in zip(self.blocks, self.reduce_scatter(held_grads)):
-                if b.shard.requires_grad:  # what autograd does for a leaf: hooks, accumulate, post-accumulate hooks
-                    g = run_grad_hooks(b.shard, g)
-                    b.shard.grad = g if b.shard.grad is None else b.shard.grad.add_(g)
-                    run_post_accumulate_hooks(b.shard)
+                if b.shard.requires_grad:
+                    accumulate_grad(b.shard, g)
             self._held_grad = None
         if self.held is not None:
             self.free(self.held)

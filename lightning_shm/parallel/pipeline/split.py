@@ -34,13 +34,17 @@ def why_sample_fails(seq: nn.Sequential, sample: torch.Tensor) -> Optional[str]:
     """None if ``sample`` runs through ``seq``; else which layer refused it and why. An input guessed
     for timing (a ``[rows, in_features]`` matrix for a first Linear) fits an MLP but not a sequence
     model whose Linear projects ``[B, T, features]``; the caller then balances without timing."""
-    x = sample
-    with _leaving_no_trace(seq), torch.no_grad():
-        for i, layer in enumerate(seq):
-            try:
-                x = layer(x)
-            except Exception as e:  # any error of the user's layer on this input
-                return f"layer {i} ({type(layer).__name__}) on an input of shape {_shapes(x)}: {type(e).__name__}: {e}"
+    with _leaving_no_trace(seq):
+        return _first_failure(seq, sample)
+
+
+@torch.no_grad()
+def _first_failure(seq: nn.Sequential, x: torch.Tensor) -> Optional[str]:
+    for i, layer in enumerate(seq):
+        try:
+            x = layer(x)
+        except Exception as e:  # any error of the user's layer on this input
+            return f"layer {i} ({type(layer).__name__}) on an input of shape {_shapes(x)}: {type(e).__name__}: {e}"
     return None
 
 
@@ -58,7 +62,7 @@ def layer_costs_by_time(seq: nn.Sequential, sample: torch.Tensor, repeats: int =
     (suspended meanwhile)."""
     costs: list[list[float]] = [[] for _ in seq]
     with _leaving_no_trace(seq):
-        why = why_sample_fails(seq, sample)  # also the warm-up run
+        why = _first_failure(seq, sample)  # also the warm-up run
         if why is not None:
             raise ValueError(f"the sample input for timing the pipeline's layers does not run through the "
                              f"Sequential: {why}. Pass sample_input=<a batch of the Sequential's input>, or "

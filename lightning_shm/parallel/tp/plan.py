@@ -285,9 +285,10 @@ def _check_sequential(seq: nn.Sequential, prefix: str, splits: Mapping[str, Laye
                 raise ValueError(f"'{q}' ({type(m).__name__}) cannot run on features split by column layer "
                                  f"'{region[0]}'; only {', '.join(t.__name__ for t in _BETWEEN[region[1]][:3])}, "
                                  "elementwise and pooling modules can")
-            if isinstance(m, nn.LayerNorm) and own_behaviour(m):
+            own = own_behaviour(m) if isinstance(m, nn.LayerNorm) else ""
+            if own:
                 raise ValueError(f"'{q}' sits between column layer '{region[0]}' and its row layer, so it would "
-                                 f"run split, but {own_behaviour(m)}: end the pair before it")
+                                 f"run split, but {own}: end the pair before it")
             if isinstance(m, (nn.LayerNorm, nn.modules.batchnorm._BatchNorm)):
                 norms[q] = LayerSplit("norm", splits[region[0]].sizes)
     if region is not None:
