@@ -25,7 +25,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 
 from lightning_shm.parallel.pipeline import CapturedInput, PipelineStage, split_batch
-from lightning_shm.parallel.pipeline.stage import batch_size as batch_size_of
+from lightning_shm.parallel.pipeline.microbatches import batch_size as batch_size_of
 from lightning_shm.parallel.pipeline.stage import parameters_read_outside
 from lightning_shm.runtime import Group
 from lightning_shm.strategies.metric_state import export_state, import_state

@@ -16,6 +16,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
+from lightning_utilities.core.apply_func import is_namedtuple
 from torch import Tensor
 
 _SCALARS = (str, bytes, int, float, bool)  # what default collation keeps as a list: file names, ids as strings
@@ -36,8 +37,7 @@ def _split_rows(output: Any, n: int) -> Optional[list[Any]]:
         cols = [_split_rows(v, n) for v in output]
         if any(c is None for c in cols):
             return None
-        return [type(output)(c[i] for c in cols) if isinstance(output, tuple) else [c[i] for c in cols]
-                for i in range(n)]
+        return [_like(output, [c[i] for c in cols]) for i in range(n)]
     return None
 
 
@@ -49,8 +49,15 @@ def _stack_rows(rows: Sequence[Any]) -> Any:
         return torch.stack(list(rows))
     if isinstance(first, dict):
         return {k: _stack_rows([r[k] for r in rows]) for k in first}
-    stacked = [_stack_rows([r[i] for r in rows]) for i in range(len(first))]
-    return tuple(stacked) if isinstance(first, tuple) else stacked
+    return _like(first, [_stack_rows([r[i] for r in rows]) for i in range(len(first))])
+
+
+def _like(seq: Sequence[Any], items: list[Any]) -> Any:
+    """``items`` in the sequence type of ``seq``: a list, or the same tuple type (a namedtuple, torch's
+    ``return_types.topk``)."""
+    if is_namedtuple(seq):
+        return type(seq)(*items)
+    return type(seq)(items) if isinstance(seq, tuple) else items
 
 
 def merge_predictions(per_rank: Sequence[tuple[list[Any], list[Optional[list[list[int]]]], list[int]]]) -> list[Any]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections import namedtuple
 
 import lightning.pytorch as pl
 import pytest
@@ -224,9 +225,13 @@ class _Named(torch.utils.data.Dataset):
         return {"pixels": x, "name": f"img_{i:03d}.png"}
 
 
+Top2 = namedtuple("Top2", ["values", "indices"])
+
+
 class _PredictsNamed(MNISTClassifier):
     def predict_step(self, batch, batch_idx, dataloader_idx=0):
-        return {"name": batch["name"], "pred": self(batch["pixels"]).argmax(-1)}
+        z = self(batch["pixels"])
+        return {"name": batch["name"], "pred": z.argmax(-1), "top2": Top2(*torch.topk(z, 2)), "top3": torch.topk(z, 3)}
 
 
 def test_predictions_with_per_sample_strings_come_back_in_dataset_order():
@@ -239,6 +244,12 @@ def test_predictions_with_per_sample_strings_come_back_in_dataset_order():
     multi = trainer(strategy="shm_ddp_fork", devices=2).predict(model, dl)
     assert [b["name"] for b in multi] == [b["name"] for b in single]
     assert torch.equal(torch.cat([b["pred"] for b in multi]), torch.cat([b["pred"] for b in single]))
+    # namedtuples (and torch's return types) keep their type; they failed with "missing 1 required positional
+    # argument" until 2026-12-03
+    for ours, one in zip(multi, single):
+        assert type(ours["top2"]) is Top2 and type(ours["top3"]) is type(one["top3"])
+        assert torch.equal(ours["top2"].indices, one["top2"].indices)
+        assert torch.equal(ours["top3"].values, one["top3"].values)
 
 
 def test_boring_model_trains():

@@ -1,4 +1,5 @@
 from lightning_shm.parallel.pipeline.engine import PipelineEngine, StageIO
+from lightning_shm.parallel.pipeline.microbatches import split_batch
 from lightning_shm.parallel.pipeline.schedules import (
     Action,
     PipelineSchedule,
@@ -10,7 +11,7 @@ from lightning_shm.parallel.pipeline.schedules import (
     simulate,
 )
 from lightning_shm.parallel.pipeline.split import balanced_split, layer_costs_by_time, plan_chunks
-from lightning_shm.parallel.pipeline.stage import CapturedInput, PipelineStage, split_batch
+from lightning_shm.parallel.pipeline.stage import CapturedInput, PipelineStage
 
 __all__ = [
     "Action", "CapturedInput", "PipelineEngine", "PipelineSchedule", "PipelineStage",

@@ -169,35 +169,3 @@ def parameters_read_outside(loss: torch.Tensor, output: Any, named: Sequence[tup
 
 def _capture(x: torch.Tensor) -> torch.Tensor:
     raise CapturedInput(x)
-
-
-def split_batch(batch: Any, parts: int) -> list[Any]:
-    """Cut every tensor with a leading batch dimension into ``parts`` microbatches (uneven allowed)."""
-    size = batch_size(batch)
-    if size is None:
-        raise ValueError("cannot split a batch without tensors into microbatches")
-
-    def cut(obj: Any) -> list[Any]:
-        if isinstance(obj, torch.Tensor) and obj.dim() > 0 and obj.shape[0] == size:
-            return list(torch.tensor_split(obj, parts))
-        if isinstance(obj, (list, tuple)):
-            cols = [cut(o) for o in obj]
-            return [type(obj)(c[i] for c in cols) if isinstance(obj, tuple) else [c[i] for c in cols]
-                    for i in range(parts)]
-        if isinstance(obj, dict):
-            cols = {k: cut(v) for k, v in obj.items()}
-            return [{k: cols[k][i] for k in obj} for i in range(parts)]
-        return [obj] * parts
-
-    return cut(batch)
-
-
-def batch_size(batch: Any) -> Optional[int]:
-    if isinstance(batch, torch.Tensor):
-        return batch.shape[0] if batch.dim() else None
-    items = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else []
-    for item in items:
-        n = batch_size(item)
-        if n is not None:
-            return n
-    return None
