@@ -241,7 +241,15 @@ class SHMStrategyBase(ParallelStrategy):
             rank_zero_info(f"lightning_shm: not writing {filepath} from the main process: the run stopped in the "
                            "workers, which saved what their callbacks asked for")
             return
-        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        super().save_checkpoint(self.plain_checkpoint(checkpoint), filepath, storage_options=storage_options)
+
+    def plain_checkpoint(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
+        """The checkpoint as it is written: nothing to make plain where every rank holds the whole model."""
+        return checkpoint
+
+    def plain_attributes(self, attributes: list[tuple[str, dict[str, Any]]]) -> list[tuple[str, dict[str, Any]]]:
+        """Rank 0's attributes of the module and callbacks as the main process gets them (collective)."""
+        return attributes
 
     # ------------------------------------------------------------------ shared memory
     def shm_components(self, module: "pl.LightningModule") -> dict[str, int]:

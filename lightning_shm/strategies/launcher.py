@@ -131,7 +131,8 @@ class SHMLauncher(_Launcher):
             results = strategy.gather_predictions(trainer, results)
         checkpoint = None
         if trainer.state.fn == TrainerFn.FITTING and not tuned:  # what rank 0 would write now (collective if sharded)
-            checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+            checkpoint = strategy.plain_checkpoint(trainer._checkpoint_connector.dump_checkpoint(weights_only=False))
+        attributes = strategy.plain_attributes(gathered_attributes(trainer))  # collective if sharded
         if strategy.local_rank != 0:  # local rank 0 of each node reports to that node's main process
             return None
         path = None
@@ -143,7 +144,7 @@ class SHMLauncher(_Launcher):
         buffer = io.BytesIO()
         torch.save(metrics, buffer)
         return WorkerOutput(path, trainer.state, results, buffer.getvalue(), stopped_by, found_learning_rates(trainer),
-                            gathered_attributes(trainer))
+                            attributes)
 
     # ------------------------------------------------------------------ main side
     def _recover_in_main_process(self, output: WorkerOutput, trainer: "pl.Trainer", data: dict[str, Any]) -> None:

@@ -28,7 +28,7 @@ from typing import Any, Iterator, Mapping, Optional, Sequence, Union
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import ModelPruning
+from lightning.pytorch.callbacks import ModelPruning, StochasticWeightAveraging, WeightAveraging
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import grad_norm as lightning_grad_norm
@@ -44,6 +44,7 @@ from lightning_shm.parallel.fsdp import UnitPolicy
 from lightning_shm.parallel.fsdp.policy import PolicyFn
 from lightning_shm.parallel.pipeline import PipelineEngine
 from lightning_shm.parallel.pipeline.split import why_sample_fails
+from lightning_shm.parallel.state_copies import consolidate_copies, localize_copies
 from lightning_shm.parallel.tp.inputs import MODES, broadcast_from_first, check_same
 from lightning_shm.parallel.tp.loading import is_group_batch, split_loader, why_not_splittable
 from lightning_shm.runtime import Group, ParallelGroups, Topology, World
@@ -439,6 +440,42 @@ class SHMModelParallel(SHMStrategyBase):
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         assert self.parallel is not None
         self.parallel.state.load_full_state_dict(checkpoint["state_dict"], strict=strict)
+
+    def plain_checkpoint(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
+        """Copies of the module's state kept elsewhere in the checkpoint (a callback's EMA of
+        ``pl_module.state_dict()``) made plain, as the module's own entries are (collective)."""
+        return self._plain_copies(checkpoint, self._plain_already(), "the checkpoint")
+
+    def plain_attributes(self, attributes: list[tuple[str, dict[str, Any]]]) -> list[tuple[str, dict[str, Any]]]:
+        named = {f"{kind}[{i}]": attrs for i, (kind, attrs) in enumerate(attributes)}  # paths name the holder
+        plain = self._plain_copies(named, (), "the attributes the main process gets back")
+        return [(kind, attrs) for (kind, _), attrs in zip(attributes, plain.values())]
+
+    def _plain_copies(self, tree: Any, skip: Sequence[tuple[Any, ...]], where: str) -> Any:
+        if self.parallel is None or self._group is None:
+            return tree
+        plain, partial = consolidate_copies(tree, self.parallel.state, self._group, skip)
+        if partial:
+            rank_zero_warn(f"lightning_shm: {['/'.join(map(str, p)) for p in partial]} in {where} look like copies "
+                           "of the module's state on some ranks only; kept as rank 0 holds them (its pieces), which "
+                           "will not resume under another layout or load in one process")
+        return plain
+
+    def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
+        if self.parallel is None:
+            return checkpoint
+        return localize_copies(checkpoint, self.parallel.state, self._plain_already())
+
+    def _plain_already(self) -> list[tuple[Any, ...]]:
+        """Checkpoint entries plain by other means: the module's, the optimizers', the averaging callbacks'
+        (``WeightAveraging`` also moves the module's own entries to ``current_model_state``)."""
+        trainer = self.lightning_module._trainer
+        averaging = [] if trainer is None else [cb for cb in trainer.callbacks
+                                                if isinstance(cb, (StochasticWeightAveraging, WeightAveraging))]
+        moved = [("current_model_state",), ("averaging_state",)] if any(
+            isinstance(cb, WeightAveraging) for cb in averaging) else []
+        return [("state_dict",), ("optimizer_states",), *moved, *(("callbacks", cb.state_key) for cb in averaging)]
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         opt = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
