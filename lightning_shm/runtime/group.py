@@ -40,7 +40,7 @@ import torch
 
 from lightning_shm.runtime.barrier import ROW_WORDS, Barrier
 from lightning_shm.runtime.ops import Coll, ReduceOp, check_reducible, dtype_code, even_split, fold, fold_onto_own
-from lightning_shm.runtime.segment import Segment, align_up
+from lightning_shm.runtime.segment import Segment, align_up, normal_views
 from lightning_shm.runtime.wait import Waiter
 
 _SHARED_FLAG = 16  # added to the descriptor's op field when the zero-copy path is taken
@@ -154,7 +154,8 @@ class Group:
     def _typed_slots(self, b: int, dtype: torch.dtype) -> list[torch.Tensor]:
         views = self._typed.get((b, dtype))
         if views is None:
-            views = [raw.view(dtype) for raw in self._raw[b]]
+            with normal_views():
+                views = [raw.view(dtype) for raw in self._raw[b]]
             self._typed[(b, dtype)] = views
         return views
 
@@ -167,7 +168,9 @@ class Group:
         if cut is None:
             if len(self._cuts) >= 64:
                 self._cuts.clear()
-            cut = self._cuts[key] = ([s[:n] for s in self._typed_slots(b, dtype)], self._blocks[b].view(dtype)[:, :n])
+            with normal_views():
+                cut = ([s[:n] for s in self._typed_slots(b, dtype)], self._blocks[b].view(dtype)[:, :n])
+            self._cuts[key] = cut
         return cut
 
     def _cap(self, dtype: torch.dtype) -> int:

@@ -31,7 +31,7 @@ from typing import Optional
 import torch
 
 from lightning_shm.runtime.ops import DTYPE_CODE, dtype_code
-from lightning_shm.runtime.segment import Segment, align_up
+from lightning_shm.runtime.segment import Segment, align_up, normal_views
 from lightning_shm.runtime.wait import Waiter
 
 _HEAD, _TAIL, _HDR0, _HDR_WORDS, _MAX_DIMS = 0, 16, 32, 16, 6
@@ -145,7 +145,8 @@ class Channel:
             if len(self._views) >= 64:
                 self._views.clear()
             numel = math.prod(shape)
-            view = self._views[key] = self._payload[slot].view(dtype)[:numel].view(shape)
+            with normal_views():
+                view = self._views[key] = self._payload[slot].view(dtype)[:numel].view(shape)
         return view
 
     def _wait_slot_free(self, c: int) -> None:

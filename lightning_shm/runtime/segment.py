@@ -180,6 +180,13 @@ def list_owned(pid: Optional[int] = None) -> list[str]:
         return []
 
 
+def normal_views() -> torch.inference_mode:
+    """Around cutting a view of shared memory that is kept and written later: cut inside
+    ``torch.inference_mode`` (a collective first run in Lightning's validation) it could not be written
+    outside it ("Inplace update to inference tensor outside InferenceMode")."""
+    return torch.inference_mode(False)
+
+
 class Segment:
     """One mapped shared-memory file. ``create`` in the main process, ``attach`` in workers."""
 
@@ -260,7 +267,8 @@ class Segment:
         end = offset + numel * itemsize
         if offset % itemsize or end > self.size:
             raise ValueError(f"view [{offset}, {end}) of {dtype} does not fit segment {self.name} of {self.size} bytes")
-        return self._base[offset:end].view(dtype)
+        with normal_views():
+            return self._base[offset:end].view(dtype)
 
     def write_bytes(self, data: bytes, offset: int = 0) -> None:
         if self._mm is None:

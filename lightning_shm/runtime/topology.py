@@ -84,6 +84,12 @@ class Topology:
         c = self.coords(rank)
         return [self.rank_of(c.dp, c.tp, p) for p in range(self.pp)]
 
+    def replica_ranks(self, rank: int) -> list[int]:
+        """The ranks computing one model replica with ``rank`` (every tp member of every stage): they must
+        compute on the same batch. Its first member is stage 0's first tp member."""
+        c = self.coords(rank)
+        return [self.rank_of(c.dp, t, p) for p in range(self.pp) for t in range(self.tp)]
+
     def groups(self, world: "World", rail: Optional["Rail"] = None) -> "ParallelGroups":
         """This rank's dp, tp and pp groups (each member calls; groups are created on first use).
 
@@ -107,6 +113,7 @@ class Topology:
             dp=dp,
             tp=world.group(self.tp_ranks(r)),
             pp=world.group(self.pp_ranks(r)),
+            replica=world.group(self.replica_ranks(r)),
             node_dp=node_dp,
             rail=rail,
             nodes=nodes,
@@ -125,6 +132,7 @@ class ParallelGroups:
     dp: Any
     tp: "Group"
     pp: "Group"
+    replica: "Group"  # tp x pp: the ranks sharing one batch (the same group as tp or pp where the other is 1)
     node_dp: "Group"
     rail: Optional["Rail"] = None
     nodes: int = 1

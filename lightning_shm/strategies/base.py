@@ -270,7 +270,8 @@ class SHMStrategyBase(ParallelStrategy):
     def _group_bytes(self) -> int:
         topo = self.topology()
         members = {tuple(ranks) for r in range(topo.world_size)
-                   for ranks in (range(topo.world_size), topo.dp_ranks(r), topo.tp_ranks(r), topo.pp_ranks(r))}
+                   for ranks in (range(topo.world_size), topo.dp_ranks(r), topo.tp_ranks(r), topo.pp_ranks(r),
+                                 topo.replica_ranks(r))}
         cfg = self.runtime_config.group
         return sum(cfg.segment_bytes(len(m)) for m in members if len(m) > 1)
 

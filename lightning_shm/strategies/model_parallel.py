@@ -77,8 +77,10 @@ class SHMModelParallel(SHMStrategyBase):
             :class:`~lightning_shm.strategies.ddp.SHMDDPStrategy`).
         broadcast_buffers: rank 0's buffers (BatchNorm running statistics) to every data-parallel
             replica before every training step and at the start of evaluation, as torch DDP does.
-        tp_batch: with tp > 1 the ranks of a tp group must compute on the same batch (see
-            :mod:`lightning_shm.parallel.tp.inputs`): ``"split"`` has each rank load only its share of
+        tp_batch: the ranks of one model replica -- the tp members, and the pipeline stages: the last
+            computes the loss on its batch's targets for the input the first stage took from its own --
+            must compute on the same batch (see :mod:`lightning_shm.parallel.tp.inputs`; the name predates
+            the stages' use of it): ``"split"`` has each rank load only its share of
             every batch's rows and all-gathers them (needs a plain ``DataLoader`` over a map-style
             dataset); ``"broadcast"`` has every rank load the whole batch and use the first member's
             (as Megatron does); ``"auto"`` (default) splits where that is exact -- a plain DataLoader
@@ -275,31 +277,31 @@ class SHMModelParallel(SHMStrategyBase):
 
     # ------------------------------------------------------------------ steps
     def process_dataloader(self, dataloader: object) -> object:
-        """With ``tp_batch`` "split" (or "auto" where exact), each tp member loads only its rows."""
-        tp = self._groups.tp if self._groups is not None else None
-        if self.tp_batch not in ("auto", "split") or tp is None or tp.size == 1:
+        """With ``tp_batch`` "split" (or "auto" where exact), each rank of a replica loads only its rows."""
+        replica = self._groups.replica if self._groups is not None else None
+        if self.tp_batch not in ("auto", "split") or replica is None or replica.size == 1:
             return dataloader
         reason = why_not_splittable(dataloader, auto=self.tp_batch == "auto")
         if reason is None:
-            return split_loader(dataloader, tp)  # type: ignore[arg-type]
+            return split_loader(dataloader, replica)  # type: ignore[arg-type]
         if self.tp_batch == "split":
-            raise ValueError(f"tp_batch='split' cannot split this loader's batches over the tp group: {reason}. "
-                             "Use tp_batch='broadcast'.")
+            raise ValueError(f"tp_batch='split' cannot split this loader's batches over the ranks of a replica "
+                             f"(tp members and pipeline stages): {reason}. Use tp_batch='broadcast'.")
         return dataloader  # auto: batch_to_device broadcasts member 0's batch
 
     def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
         batch = super().batch_to_device(batch, device, dataloader_idx)
-        tp = self._groups.tp if self._groups is not None else None
-        if self.tp_batch == "off" or tp is None or tp.size == 1:
+        replica = self._groups.replica if self._groups is not None else None
+        if self.tp_batch == "off" or replica is None or replica.size == 1:
             return batch
         tensors: list[Tensor] = []
         apply_to_collection(batch, Tensor, tensors.append)
         if self.tp_batch == "check":
-            check_same(tensors, tp)
+            check_same(tensors, replica)
             return batch
         if is_group_batch(tensors):  # gathered by a split loader: already the same on every member
             return batch
-        replaced = iter(broadcast_from_first(tensors, tp))
+        replaced = iter(broadcast_from_first(tensors, replica))
         return apply_to_collection(batch, Tensor, lambda _: next(replaced))
 
     def _before_forward(self) -> None:

@@ -815,3 +815,45 @@ def test_lists_the_steps_append_to_are_appended_on_every_stage(name):
     for key in ("train_mean", "val_mean"):
         assert got[key] == pytest.approx(one[key], rel=1e-12), key
     assert got["window"] == one["window"] == 1 + 2 + 3  # the last three of each rank's 4 validation batches
+
+
+class RankPaired(torch.utils.data.Dataset):
+    """A random transform of input and target together (a flip that changes the class), drawn from a per-rank
+    seed as loader workers seeded by ``seed_everything(workers=True)`` draw it: the first stage takes the input
+    of its batch, the last the target of its own."""
+
+    def __init__(self, ds):
+        self.ds = ds
+
+    def __len__(self):
+        return len(self.ds)
+
+    def __getitem__(self, i):
+        from lightning.pytorch.utilities import rank_zero_only
+
+        x, y = self.ds[i]
+        flip = bool(torch.rand((), generator=torch.Generator().manual_seed(1000 * rank_zero_only.rank + i)) < 0.5)
+        return (-x, (y + 5) % 10) if flip else (x, y)
+
+
+class SameBatchOnEveryRank(MNISTClassifier):
+    def on_train_batch_start(self, batch, batch_idx):
+        sums = self.all_gather(torch.stack([t.double().sum() for t in batch]))  # [W, 2]: every rank, every stage
+        assert torch.equal(sums, sums[:1].expand_as(sums)), f"ranks loaded different batches: {sums.tolist()}"
+
+
+def test_stages_compute_on_one_batch_when_the_data_pipeline_draws_per_rank():
+    """Until 2026-12-03 each stage used the batch it loaded: the last stage's targets belonged to other inputs
+    than the first stage's, silently (tp groups had this rule; stages did not)."""
+    pp = lambda **kw: SHMPipeline(start_method="fork", pipeline_parallel_size=2, microbatches=2, **kw)  # noqa: E731
+    ref = train_mnist("auto", 1, "sgd", batch=GLOBAL_BATCH, ref=True, data=RankPaired)  # rank 0's draws
+    got = train_mnist(pp(tp_batch="broadcast"), 2, "sgd", batch=GLOBAL_BATCH, data=RankPaired)
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
+    off = train_mnist(pp(tp_batch="off"), 2, "sgd", batch=GLOBAL_BATCH, data=RankPaired)
+    assert (off - ref).abs().max() > 1e-3  # what the rule prevents
+    with pytest.raises(ValueError, match=r"model replica \(tp members, pipeline stages\) received different batches"):
+        train_mnist(pp(tp_batch="check"), 2, "sgd", batch=GLOBAL_BATCH, data=RankPaired)
+    # default "auto": each stage loads half of every batch's rows, and both compute on the gathered batch
+    train_mnist(pp(), 2, "sgd", batch=GLOBAL_BATCH, data=RankPaired, model_cls=SameBatchOnEveryRank)
+    with pytest.raises(AssertionError, match="ranks loaded different batches"):
+        train_mnist(pp(tp_batch="off"), 2, "sgd", batch=GLOBAL_BATCH, data=RankPaired, model_cls=SameBatchOnEveryRank)

@@ -308,3 +308,36 @@ def test_bad_arguments_raise_before_communicating():
     assert "median" in msgs[1]
     assert "src_member must be a member index in [0, 2), got 5" in msgs[2]
     assert "5 elements" in msgs[3]
+
+
+def _inference_first(world):
+    """Collectives and a channel first used under ``torch.inference_mode`` (Lightning's validation), then in
+    training: the views of shared memory they cut and keep must stay writable outside it. Same sizes both
+    times (the views are kept per size), large enough not to travel inline, several channel slots."""
+    g = world.group()
+    r, n = world.rank, 4096
+
+    def use(late, ch):
+        out = [g.all_gather_object({"r": r}), g.all_reduce(torch.ones(n) * (r + 1)), late.broadcast(torch.zeros(n) + r),
+               g.all_reduce(torch.ones(3) * (r + 1)), g.all_gather(torch.zeros(2) + r)]
+        for i in range(6):
+            if r == 0:
+                ch.send(torch.arange(float(n)) + i)
+            else:
+                out.append(ch.recv())
+        return out
+
+    with torch.inference_mode():
+        late, ch = world.group(name="made-in-validation"), world.channel(0, 1, tag="val")
+        first = use(late, ch)
+    return first, use(late, ch)
+
+
+def test_shared_views_cut_under_inference_mode_stay_writable_after_it():
+    """Until 2026-12-03 the second use failed: "Inplace update to inference tensor outside InferenceMode"."""
+    for first, later in launch(_inference_first, 2, start_method="fork"):
+        for out in (first, later):
+            assert out[0] == [{"r": 0}, {"r": 1}] and torch.equal(out[1], torch.full((4096,), 3.0))
+            assert torch.equal(out[2], torch.zeros(4096)) and torch.equal(out[3], torch.full((3,), 3.0))
+            assert torch.equal(out[4], torch.tensor([[0.0, 0.0], [1.0, 1.0]]))
+    assert [torch.equal(m, torch.arange(4096.0) + i) for i, m in enumerate(later[5:])] == [True] * 6

@@ -96,7 +96,8 @@ def test_tp_ranks_fed_different_batches_are_stopped_or_given_the_first_members()
     ref = train_mnist("auto", 1, "sgd", batch=GLOBAL_BATCH, ref=True, data=RankAugmented)  # rank 0's augmentation
     got = train_mnist(tp(2, tp_batch="broadcast"), 2, "sgd", batch=GLOBAL_BATCH, data=RankAugmented)
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
-    with pytest.raises(ValueError, match=r"tensor-parallel group received different batches: member 1's"):
+    with pytest.raises(ValueError, match=r"model replica \(tp members, pipeline stages\) received different "
+                                         r"batches: member 1's"):
         train_mnist(tp(2, tp_batch="check"), 2, "sgd", batch=GLOBAL_BATCH, data=RankAugmented)
     # what the two prevent: the halves of each layer computed on different inputs, silently
     off = train_mnist(tp(2, tp_batch="off"), 2, "sgd", batch=GLOBAL_BATCH, data=RankAugmented)
@@ -179,8 +180,9 @@ def test_split_refuses_loaders_it_cannot_split():
     class OwnLoader(DataLoader):
         pass
 
-    with pytest.raises(ValueError, match=r"tp_batch='split' cannot split this loader's batches over the tp group: "
-                                         r"the loader is a OwnLoader, not a torch DataLoader"):
+    with pytest.raises(ValueError, match=r"tp_batch='split' cannot split this loader's batches over the ranks of a "
+                                         r"replica \(tp members and pipeline stages\): the loader is a OwnLoader, "
+                                         r"not a torch DataLoader"):
         trainer(strategy=tp(2, tp_batch="split"), devices=2, max_steps=1).fit(
             MNISTClassifier(), OwnLoader(mnist_like(8), batch_size=4))
 

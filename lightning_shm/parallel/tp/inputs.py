@@ -1,11 +1,15 @@
-"""The ranks of a tensor-parallel group must compute on the same input.
+"""The ranks computing one model replica -- tensor-parallel members and pipeline stages -- must compute
+on the same input.
 
 Each rank of a tp group holds a slice of every planned layer, and the sampler gives every rank of
 the group the same indices. If each rank loaded its batch itself and the data pipeline draws its
 randomness per rank -- Lightning's ``seed_everything(workers=True)`` seeds each rank's loader
 workers with its global rank -- the two halves of a column layer would see differently augmented
-images and the row layer would add up their partial sums: training goes on, silently wrong.
-``SHMTensorParallel(tp_batch=...)`` chooses how the rule is held:
+images and the row layer would add up their partial sums: training goes on, silently wrong. A
+pipeline's first stage takes the input from its batch and the last computes the loss on the targets
+of its own: a random mask (masked language modelling), a mixup or a crop applied to inputs and targets
+together would pair one rank's inputs with another's targets. ``tp_batch=...`` (named before stages
+used it) chooses how the rule is held over the replica's ranks (``ParallelGroups.replica``):
 
 * ``"auto"`` (default): ``"split"`` for loaders where that is exact, else ``"broadcast"``;
 * ``"split"``: each member loads only its share of the rows and the shares are all-gathered
@@ -46,9 +50,9 @@ def check_same(tensors: Sequence[torch.Tensor], group: Group) -> None:
     for member in range(1, prints.shape[0]):
         if not torch.allclose(prints[member], ref, rtol=1e-9, atol=1e-9):
             raise ValueError(
-                f"the ranks of a tensor-parallel group received different batches: member {member}'s "
-                f"tensor sums {prints[member].tolist()} vs member 0's {ref.tolist()}. A data pipeline seeded "
-                "per rank (seed_everything(workers=True) seeds loader workers by global rank) gives them "
+                f"the ranks of a model replica (tp members, pipeline stages) received different batches: member "
+                f"{member}'s tensor sums {prints[member].tolist()} vs member 0's {ref.tolist()}. A data pipeline "
+                "seeded per rank (seed_everything(workers=True) seeds loader workers by global rank) gives them "
                 "different random augmentations. Pass tp_batch='broadcast' to compute on member 0's "
                 "batch on every rank, or make the pipeline rank-independent.")
 

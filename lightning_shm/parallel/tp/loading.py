@@ -1,14 +1,15 @@
-"""Each rank of a tensor-parallel group loads its share of the group's batch; the shares are gathered.
+"""Each rank of a model replica (tp members, pipeline stages) loads its share of the replica's batch; the
+shares are gathered.
 
-Every rank of a tp group computes on the *same* batch. Loading it on every rank (what the sampler
-alone gives) does the data pipeline's work ``tp`` times over; broadcasting the first member's batch
+Every rank of a replica computes on the *same* batch. Loading it on every rank (what the sampler
+alone gives) does the data pipeline's work ``tp x pp`` times over; broadcasting the first member's batch
 (:mod:`lightning_shm.parallel.tp.inputs`) keeps that duplicated work on the critical path. Here the
 group's batch of ``L`` indices is cut like :func:`~lightning_shm.runtime.ops.even_split`, member
 ``r`` loads and collates only its rows, and the members all-gather them::
 
     batch sampler (same on every member)   [i0 ... i(L-1)]
     member r's loader                      rows even_split(L, T)[r] .. [r+1]   -> collate -> [L_r, ...]
-    all_gather(_v) over the tp group       [L_0 | L_1 | ... | L_(T-1)]         -> [L, ...] on every member
+    all_gather(_v) over the replica        [L_0 | L_1 | ... | L_(T-1)]         -> [L, ...] on every member
 
 The result equals loading the whole batch on one rank as long as the collate function works sample
 by sample (torch's ``default_collate`` does: it stacks), and each sample is produced once, so a
@@ -125,17 +126,19 @@ def gather_rows(part: Any, rows: Sequence[int], group: Group) -> Any:
 
 
 def _gather(obj: Any, rows: Sequence[int], group: Group) -> Any:
-    """``obj`` (what default_collate returns: tensors in dicts, lists, tuples, namedtuples, and lists of
-    per-sample values such as strings) with every member's rows. Members traverse equal structures in
-    the same order, so their collectives match."""
+    """``obj`` (what default_collate returns: tensors in dicts, lists, tuples, namedtuples, and lists --
+    tuples, from a namedtuple or tuple sample -- of per-sample values such as strings) with every
+    member's rows. Members traverse equal structures in the same order, so their collectives match."""
     if isinstance(obj, torch.Tensor):
         out = _gather_tensor(obj, rows, group)
         setattr(out, _TAG, True)
         return out
     if isinstance(obj, Mapping):
         return type(obj)({k: _gather(v, rows, group) for k, v in obj.items()})
-    if isinstance(obj, list) and obj and not any(isinstance(x, (torch.Tensor, Mapping, list, tuple)) for x in obj):
-        return _gather_list(obj, rows, group)  # per-sample values (file names, ids)
+    if isinstance(obj, (list, tuple)) and obj and not any(isinstance(x, (torch.Tensor, Mapping, list, tuple))
+                                                          for x in obj):
+        gathered = _gather_list(obj, rows, group)  # per-sample values (file names, ids)
+        return gathered if isinstance(obj, list) else tuple(gathered)  # a tuple inside a namedtuple sample
     if isinstance(obj, (list, tuple)):
         items = [_gather(x, rows, group) for x in obj]
         return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
@@ -154,7 +157,7 @@ def _gather_tensor(t: torch.Tensor, rows: Sequence[int], group: Group) -> torch.
     return torch.cat(group.all_gather_v(t.reshape(-1))).view(-1, *t.shape[1:])
 
 
-def _gather_list(xs: list, rows: Sequence[int], group: Group) -> list:
+def _gather_list(xs: Sequence[Any], rows: Sequence[int], group: Group) -> list:
     if len(xs) != rows[group.index]:
         raise ValueError(f"tp_batch='split': a list of {len(xs)} items in the batch is not this rank's "
                          f"{rows[group.index]} rows (rows per member {list(rows)}). Use tp_batch='broadcast'.")
