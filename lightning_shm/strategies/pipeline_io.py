@@ -11,6 +11,7 @@ everywhere. A torchmetrics object logged on the last stage is replayed as each r
 that metric, after its state was copied from the last stage. What the step appended to a list the
 module keeps (Lightning's ``self.validation_step_outputs.append(...)`` pattern, also per key of a
 dict of lists) is appended on every stage too, so an epoch-end hook that stacks it runs everywhere.
+Calls only rank 0 makes (a logger's, ``self.print``) are made there (:mod:`.rank_zero_calls`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from lightning_shm.parallel.pipeline.stage import parameters_read_outside
 from lightning_shm.runtime import Group
 from lightning_shm.strategies.metric_state import export_state, import_state
 from lightning_shm.strategies.module_log import logging_through
+from lightning_shm.strategies.rank_zero_calls import Call, recording_rank_zero_calls, replay
 
 LogRecord = tuple[str, Any, tuple, dict, float]  # name, value, args, kwargs, microbatch weight
 
@@ -138,6 +140,7 @@ class LightningStageIO:
         sizes = [batch_size_of(m) or 0 for m in self.micro]
         self.weights = [s / max(size, 1) for s in sizes]
         self.records: list[LogRecord] = []
+        self.calls: list[Call] = []  # the last stage's rank-zero-only calls, made on rank 0 in finish()
         self.finals: dict[int, Any] = {}  # evaluation: the Sequential's output per microbatch
         self.losses: dict[int, Tensor] = {}
         self.extras: dict[int, dict[str, Any]] = {}  # training: what the step returned beside the loss
@@ -147,7 +150,9 @@ class LightningStageIO:
         return self._forward_context()
 
     def _call_step(self, mb: int, sink: Optional[list[LogRecord]], weight: float) -> Any:
-        with recording_logs(self.module, sink, weight):
+        # rank-zero calls (a logger's, print) are kept from the last stage's first microbatch only: one per batch
+        calls = self.calls if sink is not None and mb == 0 else []
+        with recording_logs(self.module, sink, weight), recording_rank_zero_calls(self.module, calls):
             return getattr(self.module, self.step)(self.micro[mb], self.batch_idx, *self.extra)
 
     def first_input(self, mb: int) -> Tensor:
@@ -217,7 +222,7 @@ class LightningStageIO:
         parts = [self.finals[m] for m in sorted(self.finals)]
         joined = _join(parts)
         with self.stage.running_chunk(lambda whole: whole, joined), self.forward_context(), \
-                recording_logs(self.module, self.records, 1.0):
+                recording_logs(self.module, self.records, 1.0), recording_rank_zero_calls(self.module, self.calls):
             return getattr(self.module, self.step)(self.batch, self.batch_idx, *self.extra)
 
     def finish(self, position: StagePosition, result: Any) -> Any:
@@ -228,9 +233,10 @@ class LightningStageIO:
         module = self.module
         trainer = module._trainer
         stop = bool(trainer is not None and trainer.should_stop)
-        payload = ((result, _aggregate(self.records, module), stop, _appended(module, self.lists))
+        payload = ((result, _aggregate(self.records, module), stop, _appended(module, self.lists), self.calls)
                    if position.is_last else None)
-        result, logs, stop, appended = position.pp_group.broadcast_object(payload, src_member=position.last)
+        result, logs, stop, appended, calls = position.pp_group.broadcast_object(payload, src_member=position.last)
+        replay(module, calls)
         if stop and trainer is not None:
             trainer.should_stop = True
         if not position.is_last:

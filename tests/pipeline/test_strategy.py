@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import csv
 import itertools
 import logging
+import re
 import warnings
 
 import lightning.pytorch as pl
@@ -857,3 +859,38 @@ def test_stages_compute_on_one_batch_when_the_data_pipeline_draws_per_rank():
     train_mnist(pp(), 2, "sgd", batch=GLOBAL_BATCH, data=RankPaired, model_cls=SameBatchOnEveryRank)
     with pytest.raises(AssertionError, match="ranks loaded different batches"):
         train_mnist(pp(tp_batch="off"), 2, "sgd", batch=GLOBAL_BATCH, data=RankPaired, model_cls=SameBatchOnEveryRank)
+
+
+class LogsDirectly(MNISTClassifier):
+    """Writes to the logger itself and prints in its steps, as users log sample predictions."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        if batch_idx == 0:
+            self.logger.log_metrics({"direct_train": float(loss)}, step=self.global_step)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.cross_entropy(self(x), y)
+        if batch_idx == 0:
+            self.logger.experiment.log_metrics({"direct_val": float(loss)}, step=self.global_step)
+            self.log("val_first", loss)
+            self.print(f"printed in validation_step: {float(loss):.6f}")
+
+
+def test_rank_zero_calls_in_steps_on_the_last_stage_are_made_on_rank_0(tmp_path, capfd):
+    """Until 2026-12-03 they did nothing: the steps run on the last stage, loggers and print act on rank 0."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    strategy = SHMPipeline(start_method="fork", pipeline_parallel_size=2, microbatches=4)
+    t = trainer(strategy=strategy, devices=2, max_epochs=2, logger=CSVLogger(tmp_path, name="run"))
+    t.fit(LogsDirectly(), loader(mnist_like(48), 24), loader(mnist_like(16, seed=3), 8, shuffle=False))
+    rows = list(csv.DictReader(open(tmp_path / "run" / "version_0" / "metrics.csv")))
+    direct_train = [float(r["direct_train"]) for r in rows if r["direct_train"]]
+    direct_val = [float(r["direct_val"]) for r in rows if r["direct_val"]]
+    val_first = [float(r["val_first"]) for r in rows if r["val_first"]]
+    assert len(direct_train) == 2  # once per batch 0 of each epoch, not once per microbatch
+    assert len(val_first) == 2 and direct_val == pytest.approx(val_first, rel=1e-6)
+    printed = re.findall(r"printed in validation_step: ([\d.]+)", capfd.readouterr().out)
+    assert [float(p) for p in printed] == pytest.approx(val_first, abs=1e-6)
