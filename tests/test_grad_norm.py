@@ -21,6 +21,7 @@ from tests.helpers import (
     LAYOUTS,
     SEED,
     fit_seeded,
+    flat_params,
     layouts,
     loader,
     logged_floats,
@@ -134,3 +135,38 @@ def test_modules_the_ranks_do_not_share_are_refused_with_a_message(module_of, ma
     t = trainer(strategy=strategy(), devices=devices, max_epochs=1)
     with pytest.raises(Exception, match=match):
         t.fit(NormOfLastLayer(module_of, optimizer="adam"), loader(mnist_like(GLOBAL_BATCH, seed=1), GLOBAL_BATCH))
+
+
+class ClipsItself(MNISTClassifier):
+    """Clips with torch's own function in its hook, as code ported from plain PyTorch does, and logs the norms."""
+
+    def __init__(self, norm_type=2.0, one_tensor=True, **kw):
+        super().__init__(**kw)
+        self.norm_type, self.one_tensor = norm_type, one_tensor
+
+    def on_before_optimizer_step(self, optimizer):
+        norm = torch.nn.utils.clip_grad_norm_(self.parameters(), 0.05, norm_type=self.norm_type)
+        self.log("torch_norm", norm)
+        if self.one_tensor:  # (under a pipeline net[1] is on stage 0 only)
+            self.log("first_layer_norm", torch.nn.utils.clip_grad_norm_(self.net[1].weight, 1e9))
+
+
+def _clipped(strategy, devices, batch, norm_type, ref=False, one_tensor=True):
+    t, model = fit_seeded(lambda: ClipsItself(norm_type, one_tensor, optimizer="adam", lr=0.01), strategy, devices,
+                          batch, ref=ref, samples=GLOBAL_BATCH * 3)
+    return flat_params(model), logged_floats(t)
+
+
+@pytest.mark.parametrize("norm_type", [2.0, float("inf")])
+def test_torch_clip_grad_norm_called_by_the_module_clips_by_one_process_norm(norm_type):
+    """Until 2026-12-03 it clipped each rank's pieces by their own norm: 0.040 off one process under fsdp,
+    0.039 under tp2 and pp2 after 4 steps, the returned norm this rank's (1.40 under fsdp for 2.01)."""
+    one, one_logged = _clipped("auto", 1, GLOBAL_BATCH, norm_type, ref=True)
+    names = ["fsdp", "tp2", "pp2-1f1b"] if norm_type == 2.0 else ["fsdp"]
+    for name, (strategy, devices, dp) in layouts(*names).items():
+        got, logged = _clipped(strategy(), devices, GLOBAL_BATCH // dp, norm_type, one_tensor=name != "pp2-1f1b")
+        assert torch.allclose(got, one, rtol=0, atol=1e-10), (name, (got - one).abs().max())
+        assert logged["torch_norm"] == pytest.approx(one_logged["torch_norm"], rel=1e-12), name
+        if name == "pp2-1f1b":
+            continue
+        assert logged["first_layer_norm"] == pytest.approx(one_logged["first_layer_norm"], rel=1e-12), name

@@ -37,7 +37,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_shm.parallel.clip import clip_grad_norm_
+from lightning_shm.parallel.clip import clip_grad_norm_, torch_clipping_over
 from lightning_shm.parallel.compose import ParallelConfig, ParallelState, parallelize, validate
 from lightning_shm.parallel.ddp import broadcast_module_state, broadcast_tensors
 from lightning_shm.parallel.fsdp import UnitPolicy
@@ -246,9 +246,10 @@ class SHMModelParallel(SHMStrategyBase):
         return sample
 
     def _install_clipping(self) -> None:
-        """``gradient_clip_val`` (norm) clips by the norm over every rank's gradient pieces, each element
-        once: Lightning's own clipping would use each rank's local norm, different where gradients are
-        split. Where every rank holds every gradient (pure data parallelism) Lightning's is that norm."""
+        """``gradient_clip_val`` (norm), and ``torch.nn.utils.clip_grad_norm_`` called by the module, clip by
+        the norm over every rank's gradient pieces, each element once: Lightning's own clipping would use
+        each rank's local norm, different where gradients are split. Where every rank holds every gradient
+        (pure data parallelism) Lightning's is that norm."""
         if not self._grads_split:
             return
         state, world = self.parallel.state, self.group
@@ -258,6 +259,9 @@ class SHMModelParallel(SHMStrategyBase):
             clip_grad_norm_(params, float(clip_val), world, state.copies)
 
         self.precision_plugin.clip_grad_by_norm = clip_grad_by_norm  # instance attribute: this strategy's plugin
+        held = {id(p) for p in self.lightning_module.parameters()}
+        assert self._exit is not None
+        self._exit.enter_context(torch_clipping_over(world, lambda p: state.copies(p) if id(p) in held else world.size))
 
     def grad_norm(self, module: nn.Module, norm_type: Union[float, int, str],
                   group_separator: str = "/") -> dict[str, Tensor]:
