@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.optim.swa_utils import get_ema_multi_avg_fn
 
 from lightning_shm import SHMModelParallel, SHMPipeline, SHMTensorParallel
 from lightning_shm.models import MNISTClassifier
@@ -254,3 +255,31 @@ def test_hooks_on_the_pipelined_sequential_run_where_its_input_and_output_are(na
     got, val = fit(strategy(), devices, GLOBAL_BATCH // dp)
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-10)
     assert val == pytest.approx(ref_val, abs=1e-10)
+
+
+class KeepsAnAverage(MNISTClassifier):
+    """An EMA as torch documents it: ``AveragedModel(self.net)`` built in ``__init__``, updated after each batch."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.ema = torch.optim.swa_utils.AveragedModel(self.net, multi_avg_fn=get_ema_multi_avg_fn(0.5))
+        self.ema.requires_grad_(False)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.ema.update_parameters(self.net)
+
+
+def test_an_averaged_model_of_a_part_sliced_or_staged_is_refused_and_fsdp_averages_block_for_block():
+    """Under tp / a pipeline the fit failed after its first step ("The size of tensor a (256) must match the
+    size of tensor b (128)"); now before any worker starts, pointing to the callbacks that average in the layout."""
+    for strategy in (SHMTensorParallel(start_method="fork", tensor_parallel_size=2),
+                     SHMPipeline(start_method="fork", pipeline_parallel_size=2, microbatches=4)):
+        with pytest.raises(ValueError, match=r"'ema' is a torch AveragedModel of 'net', and (tensor parallelism "
+                                             r"splits \['net.1'|the pipeline gives each stage some layers of 'net').*"
+                                             r"EMAWeightAveraging"):
+            fit_seeded(lambda: KeepsAnAverage(optimizer="adam", lr=0.01), strategy, 2, GLOBAL_BATCH)
+    _, one = fit_seeded(lambda: KeepsAnAverage(optimizer="adam", lr=0.01), "auto", 1, GLOBAL_BATCH, ref=True)
+    make, devices, dp = LAYOUTS["fsdp"]
+    _, ours = fit_seeded(lambda: KeepsAnAverage(optimizer="adam", lr=0.01), make(), devices, GLOBAL_BATCH // dp)
+    assert torch.allclose(flat_params(ours.ema), flat_params(one.ema), rtol=0, atol=1e-10)
+    assert not torch.equal(flat_params(ours.ema), flat_params(ours.net))  # an average, not the last weights

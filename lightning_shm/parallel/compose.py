@@ -39,7 +39,7 @@ from lightning_shm.parallel.pipeline.outside import OutsideParameters
 from lightning_shm.parallel.pipeline.row_cut import apply_row_cuts, plan_cuts, stage_rows
 from lightning_shm.parallel.pipeline.split import plan_chunks, validate_split_points
 from lightning_shm.parallel.placement import Placement
-from lightning_shm.parallel.replaced import Originals, carry_over_module, rebind, remember
+from lightning_shm.parallel.replaced import Originals, carry_over_module, rebind, refuse_averaged_copies, remember
 from lightning_shm.parallel.sequential import (
     compiled_original,
     find_sequential,
@@ -143,6 +143,8 @@ def validate(module: nn.Module, config: ParallelConfig, world_size: int, batch_s
         check_plan(module, plan, topo.tp)
     elif topo.tp > 1:
         raise ValueError(_nothing_to_split(module, config, topo.tp))
+    pipelined = find_sequential(module, config.sequential)[0] if topo.pp > 1 else None
+    refuse_averaged_copies(module, plan, pipelined)
     if topo.pp > 1:
         _, seq = find_sequential(module, config.sequential)
         V = config.pipeline.chunks

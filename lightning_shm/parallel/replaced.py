@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections import OrderedDict
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -144,3 +144,34 @@ def rebind(optimizers: Iterable[torch.optim.Optimizer], originals: Originals, mo
                              f"replaced them (parameters {sorted(set(rebound))} were taken before setup, e.g. a list "
                              "made in __init__) and once as this rank holds them now. Build the parameter groups "
                              "inside configure_optimizers from self.named_parameters().")
+
+
+def refuse_averaged_copies(module: nn.Module, tp_plan: Iterable[str], pipelined: Optional[str]) -> None:
+    """ValueError for a torch ``AveragedModel`` the model keeps of a part that tensor parallelism slices
+    or a pipeline splits into stages (``self.ema = AveragedModel(self.net)`` in ``__init__``): the average
+    stays a whole copy while each rank holds slices or one stage of the part, so ``update_parameters``
+    pairs them wrongly -- "The size of tensor a (256) must match the size of tensor b (128)" after the
+    first step. FSDP keeps working: it shards the copy as it shards the part, block for block.
+    ``tp_plan``: the module paths tensor parallelism splits; ``pipelined``: the path of the pipelined
+    Sequential (None without a pipeline)."""
+    from torch.optim.swa_utils import AveragedModel
+
+    planned = list(tp_plan)
+    for name, average in module.named_modules():
+        if not isinstance(average, AveragedModel):
+            continue
+        copy = [(k, v.shape) for k, v in average.module.state_dict().items()]
+        for src_name, src in module.named_modules():
+            if (type(src) is not type(average.module) or src is average.module or src_name.startswith(name + ".")
+                    or [(k, v.shape) for k, v in src.state_dict().items()] != copy):
+                continue
+            inside = [k for k in planned if k == src_name or k.startswith(src_name + ".")]
+            staged = pipelined is not None and (pipelined == src_name or pipelined.startswith(src_name + "."))
+            if inside or staged:
+                how = (f"tensor parallelism splits {inside[:3]}" if inside else
+                       f"the pipeline gives each stage some layers of '{pipelined}'")
+                raise ValueError(f"'{name}' is a torch AveragedModel of '{src_name}', and {how}: the average stays "
+                                 f"a whole copy while each rank holds pieces of '{src_name}', so update_parameters "
+                                 "would pair them wrongly. Use Lightning's EMAWeightAveraging (or WeightAveraging) "
+                                 "callback, which averages in the trained layout under every strategy, or "
+                                 "shm_fsdp / shm_ddp.")

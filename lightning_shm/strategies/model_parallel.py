@@ -453,6 +453,7 @@ class SHMModelParallel(SHMStrategyBase):
         return self._plain_copies(checkpoint, self._plain_already(), "the checkpoint")
 
     def plain_attributes(self, attributes: list[tuple[str, dict[str, Any]]]) -> list[tuple[str, dict[str, Any]]]:
+        """The same for what the module and callbacks keep in attributes (a callback's EMA dict)."""
         named = {f"{kind}[{i}]": attrs for i, (kind, attrs) in enumerate(attributes)}  # paths name the holder
         plain = self._plain_copies(named, (), "the attributes the main process gets back")
         return [(kind, attrs) for (kind, _), attrs in zip(attributes, plain.values())]
