@@ -33,7 +33,9 @@ class SHMPipeline(SHMModelParallel):
         sequential: attribute path of the nn.Sequential to split (default: the first top-level one).
         sample_input: an input of the Sequential for timing layers (default: ``example_input_array``,
             else inferred from the first Linear's in_features).
-        **kwargs: see :class:`~lightning_shm.strategies.base.SHMStrategyBase`.
+        **kwargs: see :class:`~lightning_shm.strategies.base.SHMStrategyBase`; and ``tp_batch`` of
+            :class:`~lightning_shm.strategies.model_parallel.SHMModelParallel`: how the stages come to
+            compute on one batch (default "auto": each loads part of its rows, then all-gather).
     """
 
     def __init__(self, *args: Any, pipeline_parallel_size: int = 2, microbatches: int = 4,
