@@ -140,20 +140,25 @@ def test_modules_the_ranks_do_not_share_are_refused_with_a_message(module_of, ma
 class ClipsItself(MNISTClassifier):
     """Clips with torch's own function in its hook, as code ported from plain PyTorch does, and logs the norms."""
 
-    def __init__(self, norm_type=2.0, one_tensor=True, **kw):
+    def __init__(self, norm_type=2.0, one_tensor=True, two_step=False, **kw):
         super().__init__(**kw)
-        self.norm_type, self.one_tensor = norm_type, one_tensor
+        self.norm_type, self.one_tensor, self.two_step = norm_type, one_tensor, two_step
 
     def on_before_optimizer_step(self, optimizer):
-        norm = torch.nn.utils.clip_grad_norm_(self.parameters(), 0.05, norm_type=self.norm_type)
+        if self.two_step:  # torch's other form: the norm of the gradients, then scaling by it
+            norm = torch.nn.utils.get_total_norm([p.grad for p in self.parameters() if p.grad is not None],
+                                                 norm_type=self.norm_type)
+            torch.nn.utils.clip_grads_with_norm_(self.parameters(), 0.05, norm)
+        else:
+            norm = torch.nn.utils.clip_grad_norm_(self.parameters(), 0.05, norm_type=self.norm_type)
         self.log("torch_norm", norm)
         if self.one_tensor:  # (under a pipeline net[1] is on stage 0 only)
             self.log("first_layer_norm", torch.nn.utils.clip_grad_norm_(self.net[1].weight, 1e9))
 
 
-def _clipped(strategy, devices, batch, norm_type, ref=False, one_tensor=True):
-    t, model = fit_seeded(lambda: ClipsItself(norm_type, one_tensor, optimizer="adam", lr=0.01), strategy, devices,
-                          batch, ref=ref, samples=GLOBAL_BATCH * 3)
+def _clipped(strategy, devices, batch, norm_type, ref=False, one_tensor=True, two_step=False):
+    t, model = fit_seeded(lambda: ClipsItself(norm_type, one_tensor, two_step, optimizer="adam", lr=0.01), strategy,
+                          devices, batch, ref=ref, samples=GLOBAL_BATCH * 3)
     return flat_params(model), logged_floats(t)
 
 
@@ -170,3 +175,7 @@ def test_torch_clip_grad_norm_called_by_the_module_clips_by_one_process_norm(nor
         if name == "pp2-1f1b":
             continue
         assert logged["first_layer_norm"] == pytest.approx(one_logged["first_layer_norm"], rel=1e-12), name
+    strategy, devices, dp = LAYOUTS["tp2"]  # get_total_norm + clip_grads_with_norm_: the same result
+    got, logged = _clipped(strategy(), devices, GLOBAL_BATCH // dp, norm_type, two_step=True)
+    assert torch.allclose(got, one, rtol=0, atol=1e-10), (got - one).abs().max()
+    assert logged["torch_norm"] == pytest.approx(one_logged["torch_norm"], rel=1e-12)

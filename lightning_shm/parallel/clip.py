@@ -28,12 +28,17 @@ def global_grad_norm(params: Iterable[torch.Tensor], group: Optional[Group],
     replicas, tensor-parallel ranks of a replicated layer); its ``|g|^p`` sum is divided by that (the
     max of ``inf`` needs no such care).
     """
+    return _global_norm([(p.grad, copies(p)) for p in params if p.grad is not None], group, norm_type)
+
+
+def _global_norm(pieces: Sequence[tuple[torch.Tensor, int]], group: Optional[Group], norm_type: float) -> torch.Tensor:
+    """The norm over every rank's ``(piece, ranks holding it)`` pairs (collective over ``group``)."""
     inf = math.isinf(norm_type)
     total = torch.zeros((), dtype=torch.float64)
-    for p in params:
-        if p.grad is not None and p.grad.numel():
-            g = p.grad.detach().double().abs()
-            total = torch.maximum(total, g.max()) if inf else total + g.pow(norm_type).sum() / copies(p)
+    for t, n in pieces:
+        if t.numel():
+            g = t.detach().double().abs()
+            total = torch.maximum(total, g.max()) if inf else total + g.pow(norm_type).sum() / n
     if group is not None and group.size > 1:
         group.all_reduce(total, "max" if inf else "sum")
     return total if inf else total.pow(1.0 / norm_type)
@@ -55,31 +60,51 @@ def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float, group: Opti
 
 
 @contextlib.contextmanager
-def torch_clipping_over(group: Group, copies: Callable[[torch.Tensor], int]) -> Iterator[None]:
+def torch_clipping_over(group: Group, copies: Callable[[torch.Tensor], int],
+                        params: Callable[[], Iterable[torch.Tensor]]) -> Iterator[None]:
     """Inside, ``torch.nn.utils.clip_grad_norm_`` -- what a module calls itself, in ``on_before_optimizer_step``
     or a manual step -- clips by the norm over every rank's pieces and returns it, as in one process; it
     clipped each rank's pieces by their own norm, differently on every rank (0.04 off one process after 4
-    steps under shm_fsdp, tp2 and pp2). Collective: every rank calls it where one does, as each rank runs
-    the same hooks. Tensors the layout does not know count as held by every rank. A name imported
-    before (``from torch.nn.utils import clip_grad_norm_``) keeps torch's."""
-    original = torch.nn.utils.clip_grad_norm_
+    steps under shm_fsdp, tp2 and pp2). ``torch.nn.utils.get_total_norm`` of gradients (torch's two-step
+    form, then ``clip_grads_with_norm_``) returns that norm too: a gradient of one of ``params()`` counts
+    as its parameter's piece. Collective: every rank calls them where one does, as each rank runs the same
+    hooks. Tensors the layout does not know count as held by every rank. A name imported before
+    (``from torch.nn.utils import clip_grad_norm_``) keeps torch's."""
+    utils, clip_module = torch.nn.utils, torch.nn.utils.clip_grad
+    original = utils.clip_grad_norm_, getattr(utils, "get_total_norm", None)
 
-    def clip(parameters: Any, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
-             foreach: Optional[bool] = None) -> torch.Tensor:
-        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        grads = [p.grad for p in params if p.grad is not None]
-        norm = clip_grad_norm_(params, float(max_norm), group, copies, float(norm_type))
+    def check(norm: torch.Tensor, norm_type: float, error_if_nonfinite: bool) -> None:
         if error_if_nonfinite and not torch.isfinite(norm):
             raise RuntimeError(f"The total norm of order {float(norm_type)} for gradients from `parameters` is "
                                "non-finite, so it cannot be clipped. To disable this error and scale the gradients "
                                "by the non-finite norm anyway, set `error_if_nonfinite=False`")
+
+    def clip(parameters: Any, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+             foreach: Optional[bool] = None) -> torch.Tensor:
+        held = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        grads = [p.grad for p in held if p.grad is not None]
+        norm = clip_grad_norm_(held, float(max_norm), group, copies, float(norm_type))
+        check(norm, norm_type, error_if_nonfinite)
         return norm.to(grads[0].dtype) if grads else norm
 
-    torch.nn.utils.clip_grad_norm_ = torch.nn.utils.clip_grad.clip_grad_norm_ = clip  # type: ignore[assignment]
+    def total_norm(tensors: Any, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                   foreach: Optional[bool] = None) -> torch.Tensor:
+        ts = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        owners = {id(p.grad): p for p in params() if p.grad is not None}
+        norm = _global_norm([(t, copies(owners[id(t)]) if id(t) in owners else group.size) for t in ts], group,
+                            float(norm_type))
+        check(norm, norm_type, error_if_nonfinite)
+        return norm.to(ts[0].dtype) if ts else norm
+
+    utils.clip_grad_norm_ = clip_module.clip_grad_norm_ = clip  # type: ignore[assignment]
+    if original[1] is not None:
+        utils.get_total_norm = total_norm  # type: ignore[assignment]
     try:
         yield
     finally:
-        torch.nn.utils.clip_grad_norm_ = torch.nn.utils.clip_grad.clip_grad_norm_ = original
+        utils.clip_grad_norm_ = clip_module.clip_grad_norm_ = original[0]
+        if original[1] is not None:
+            utils.get_total_norm = original[1]
 
 
 def grad_norms(named: Iterable[tuple[str, torch.Tensor]], names: Sequence[str], norm_type: float,

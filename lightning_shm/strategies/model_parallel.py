@@ -261,7 +261,8 @@ class SHMModelParallel(SHMStrategyBase):
         self.precision_plugin.clip_grad_by_norm = clip_grad_by_norm  # instance attribute: this strategy's plugin
         held = {id(p) for p in self.lightning_module.parameters()}
         assert self._exit is not None
-        self._exit.enter_context(torch_clipping_over(world, lambda p: state.copies(p) if id(p) in held else world.size))
+        self._exit.enter_context(torch_clipping_over(world, lambda p: state.copies(p) if id(p) in held else world.size,
+                                                     self.lightning_module.parameters))
 
     def grad_norm(self, module: nn.Module, norm_type: Union[float, int, str],
                   group_separator: str = "/") -> dict[str, Tensor]:
