@@ -7,6 +7,7 @@ timeout; a slow detection by the time from the dead worker's ``fit()`` to the ex
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import textwrap
@@ -19,12 +20,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 _NO_GUARD = textwrap.dedent(
     """
+    import sys
     import time
     import lightning.pytorch as pl
     import lightning_shm
     from lightning.pytorch.demos.boring_classes import BoringModel
 
-    print("fit at", time.time(), flush=True)
+    sys.stdout.write(f"fit at {time.time()}\\n")  # one write: the processes' lines never interleave
+    sys.stdout.flush()
     pl.Trainer(strategy="STRATEGY", accelerator="cpu", devices=2, max_epochs=1, logger=False).fit(BoringModel())
     """
 )
@@ -38,7 +41,7 @@ def test_script_without_main_guard_fails_fast_with_the_workers_message(tmp_path,
     ended = time.time()
     assert out.returncode != 0
     # the main process's fit(), then each worker's (it runs the unguarded script again and dies in fit())
-    fits = [float(part.split()[0]) for part in out.stdout.split("fit at")[1:]]
+    fits = [float(t) for t in re.findall(r"^fit at ([0-9.]+)$", out.stdout, re.MULTILINE)]
     assert len(fits) >= 2, out.stdout
     # From the last worker's fit() to the main process's exit: the worker's error, its detection, the
     # others stopped, the main process's shutdown. Before it, the workers' start imports torch and
