@@ -21,6 +21,27 @@ def mnist_like(n: int, seed: int = 0) -> TensorDataset:
     return TensorDataset(torch.randn(n, 1, 28, 28, generator=g), torch.randint(0, 10, (n,), generator=g))
 
 
+class PerRankDraws(torch.utils.data.Dataset):
+    """``ds`` with each sample transformed by draws from a generator seeded by (global rank, index) -- what
+    loader workers seeded by ``seed_everything(workers=True)`` (seed, worker id *and* global rank) draw for
+    random augmentations. One process draws rank 0's."""
+
+    def __init__(self, ds: torch.utils.data.Dataset) -> None:
+        self.ds = ds
+
+    def __len__(self) -> int:
+        return len(self.ds)  # type: ignore[arg-type]
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        from lightning.pytorch.utilities import rank_zero_only
+
+        x, y = self.ds[i]
+        return self.draw(x, y, torch.Generator().manual_seed(1000 * rank_zero_only.rank + i))
+
+    def draw(self, x: torch.Tensor, y: torch.Tensor, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+
 def loader(ds: TensorDataset, batch_size: int, shuffle: bool = True) -> DataLoader:
     return DataLoader(ds, batch_size=batch_size, shuffle=shuffle)
 

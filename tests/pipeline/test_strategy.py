@@ -25,6 +25,7 @@ from tests.helpers import (
     PRECISION,
     SEED,
     STEPS,
+    PerRankDraws,
     SchedClassifier,
     check_plain_checkpoint,
     fit_adam64,
@@ -819,22 +820,12 @@ def test_lists_the_steps_append_to_are_appended_on_every_stage(name):
     assert got["window"] == one["window"] == 1 + 2 + 3  # the last three of each rank's 4 validation batches
 
 
-class RankPaired(torch.utils.data.Dataset):
-    """A random transform of input and target together (a flip that changes the class), drawn from a per-rank
-    seed as loader workers seeded by ``seed_everything(workers=True)`` draw it: the first stage takes the input
-    of its batch, the last the target of its own."""
+class RankPaired(PerRankDraws):
+    """A random transform of input and target together (a flip that changes the class), drawn per rank: the
+    first stage takes the input of its batch, the last the target of its own."""
 
-    def __init__(self, ds):
-        self.ds = ds
-
-    def __len__(self):
-        return len(self.ds)
-
-    def __getitem__(self, i):
-        from lightning.pytorch.utilities import rank_zero_only
-
-        x, y = self.ds[i]
-        flip = bool(torch.rand((), generator=torch.Generator().manual_seed(1000 * rank_zero_only.rank + i)) < 0.5)
+    def draw(self, x, y, g):
+        flip = bool(torch.rand((), generator=g) < 0.5)
         return (-x, (y + 5) % 10) if flip else (x, y)
 
 

@@ -18,6 +18,7 @@ from lightning_shm.parallel.tp.loading import gather_rows, is_group_batch
 from lightning_shm.runtime import launch
 from tests.helpers import (
     GLOBAL_BATCH,
+    PerRankDraws,
     SchedClassifier,
     check_plain_checkpoint,
     fit_adam64,
@@ -74,21 +75,10 @@ def test_column_row_pair_with_split_layernorm_equals_one_process(references, dev
     torch.testing.assert_close(got, references["adam"], rtol=0, atol=1e-5)
 
 
-class RankAugmented(torch.utils.data.Dataset):
-    """Noise drawn per sample from a per-rank seed -- what loader workers seeded by
-    ``seed_everything(workers=True)`` (seed, worker id *and* global rank) draw for random augmentations."""
+class RankAugmented(PerRankDraws):
+    """Noise drawn per sample and rank: the halves of a column layer would see different images."""
 
-    def __init__(self, ds):
-        self.ds = ds
-
-    def __len__(self):
-        return len(self.ds)
-
-    def __getitem__(self, i):
-        from lightning.pytorch.utilities import rank_zero_only
-
-        x, y = self.ds[i]
-        g = torch.Generator().manual_seed(1000 * rank_zero_only.rank + i)
+    def draw(self, x, y, g):
         return x + 0.5 * torch.randn(x.shape, generator=g), y
 
 

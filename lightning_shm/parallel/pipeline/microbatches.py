@@ -18,6 +18,8 @@ microbatch whole. Sizes follow ``torch.tensor_split``: the first ``B % parts`` g
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Iterable, Mapping
 from typing import Any, Optional
 
 import torch
@@ -27,10 +29,23 @@ _CUT = (torch.Tensor, list, tuple)  # what split_batch decides on; dicts and dat
 
 
 def batch_size(batch: Any) -> Optional[int]:
-    """The leading dimension of the batch's first non-scalar tensor; None if it holds none."""
-    found: list[int] = []
-    apply_to_collection(batch, torch.Tensor, lambda t: found.append(t.shape[0]) if t.dim() else None)
-    return found[0] if found else None
+    """The leading dimension of the batch's first non-scalar tensor (in the order ``apply_to_collection``
+    walks it); None if it holds none. Stops at the first: it runs for every batch and microbatch."""
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0] if batch.dim() else None
+    if isinstance(batch, Mapping):
+        items: Iterable[Any] = batch.values()
+    elif dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        items = (getattr(batch, f.name) for f in dataclasses.fields(batch))
+    elif isinstance(batch, (list, tuple)):
+        items = batch
+    else:
+        return None
+    for item in items:
+        n = batch_size(item)
+        if n is not None:
+            return n
+    return None
 
 
 def split_batch(batch: Any, parts: int) -> list[Any]:

@@ -159,6 +159,6 @@ def _gather_tensor(t: torch.Tensor, rows: Sequence[int], group: Group) -> torch.
 
 def _gather_list(xs: Sequence[Any], rows: Sequence[int], group: Group) -> list:
     if len(xs) != rows[group.index]:
-        raise ValueError(f"tp_batch='split': a list of {len(xs)} items in the batch is not this rank's "
+        raise ValueError(f"tp_batch='split': a {type(xs).__name__} of {len(xs)} items in the batch is not this rank's "
                          f"{rows[group.index]} rows (rows per member {list(rows)}). Use tp_batch='broadcast'.")
     return [x for member in group.all_gather_object(xs) for x in member]
