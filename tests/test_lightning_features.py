@@ -9,7 +9,13 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import pytest
 import torch
-from lightning.pytorch.callbacks import EMAWeightAveraging, ModelCheckpoint, ModelSummary, StochasticWeightAveraging
+from lightning.pytorch.callbacks import (
+    BasePredictionWriter,
+    EMAWeightAveraging,
+    ModelCheckpoint,
+    ModelSummary,
+    StochasticWeightAveraging,
+)
 
 from lightning_shm import SHMModelParallel, SHMPipeline, SHMTensorParallel
 from lightning_shm.models import MNISTClassifier
@@ -25,6 +31,7 @@ from tests.helpers import (
     train_mnist,
     trainer,
 )
+from tests.helpers import LAYOUTS as LAYOUTS_BY_NAME
 
 LAYOUTS = [  # (strategy factory, devices, batch per data-parallel replica)
     (lambda: "shm_ddp_fork", 2, GLOBAL_BATCH // 2),
@@ -240,3 +247,43 @@ def test_model_checkpoint_top_k_follows_the_monitored_score_as_in_one_process(tm
     assert float(best) == pytest.approx(float(one_best), abs=1e-9)
     assert {k: float(t.callback_metrics[k]) for k in ("all_of_one", "any_of_one", "all_of_all", "any_of_none")} == \
         {"all_of_one": 0.0, "any_of_one": 1.0, "all_of_all": 1.0, "any_of_none": 0.0}
+
+
+class _RowWriter(BasePredictionWriter):
+    """Writes each rank's predictions as Lightning's docs show: one file per rank and batch, one per rank at the end."""
+
+    def __init__(self, out_dir):
+        super().__init__("batch_and_epoch")
+        self.out_dir = out_dir
+
+    def write_on_batch_end(self, trainer, pl_module, prediction, batch_indices, batch, batch_idx, dataloader_idx):
+        torch.save((prediction, batch_indices), self.out_dir / f"batch_{trainer.global_rank}_{batch_idx}.pt")
+
+    def write_on_epoch_end(self, trainer, pl_module, predictions, batch_indices):
+        rows = (torch.cat(predictions), sum(batch_indices[0], []))
+        torch.save(rows, self.out_dir / f"epoch_{trainer.global_rank}.pt")
+
+
+def _written_rows(out_dir, prefix):
+    rows = {}
+    for path in sorted(out_dir.glob(f"{prefix}_*.pt")):
+        outputs, indices = torch.load(path)
+        for row, i in zip(outputs, indices):
+            rows.setdefault(i, []).append(row)
+    return rows
+
+
+@pytest.mark.parametrize("layout", ["ddp", "tp2", "pp2-1f1b", "dp2xpp2-shard"])
+def test_prediction_writer_files_hold_every_sample_once(tmp_path, layout):
+    """The ranks of one model replica predict the same samples: only the replica's first one writes them, so the
+    union of every rank's files is one process's predictions (under tp2 it held each sample twice)."""
+    (strategy, devices, _), ds = LAYOUTS_BY_NAME[layout], mnist_like(30, seed=3)
+    pl.seed_everything(SEED)
+    model = MNISTClassifier()
+    single = torch.cat(trainer(devices=1).predict(model, torch.utils.data.DataLoader(ds, batch_size=4)))
+    trainer(strategy=strategy(), devices=devices, callbacks=[_RowWriter(tmp_path)]).predict(
+        model, torch.utils.data.DataLoader(ds, batch_size=4), return_predictions=False)
+    for prefix in ("batch", "epoch"):
+        rows = _written_rows(tmp_path, prefix)
+        assert sorted(rows) == list(range(30)) and all(len(r) == 1 for r in rows.values()), prefix
+        assert torch.equal(torch.stack([rows[i][0] for i in range(30)]), single), prefix

@@ -28,7 +28,7 @@ from typing import Any, Iterator, Mapping, Optional, Sequence, Union
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import ModelPruning, StochasticWeightAveraging, WeightAveraging
+from lightning.pytorch.callbacks import BasePredictionWriter, ModelPruning, StochasticWeightAveraging, WeightAveraging
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import grad_norm as lightning_grad_norm
@@ -52,6 +52,7 @@ from lightning_shm.strategies.base import SHMStrategyBase
 from lightning_shm.strategies.collectives import MetricSync
 from lightning_shm.strategies.grad_norm import GradNormLogs, split_grad_norm
 from lightning_shm.strategies.pipeline_steps import PipelineSteps
+from lightning_shm.strategies.prediction_writers import mute_writers, unmute_writers
 from lightning_shm.strategies.summary import full_model_summary
 from lightning_shm.strategies.swa import adapt_swa
 
@@ -118,6 +119,7 @@ class SHMModelParallel(SHMStrategyBase):
         self._exit: Optional[contextlib.ExitStack] = None  # what setup patched for the run (ModelSummary)
         self._buffer_owners: Optional[list[tuple[nn.Module, str]]] = None
         self._in_stage_step = False
+        self._muted_writers: list[BasePredictionWriter] = []
         self._grads_split = False  # some rank holds a gradient that is not every rank's whole one (setup)
         self._norm_logs = GradNormLogs(self._layout)
 
@@ -403,6 +405,14 @@ class SHMModelParallel(SHMStrategyBase):
     def on_predict_start(self) -> None:
         super().on_predict_start()
         self._before_forward()
+        replica = self._groups.replica if self._groups is not None else None
+        if replica is not None and replica.index != 0:  # the replica's first rank writes its predictions
+            self._muted_writers = mute_writers(self.lightning_module.trainer.callbacks)
+
+    def on_predict_end(self) -> None:
+        unmute_writers(self._muted_writers)
+        self._muted_writers = []
+        super().on_predict_end()
 
     def metric_sync(self) -> MetricSync:
         """Under a pipeline a metric's states come from the last stage (:class:`.collectives.MetricSync`)."""
