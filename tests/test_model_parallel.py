@@ -17,9 +17,11 @@ from lightning_shm.models import MNISTClassifier
 from lightning_shm.runtime import Topology, launch
 from tests.helpers import (
     GLOBAL_BATCH,
+    SEED,
     SchedClassifier,
     check_plain_checkpoint,
     fit_adam64,
+    flat_params,
     loader,
     mnist_like,
     train_mnist,
@@ -161,3 +163,41 @@ def test_pipeline_cut_never_splits_a_tensor_parallel_pair():
         trainer(strategy=mp(1, 2, 2, split_points=[3], plan={"net.1": "column", "net.4": "row"}), devices=4,
                 max_epochs=1).fit(
             MNISTClassifier(), loader(mnist_like(16), 8))
+
+
+class _OwnSampler(MNISTClassifier):
+    """Builds its own DistributedSampler (``use_distributed_sampler=False``): from ``trainer.world_size`` /
+    ``global_rank`` (``per="world"``) or from the strategy's ``distributed_sampler_kwargs`` (``per="dp"``)."""
+
+    def __init__(self, per, dp, **kw):
+        super().__init__(**kw)
+        self.per, self.dp = per, dp
+
+    def train_dataloader(self):
+        ds = mnist_like(GLOBAL_BATCH * 2, seed=1)
+        kw = (dict(num_replicas=self.trainer.world_size, rank=self.trainer.global_rank) if self.per == "world"
+              else getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) or dict(num_replicas=1, rank=0))
+        return DataLoader(ds, batch_size=GLOBAL_BATCH // self.dp,
+                          sampler=torch.utils.data.DistributedSampler(ds, seed=SEED, **kw))
+
+
+@pytest.mark.parametrize("dp, tp, pp, tp_batch", [(1, 2, 1, "auto"), (1, 1, 2, "broadcast"), (2, 1, 2, "auto")])
+def test_a_sampler_that_splits_a_replicas_ranks_is_refused(dp, tp, pp, tp_batch):
+    """Under tp / pp a sampler built from world_size gave the ranks of one replica different samples: the replica
+    trained on a mix or on its first rank's share, half the epoch's samples (2 steps of 4, 0.06 off one process)."""
+    expected = rf"num_replicas={dp}, rank=0\), which counts data-parallel replicas"
+    with pytest.raises(ValueError, match=r"but their loader's DistributedSampler gives each different samples "
+                                         r"\(rank 0: num_replicas=" + f"{dp * tp * pp}, rank=0; .*" + expected):
+        trainer(strategy=mp(dp, tp, pp, tp_batch=tp_batch), devices=dp * tp * pp, max_epochs=1,
+                use_distributed_sampler=False).fit(_OwnSampler("world", dp))
+
+
+def test_a_sampler_built_from_the_strategys_kwargs_trains_as_one_process():
+    def fit(strategy, devices, dp):
+        pl.seed_everything(SEED)
+        model = _OwnSampler("dp", dp, optimizer="adam", lr=0.01)
+        trainer(strategy=strategy, devices=devices, max_epochs=1, precision="64-true",
+                use_distributed_sampler=False).fit(model)
+        return flat_params(model).double()
+
+    torch.testing.assert_close(fit(mp(2, 1, 2, "shard"), 4, 2), fit("auto", 1, 1), rtol=0, atol=1e-12)

@@ -46,7 +46,7 @@ from lightning_shm.parallel.pipeline import PipelineEngine
 from lightning_shm.parallel.pipeline.split import why_sample_fails
 from lightning_shm.parallel.state_copies import consolidate_copies, localize_copies
 from lightning_shm.parallel.tp.inputs import MODES, broadcast_from_first, check_same
-from lightning_shm.parallel.tp.loading import is_group_batch, split_loader, why_not_splittable
+from lightning_shm.parallel.tp.loading import check_replica_samplers, is_group_batch, split_loader, why_not_splittable
 from lightning_shm.runtime import Group, ParallelGroups, Topology, World
 from lightning_shm.strategies.base import SHMStrategyBase
 from lightning_shm.strategies.collectives import MetricSync
@@ -286,7 +286,10 @@ class SHMModelParallel(SHMStrategyBase):
     def process_dataloader(self, dataloader: object) -> object:
         """With ``tp_batch`` "split" (or "auto" where exact), each rank of a replica loads only its rows."""
         replica = self._groups.replica if self._groups is not None else None
-        if self.tp_batch not in ("auto", "split") or replica is None or replica.size == 1:
+        if self.tp_batch == "off" or replica is None or replica.size == 1:
+            return dataloader
+        check_replica_samplers(dataloader, replica, self.distributed_sampler_kwargs)
+        if self.tp_batch not in ("auto", "split"):
             return dataloader
         reason = why_not_splittable(dataloader, auto=self.tp_batch == "auto")
         if reason is None:

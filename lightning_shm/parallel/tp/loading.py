@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from typing import Any, Iterator, Optional, Sequence
 
 import torch
-from torch.utils.data import BatchSampler, DataLoader, IterableDataset, default_collate
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, default_collate
 
 from lightning_shm.runtime import Group
 from lightning_shm.runtime.ops import even_split
@@ -162,3 +162,26 @@ def _gather_list(xs: Sequence[Any], rows: Sequence[int], group: Group) -> list:
         raise ValueError(f"tp_batch='split': a {type(xs).__name__} of {len(xs)} items in the batch is not this rank's "
                          f"{rows[group.index]} rows (rows per member {list(rows)}). Use tp_batch='broadcast'.")
     return [x for member in group.all_gather_object(xs) for x in member]
+
+
+def check_replica_samplers(loader: Any, group: Group, expected: Mapping[str, int]) -> None:
+    """Raise if the ranks of one model replica would load different samples through a ``DistributedSampler`` the
+    user built (Lightning keeps one it finds): one made from ``trainer.world_size`` / ``global_rank`` counts the
+    tp members and pipeline stages as data-parallel replicas, so each loads another part of the dataset, and the
+    replica -- which computes on one batch (its first member's, or every member's rows gathered) -- would see only
+    part of each epoch. ``expected``: the strategy's ``distributed_sampler_kwargs`` (num_replicas, rank). Every
+    member calls this for the same loader (one object all-gather)."""
+    sampler = getattr(loader, "sampler", None)
+    if not isinstance(sampler, DistributedSampler):
+        sampler = getattr(getattr(loader, "batch_sampler", None), "sampler", None)
+    mine = (sampler.num_replicas, sampler.rank) if isinstance(sampler, DistributedSampler) else None
+    seen = group.all_gather_object(mine)
+    if all(s == seen[0] for s in seen):
+        return
+    found = "; ".join(f"rank {r}: " + ("no DistributedSampler" if s is None else f"num_replicas={s[0]}, rank={s[1]}")
+                      for r, s in zip(group.ranks, seen))
+    raise ValueError(
+        f"the ranks {list(group.ranks)} compute one model replica (tensor-parallel members and pipeline stages) on "
+        f"one batch, but their loader's DistributedSampler gives each different samples ({found}). Build it from "
+        f"trainer.strategy.distributed_sampler_kwargs (here num_replicas={expected['num_replicas']}, "
+        f"rank={expected['rank']}), which counts data-parallel replicas, not from trainer.world_size / global_rank.")
