@@ -177,8 +177,10 @@ class _OwnSampler(MNISTClassifier):
         ds = mnist_like(GLOBAL_BATCH * 2, seed=1)
         kw = (dict(num_replicas=self.trainer.world_size, rank=self.trainer.global_rank) if self.per == "world"
               else getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) or dict(num_replicas=1, rank=0))
-        return DataLoader(ds, batch_size=GLOBAL_BATCH // self.dp,
-                          sampler=torch.utils.data.DistributedSampler(ds, seed=SEED, **kw))
+        sampler = torch.utils.data.DistributedSampler(ds, seed=SEED, **kw)
+        if self.dp == 2:  # inside a batch sampler
+            return DataLoader(ds, batch_sampler=torch.utils.data.BatchSampler(sampler, GLOBAL_BATCH // 2, False))
+        return DataLoader(ds, batch_size=GLOBAL_BATCH // self.dp, sampler=sampler)
 
 
 @pytest.mark.parametrize("dp, tp, pp, tp_batch", [(1, 2, 1, "auto"), (1, 1, 2, "broadcast"), (2, 1, 2, "auto")])
