@@ -138,6 +138,7 @@ class LightningStageIO:
         self.batch = batch
         self.micro = split_batch(batch, self.parts)
         sizes = [batch_size_of(m) or 0 for m in self.micro]
+        self.sizes = sizes
         self.weights = [s / max(size, 1) for s in sizes]
         self.records: list[LogRecord] = []
         self.calls: list[Call] = []  # the last stage's rank-zero-only calls, made on rank 0 in finish()
@@ -197,21 +198,20 @@ class LightningStageIO:
     # ------------------------------------------------------------------ results
     def training_output(self) -> Any:
         """The batch's loss; with a dict from the step, also its other entries over the batch: per-sample
-        tensors (``logits``) joined along it, 0-d floating tensors (an accuracy) averaged by microbatch
-        size as the loss is. Anything else (a count, a string) has no batch value to form and is left out."""
+        tensors (``logits``: a first dimension of the microbatch's size) joined along it; floating values (an
+        accuracy, a per-class mean) averaged by microbatch size as the loss is; integer ones (a count of correct
+        predictions, of samples, per class) summed. Anything else (a string, a bool) has no batch value to form
+        and is left out."""
         loss = torch.stack(list(self.losses.values())).sum()
         if not self.extras:
             return loss
         parts = [self.extras[m] for m in sorted(self.extras)]
+        sizes = [self.sizes[m] for m in sorted(self.extras)]
         out: dict[str, Any] = {"loss": loss}
-        for key, first in parts[0].items():
-            values = [p.get(key) for p in parts]
-            if not all(isinstance(v, Tensor) for v in values):
-                continue
-            if first.dim() > 0:
-                out[key] = torch.cat([v.detach() for v in values])
-            elif first.is_floating_point():
-                out[key] = sum(v.detach() * w for v, w in zip(values, self.weights))
+        for key in parts[0]:
+            value = _over_microbatches([p.get(key) for p in parts], sizes, self.weights)
+            if value is not None:
+                out[key] = value
         return out
 
     def eval_output(self) -> Any:
@@ -248,6 +248,24 @@ class LightningStageIO:
                 value = metric
             module.log(name, value, *args, **kwargs)
         return result
+
+
+def _over_microbatches(values: list[Any], sizes: list[int], weights: list[float]) -> Any:
+    """One batch value of a training step's output entry from its microbatches' values (see
+    :meth:`LightningStageIO.training_output`), or None where none can be formed."""
+    if all(isinstance(v, Tensor) for v in values):
+        values = [v.detach() for v in values]
+        first = values[0]
+        if first.dim() > 0 and all(v.shape[0] == n for v, n in zip(values, sizes)):
+            return torch.cat(values)
+        if first.is_floating_point() or first.is_complex():
+            return sum(v * w for v, w in zip(values, weights))
+        return None if first.dtype == torch.bool else torch.stack(values).sum(0)
+    if all(type(v) is int for v in values):
+        return sum(values)
+    if all(type(v) is float for v in values):
+        return sum(v * w for v, w in zip(values, weights))
+    return None
 
 
 _ListKey = tuple[str, Any]  # (attribute, None) for a list; (attribute, key) for a list in a dict

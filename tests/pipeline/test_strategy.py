@@ -479,25 +479,31 @@ def test_should_stop_set_in_the_step_stops_every_stage(devices):
 
 
 class ReturnsADict(MNISTClassifier):
-    """training_step returns the loss with per-sample logits, a 0-d accuracy and a count."""
+    """training_step returns the loss with per-sample logits, a 0-d accuracy, counts (a number, a 0-d tensor,
+    a per-class vector) and a flag."""
 
     def training_step(self, batch, batch_idx):
         logits = self(batch[0])
         acc = (logits.argmax(-1) == batch[1]).double().mean()
         return {"loss": torch.nn.functional.cross_entropy(logits, batch[1]), "logits": logits.detach(), "acc": acc,
-                "n": len(batch[1])}
+                "n": len(batch[1]), "correct": (logits.argmax(-1) == batch[1]).sum(),
+                "per_class": torch.bincount(batch[1], minlength=10), "finite": torch.isfinite(logits).all()}
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
         self.log("logits_sum", outputs["logits"].sum(), reduce_fx="sum", on_step=False, on_epoch=True)
-        whole = (outputs["logits"].argmax(-1) == batch[1]).double().mean()
-        self.log("acc_is_the_batch_mean", float(torch.allclose(outputs["acc"], whole)), reduce_fx="min",
-                 on_step=False, on_epoch=True)
+        whole = outputs["logits"].argmax(-1) == batch[1]
+        self.log("acc_is_the_batch_mean", float(torch.allclose(outputs["acc"], whole.double().mean())),
+                 reduce_fx="min", on_step=False, on_epoch=True)
+        counts = (outputs["n"] == len(batch[1]), torch.equal(outputs["correct"], whole.sum()),
+                  torch.equal(outputs["per_class"], torch.bincount(batch[1], minlength=10)))
+        self.log("counts_are_the_batch_counts", float(all(counts)), reduce_fx="min", on_step=False, on_epoch=True)
         self.log("rows", float(len(outputs["logits"])), reduce_fx="sum", on_step=False, on_epoch=True)
-        self.log("count_returned", float("n" in outputs), reduce_fx="max", on_step=False, on_epoch=True)
+        self.log("flag_returned", float("finite" in outputs), reduce_fx="max", on_step=False, on_epoch=True)
 
 
 def test_training_step_dict_outputs_reach_on_train_batch_end_over_the_batch():
-    """Before, on_train_batch_end got only the loss under a pipeline (KeyError 'logits')."""
+    """Before, on_train_batch_end got only the loss under a pipeline (KeyError 'logits'); integer counts were left
+    out until 2026-12-03 (KeyError 'correct')."""
     ds = mnist_like(GLOBAL_BATCH * 3, seed=1)
 
     def fit(strategy, devices, loader_):
@@ -510,7 +516,8 @@ def test_training_step_dict_outputs_reach_on_train_batch_end_over_the_batch():
     ours = fit(pp(2), 2, loader(ds, GLOBAL_BATCH))
     assert float(ours["rows"]) == float(one["rows"]) == GLOBAL_BATCH * 3
     assert float(ours["acc_is_the_batch_mean"]) == 1.0
-    assert float(one["count_returned"]) == 1.0 and float(ours["count_returned"]) == 0.0  # no batch value: left out
+    assert float(one["counts_are_the_batch_counts"]) == float(ours["counts_are_the_batch_counts"]) == 1.0
+    assert float(one["flag_returned"]) == 1.0 and float(ours["flag_returned"]) == 0.0  # no batch value: left out
     assert float(ours["logits_sum"]) == pytest.approx(float(one["logits_sum"]), abs=1e-9)
 
 
