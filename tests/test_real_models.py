@@ -141,6 +141,26 @@ def test_cnn_with_sync_batchnorm_equals_one_process_on_the_global_batch(cnn_refs
     assert (got - gloo).abs().max() > 1e-4 or optimizer == "adam"  # and not what per-rank statistics give
 
 
+class TorchSyncCNN(MNISTClassifier):
+    """The CNN with its BatchNorms converted by torch's own ``nn.SyncBatchNorm.convert_sync_batchnorm``."""
+
+    def __init__(self, **kw):
+        super().__init__(**{**dict(arch="cnn", channels=(8, 16), cnn_hidden=32), **kw})
+        self.net = torch.nn.SyncBatchNorm.convert_sync_batchnorm(self.net)
+
+
+@pytest.mark.parametrize("name, devices, dp", [("shm_ddp_fork", 2, 2), ("dp2xtp2", 4, 2), ("tp2", 2, 1)])
+def test_cnn_with_torchs_own_sync_batchnorm_equals_one_process_on_the_global_batch(cnn_refs, name, devices, dp):
+    """torch's SyncBatchNorm syncs over torch.distributed, which the workers do not start: each rank normalised
+    its own samples (0.111 off one process under shm_ddp and shm_fsdp), and tp refused it between a column and a
+    row conv. It is now synced over the data-parallel group, as ``Trainer(sync_batchnorm=True)`` does."""
+    one, _ = cnn_refs
+    tp2 = SHMTensorParallel(start_method="fork", tensor_parallel_size=2)
+    strategy = tp2 if name == "tp2" else _cnn_dp_strategy(name)
+    got = train_mnist(strategy, devices, "sgd", batch=GLOBAL_BATCH // dp, model_cls=TorchSyncCNN, buffers=True)
+    torch.testing.assert_close(got, one["sgd"], rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
 def test_cnn_conv_column_row_with_sliced_batchnorm_equals_one_process(cnn_refs, optimizer):
     one, _ = cnn_refs

@@ -276,8 +276,13 @@ def parallelize(module: nn.Module, config: ParallelConfig, world: World, groups:
     plain_params = [n for n, _ in module.named_parameters()]
     plan = _tp_plan(module, config, topo.tp) if topo.tp > 1 else {}
     splits = check_plan(module, plan, topo.tp) if plan else {}  # on the whole model, before any stage cut
-    if config.sync_batchnorm and groups.dp_size > 1:  # after the plan, checked on the user's BatchNorm types
-        convert_sync_batchnorm(module, groups.dp)  # (sliced per channel by tp, each slice synced over dp)
+    # after the plan, checked on the user's BatchNorm types (sliced per channel by tp, each slice synced over dp);
+    # torch's own SyncBatchNorm, converted by the user, asks for it too: it would sync over torch.distributed,
+    # which the workers do not start, and normalised each rank's samples alone
+    torch_sync = any(isinstance(m, nn.SyncBatchNorm) for m in module.modules())
+    if (config.sync_batchnorm or torch_sync) and groups.dp_size > 1:
+        kinds = (nn.modules.batchnorm._BatchNorm,) if config.sync_batchnorm else (nn.SyncBatchNorm,)
+        convert_sync_batchnorm(module, groups.dp, kinds)
     stage = engine = starts = None
     if topo.pp > 1:
         stage, starts = _split_pipeline(module, config, world, groups, plan, sample_input, log)

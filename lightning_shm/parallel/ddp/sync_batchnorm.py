@@ -107,15 +107,18 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
 
 
 def convert_sync_batchnorm(module: nn.Module, group: Group,
+                           kinds: tuple[type, ...] = (nn.modules.batchnorm._BatchNorm,),
                            _done: Optional[dict[int, nn.Module]] = None) -> nn.Module:
     """Replace every BatchNorm in ``module`` (in place; returns it, or its replacement when it is one)
     by a :class:`SyncBatchNorm` over ``group`` holding the same parameters and buffers. A BatchNorm
     placed at several positions (a shared layer) becomes one SyncBatchNorm at all of them: children
-    are walked by position (``named_children()`` would list it once and leave the others plain)."""
+    are walked by position (``named_children()`` would list it once and leave the others plain).
+    ``kinds``: the BatchNorm classes to replace (``(nn.SyncBatchNorm,)``: those the user converted with torch)."""
     done: dict[int, nn.Module] = {} if _done is None else _done
     if id(module) in done:
         return done[id(module)]
-    if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(module, SyncBatchNorm):
+    if isinstance(module, kinds) and isinstance(module, nn.modules.batchnorm._BatchNorm) \
+            and not isinstance(module, SyncBatchNorm):
         new = SyncBatchNorm(module.num_features, group, module.eps, module.momentum, module.affine,
                             module.track_running_stats)
         dtype = next((t.dtype for t in (*module.parameters(), *module.buffers()) if t.is_floating_point()), None)
@@ -135,7 +138,7 @@ def convert_sync_batchnorm(module: nn.Module, group: Group,
     done[id(module)] = module
     for name, child in list(module._modules.items()):
         if child is not None:
-            new = convert_sync_batchnorm(child, group, done)
+            new = convert_sync_batchnorm(child, group, kinds, done)
             if new is not child:
                 setattr(module, name, new)
     return module

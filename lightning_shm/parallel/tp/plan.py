@@ -58,8 +58,8 @@ STYLES = ("column", "row", "replicate", "column_gathered")
 ELEMENTWISE = (nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.LeakyReLU, nn.ELU, nn.Identity, nn.Softplus,
                nn.Mish, nn.Hardswish, nn.Hardtanh, nn.ReLU6, nn.Dropout, nn.Dropout2d)
 POOLING = (nn.MaxPool2d, nn.AvgPool2d, nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d)
-_BETWEEN = {nn.Linear: (nn.LayerNorm, nn.BatchNorm1d, *ELEMENTWISE),  # what may run on split features
-            nn.Conv2d: (nn.BatchNorm2d, *ELEMENTWISE, *POOLING)}
+_BETWEEN = {nn.Linear: (nn.LayerNorm, nn.BatchNorm1d, nn.SyncBatchNorm, *ELEMENTWISE),  # may run on split features
+            nn.Conv2d: (nn.BatchNorm2d, nn.SyncBatchNorm, *ELEMENTWISE, *POOLING)}
 _SPLITTABLE = (nn.Linear, nn.Conv2d)
 
 
