@@ -14,7 +14,7 @@ Lightning checks (read ``lightning/pytorch/strategies/ddp.py``, ``parallel.py``)
 from __future__ import annotations
 
 import signal
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import lightning.pytorch as pl
 import torch
@@ -24,7 +24,7 @@ from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.utilities.exceptions import SIGTERMException
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 
@@ -44,6 +44,7 @@ from lightning_shm.runtime.world import control_bytes
 from lightning_shm.strategies import collectives
 from lightning_shm.strategies.launcher import SHMLauncher
 from lightning_shm.strategies.predictions import merge_predictions
+from lightning_shm.strategies.torch_distributed import warn_on_user_checks
 
 
 class SHMStrategyBase(ParallelStrategy):
@@ -88,6 +89,7 @@ class SHMStrategyBase(ParallelStrategy):
         self._world: Optional[World] = None
         self._group: Optional[Group] = None
         self._rail: Optional[Rail] = None
+        self._restore_dist: Optional[Callable[[], None]] = None  # worker: torch.distributed.is_initialized back
         self._metric_state: list = []
         self._metric_sync: Optional[collectives.MetricSync] = None
 
@@ -160,6 +162,7 @@ class SHMStrategyBase(ParallelStrategy):
         this connects the rank's rail (gloo) to the same local rank of every other node."""
         self._world = world
         self._group = world.world_group
+        self._restore_dist = warn_on_user_checks(lambda msg: rank_zero_warn(msg))
         if self._num_nodes > 1:
             env = self.cluster_environment
             assert env is not None
@@ -171,6 +174,9 @@ class SHMStrategyBase(ParallelStrategy):
     def detach_world(self) -> None:
         """Called by the launcher in each worker once its results are sent."""
         self._rail = None
+        if self._restore_dist is not None:
+            self._restore_dist()
+            self._restore_dist = None
 
     def setup_environment(self) -> None:
         super().setup_environment()
