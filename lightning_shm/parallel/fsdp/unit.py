@@ -178,6 +178,7 @@ class FSDPUnit:
                 owner._parameters[attr] = b.shard
         self._live: Optional[torch.Tensor] = None  # full flat parameters of the current forward
         self._live_params: Sequence[torch.Tensor] = ()  # ... as the modules see them (_set_views)
+        self._versions: list[int] = []  # their version counters when the forward began
         self._live_grad = False  # ... taken through _GatherUnit (a backward will come)
         self._frozen_inputs: list[torch.Tensor] = []  # a unit without trainable parameters: inputs with a gradient
         # full tensors awaiting their backward, by application. Held strongly here: autograd keeps
@@ -394,11 +395,28 @@ class FSDPUnit:
             params = self.params_of(full)
         self._live, self._live_params = full, params
         self._set_views(params)
+        # see _check_not_modified (inference tensors keep no version counter: evaluation is not checked)
+        self._versions = [] if torch.is_inference_mode_enabled() else [p._version for p in params]
         if self.next_unit is not None:
             self.next_unit.prefetch_gather()
 
+    def _check_not_modified(self, params: Sequence[torch.Tensor]) -> None:
+        """A forward must not change the full parameters in place (``nn.Embedding(max_norm=...)`` renormalises
+        the rows it looks up): under "view" they are one tensor every rank computes on, and the ranks' changes
+        race -- a different model on every run (0.01 and 0.27 off one process after 5 Adam steps); under "copy"
+        they are a private copy and the change never reaches the blocks (2.9 off). Refused when seen."""
+        changed = [b.name for b, p, v in zip(self.blocks, params, self._versions) if p._version != v]
+        if changed:
+            raise RuntimeError(f"the forward changed parameter(s) {changed} in place (nn.Embedding(max_norm=...) "
+                               "renormalises the rows it looks up): under FSDP the full parameters are shared by every "
+                               "rank (gather='view': their changes race) or a private copy (gather='copy': the change "
+                               "is lost), so the model would not be one process's. Change parameters outside forward "
+                               "(the optimizer step, a hook after it), as torch's FSDP requires, or use shm_ddp.")
+
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         full, params = self._live, self._live_params
+        if full is not None:
+            self._check_not_modified(params)
         if full is None or self.held is not None:  # held: stays gathered for the next microbatch
             return output
         # a unit without trainable parameters takes part in backward too when its output carries a
