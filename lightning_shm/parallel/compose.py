@@ -37,7 +37,7 @@ from lightning_shm.parallel.optimizers import check_optimizers
 from lightning_shm.parallel.pipeline import PipelineEngine, PipelineSchedule, PipelineStage, Schedule
 from lightning_shm.parallel.pipeline.outside import OutsideParameters
 from lightning_shm.parallel.pipeline.row_cut import apply_row_cuts, plan_cuts, stage_rows
-from lightning_shm.parallel.pipeline.split import plan_chunks, validate_split_points
+from lightning_shm.parallel.pipeline.split import attributes_kept, plan_chunks, validate_split_points
 from lightning_shm.parallel.placement import Placement
 from lightning_shm.parallel.replaced import Originals, carry_over_module, rebind, refuse_averaged_copies, remember
 from lightning_shm.parallel.sequential import (
@@ -352,8 +352,9 @@ def _split_pipeline(module: nn.Module, config: ParallelConfig, world: World, gro
     forbidden = _no_cut(module, config, plan)
     if groups.world.index == 0:  # measure once (global rank 0), everyone uses the same cut
         sample = sample if config.balance == "time" else None
-        chosen: Any = plan_cuts(seq, sched.chunks, config.split_points, sample, stages=sched.stages,
-                                forbidden=forbidden, split_linear=config.split_linear)
+        with attributes_kept(module):  # the sample runs the user's forward hooks too
+            chosen: Any = plan_cuts(seq, sched.chunks, config.split_points, sample, stages=sched.stages,
+                                    forbidden=forbidden, split_linear=config.split_linear)
     else:
         chosen = None
     cuts, how = groups.world.broadcast_object(chosen, src_member=0)

@@ -43,7 +43,7 @@ from lightning_shm.parallel.ddp import broadcast_module_state, broadcast_tensors
 from lightning_shm.parallel.fsdp import UnitPolicy
 from lightning_shm.parallel.fsdp.policy import PolicyFn
 from lightning_shm.parallel.pipeline import PipelineEngine
-from lightning_shm.parallel.pipeline.split import why_sample_fails
+from lightning_shm.parallel.pipeline.split import attributes_kept, why_sample_fails
 from lightning_shm.parallel.state_copies import consolidate_copies, localize_copies
 from lightning_shm.parallel.tp.inputs import MODES, broadcast_from_first, check_same
 from lightning_shm.parallel.tp.loading import check_replica_samplers, is_group_batch, split_loader, why_not_splittable
@@ -238,7 +238,8 @@ class SHMModelParallel(SHMStrategyBase):
             # the parameters' dtype: ``first.weight`` may be computed (weight_norm) and not yet converted
             sample, source = torch.randn(rows, first.in_features, dtype=next(first.parameters()).dtype), \
                 f"an input guessed from the first Linear's in_features ({first.in_features})"
-        why = why_sample_fails(seq, sample)
+        with attributes_kept(module):  # the sample runs the user's forward hooks too
+            why = why_sample_fails(seq, sample)
         if why is not None:
             rank_zero_warn(f"balance='time' times the pipeline's layers on {source}, which does not run through "
                            f"the Sequential ({why}); the stages are balanced by parameter count instead. Pass "

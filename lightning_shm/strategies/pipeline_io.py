@@ -114,6 +114,13 @@ def _refuse_reads(names: list[str]) -> None:
                          "Sequential.")
 
 
+_NOT_SET_HERE = (
+    "shm_pipeline: each stage runs only its own layers of the Sequential, and the step's loss runs on the last "
+    "stage: an attribute set while another stage's layers run -- by them, or by a forward hook on them (an inner "
+    "layer's activation kept for the loss) -- is never set there. A loss on an inner activation cannot be "
+    "pipelined: compute it from the Sequential's output, or use shm_ddp / shm_fsdp / shm_tp.")
+
+
 class LightningStageIO:
     """The engine's view of one Lightning step: microbatch inputs, the step on the last stage, logs.
 
@@ -154,7 +161,12 @@ class LightningStageIO:
         # rank-zero calls (a logger's, print) are kept from the last stage's first microbatch only: one per batch
         calls = self.calls if sink is not None and mb == 0 else []
         with recording_logs(self.module, sink, weight), recording_rank_zero_calls(self.module, calls):
-            return getattr(self.module, self.step)(self.micro[mb], self.batch_idx, *self.extra)
+            try:
+                return getattr(self.module, self.step)(self.micro[mb], self.batch_idx, *self.extra)
+            except AttributeError as e:
+                if isinstance(getattr(e, "obj", None), nn.Module):
+                    e.add_note(_NOT_SET_HERE)
+                raise
 
     def first_input(self, mb: int) -> Tensor:
         try:

@@ -20,6 +20,7 @@ from lightning_shm import SHMModelParallel, SHMPipeline
 from lightning_shm.models import MNISTClassifier
 from lightning_shm.models.transformer import Block
 from lightning_shm.parallel.pipeline.row_cut import LinearRows
+from lightning_shm.parallel.pipeline.split import attributes_kept, layer_costs_by_time
 from tests.helpers import (
     GLOBAL_BATCH,
     PRECISION,
@@ -892,3 +893,36 @@ def test_rank_zero_calls_in_steps_on_the_last_stage_are_made_on_rank_0(tmp_path,
     assert len(val_first) == 2 and direct_val == pytest.approx(val_first, rel=1e-6)
     printed = re.findall(r"printed in validation_step: ([\d.]+)", capfd.readouterr().out)
     assert [float(p) for p in printed] == pytest.approx(val_first, abs=1e-6)
+
+
+class InnerActivationLoss(MNISTClassifier):
+    """A loss on an inner layer's activation, kept by a forward hook (deep supervision, feature penalties)."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.net[1].register_forward_hook(self._keep)  # the first Linear: on the first stage
+
+    def _keep(self, module, inputs, output):
+        self.feat = output
+
+    def training_step(self, batch, batch_idx):
+        return torch.nn.functional.cross_entropy(self(batch[0]), batch[1]) + 0.05 * self.feat.pow(2).mean()
+
+
+def test_a_loss_on_another_stages_activation_fails_saying_why():
+    """The layer timing's sample ran the hook on every rank and left its activation: the last stage's loss used that
+    stale tensor, without gradient -- silently 0.06 off one process after 5 steps. Now it is not set there."""
+    with pytest.raises(AttributeError, match="no attribute 'feat'") as raised:
+        train_mnist(pp(2), 2, "adam", batch=GLOBAL_BATCH, model_cls=InnerActivationLoss)
+    assert "each stage runs only its own layers" in str(raised.value) + "".join(getattr(raised.value, "__notes__", []))
+
+
+def test_timing_the_layers_leaves_the_modules_attributes_as_they_were():
+    model = InnerActivationLoss()
+    model.kept = "before"
+    before = dict(model.__dict__)
+    with attributes_kept(model):
+        layer_costs_by_time(model.net, torch.randn(8, 1, 28, 28), repeats=1)
+        model.kept = "changed"
+        assert "feat" in model.__dict__
+    assert model.__dict__ == before and "feat" not in model.__dict__
