@@ -10,12 +10,12 @@ without it, silently. It moves to the replacement instead::
 
     original p --(hooks dict shared, attributes copied)--> p's block / slice / row piece:
                  a gradient hook sees the piece's gradient
-    original m --(hooks dicts shared, attributes copied)--> m's tensor-parallel module: a hook sees its
-                 input and output (a column layer's output, a row layer's input: this rank's piece)
+    original m --(hooks dicts shared, attributes copied)--> m's tensor-parallel module: a forward hook sees
+                 whole tensors (:mod:`lightning_shm.parallel.tp.hooks` gathers the split ones for it)
 
-The dicts are shared, not copied, so a handle the user kept still removes the hook. An elementwise hook
-(scale, clamp, zero) gives what it gives in one process wherever the piece holds the whole gradient or
-output of its elements; a hook that needs the whole tensor (a full-shape mask, a norm) sees a piece.
+The dicts are shared, not copied, so a handle the user kept still removes the hook. An elementwise gradient
+or backward hook (scale, clamp, zero) gives what it gives in one process wherever the piece holds the whole
+gradient of its elements; one that needs the whole gradient (a norm) sees a piece.
 A list of the original parameters the model kept (``self.head_params = list(...)`` in ``__init__``) reaches
 the optimizer after the replacement: :func:`rebind` swaps in what the rank holds now.
 """

@@ -42,6 +42,7 @@ from torch.nn.utils import parametrize
 
 from lightning_shm.parallel.replaced import carry_over_module
 from lightning_shm.parallel.sequential import find_sequential, layers_of, parameter_holders, shared_spans
+from lightning_shm.parallel.tp.hooks import whole_tensors_for_hooks
 from lightning_shm.parallel.tp.layers import (
     ColumnParallelConv2d,
     ColumnParallelLinear,
@@ -306,6 +307,10 @@ def apply_plan(module: nn.Module, splits: Mapping[str, LayerSplit], group: Group
         layer = local.get(name)
         if layer is None:
             continue
+        if sp.role != "column_gathered":  # the user's forward hooks see whole tensors, as in one process
+            dim = 1 if isinstance(layer, (nn.Conv2d, nn.modules.batchnorm._BatchNorm)) else -1
+            whole_tensors_for_hooks(layer, group, sp.sizes, dim, inputs_split=sp.role != "column",
+                                    output_split=sp.role != "row")  # (before a copy of the layer takes them)
         if sp.role == "norm":
             new = (ShardedLayerNorm(layer, group, sp.sizes) if isinstance(layer, nn.LayerNorm)
                    else sliced_batchnorm(layer, group, sp.sizes))
