@@ -42,6 +42,7 @@ from lightning_shm.parallel.compose import ParallelConfig, ParallelState, parall
 from lightning_shm.parallel.ddp import broadcast_module_state, broadcast_tensors
 from lightning_shm.parallel.fsdp import UnitPolicy
 from lightning_shm.parallel.fsdp.policy import PolicyFn
+from lightning_shm.parallel.outside_reads import output_nodes, read_outside, refuse_outside_reads
 from lightning_shm.parallel.pipeline import PipelineEngine
 from lightning_shm.parallel.pipeline.split import attributes_kept, why_sample_fails
 from lightning_shm.parallel.state_copies import consolidate_copies, localize_copies
@@ -121,6 +122,7 @@ class SHMModelParallel(SHMStrategyBase):
         self._in_stage_step = False
         self._muted_writers: list[BasePredictionWriter] = []
         self._grads_split = False  # some rank holds a gradient that is not every rank's whole one (setup)
+        self._reads_checked = False  # the first training step's loss was checked for reads of pieces
         self._norm_logs = GradNormLogs(self._layout)
 
     # ------------------------------------------------------------------ grid
@@ -340,7 +342,20 @@ class SHMModelParallel(SHMStrategyBase):
             with self._stage_step():
                 return self.pipeline.training_step(args[0], args[1], trainer.accumulate_grad_batches,
                                                    trainer.fit_loop._skip_backward)
-        return super().training_step(*args, **kwargs)
+        if self._reads_checked or not self._grads_split or not self.lightning_module.automatic_optimization:
+            return super().training_step(*args, **kwargs)
+        self._reads_checked = True  # the first step: its graph shows what the loss reads (see outside_reads)
+        assert self.parallel is not None
+        module, state, W = self.lightning_module, self.parallel.state, self.world_size
+        pieces = {id(p): n for n, p in module.named_parameters() if state.copies(p) < W}
+        owners = [m for m in module.modules() if any(id(p) in pieces for p in m._parameters.values() if p is not None)]
+        with output_nodes(owners) as boundary:
+            out = super().training_step(*args, **kwargs)
+        loss = out.get("loss") if isinstance(out, Mapping) else out
+        if isinstance(loss, Tensor) and loss.grad_fn is not None:
+            refuse_outside_reads(read_outside(loss, pieces, boundary),
+                                 "only a piece (a row block under FSDP, a slice under tensor parallelism)")
+        return out
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         self.stop_point(args[1])

@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import torch
 from torch import nn
 
+from lightning_shm.parallel.outside_reads import read_outside
 from lightning_shm.parallel.sequential import layers_of
 
 
@@ -148,23 +149,10 @@ class LayerElsewhere(nn.Module):
 def parameters_read_outside(loss: torch.Tensor, output: Any, named: Sequence[tuple[str, torch.Tensor]]) -> list[str]:
     """Names of the ``named`` parameters (a stage's) that ``loss`` reaches other than through ``output``
     (what the stage's last chunk returned to the step): the step read them itself -- an L2 penalty over
-    ``self.parameters()``, say. Walks the autograd graph from ``loss`` and stops at ``output``'s nodes."""
+    ``self.parameters()``, say (:func:`~lightning_shm.parallel.outside_reads.read_outside`)."""
     parts = output if isinstance(output, tuple) else (output,)
     boundary = {t.grad_fn for t in parts if isinstance(t, torch.Tensor) and t.grad_fn is not None}
-    own = {id(p): n for n, p in named}
-    found: list[str] = []
-    seen: set[Any] = set()
-    todo = [loss.grad_fn]
-    while todo:
-        fn = todo.pop()
-        if fn is None or fn in seen or fn in boundary:
-            continue
-        seen.add(fn)
-        var = getattr(fn, "variable", None)  # an AccumulateGrad node: a leaf tensor
-        if var is not None and id(var) in own:
-            found.append(own[id(var)])
-        todo.extend(f for f, _ in fn.next_functions)
-    return found
+    return read_outside(loss, {id(p): n for n, p in named}, boundary)
 
 
 def _capture(x: torch.Tensor) -> torch.Tensor:

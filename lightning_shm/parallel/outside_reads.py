@@ -1,0 +1,73 @@
+"""Parameters a loss reads by itself, outside the layers that own them.
+
+A layer computes with its parameters inside its forward, where each parallelism gives it what one
+process has (FSDP the gathered full parameters, tensor parallelism its slice with the collectives
+around it, a pipeline stage its own layers). A loss term the step computes on the parameters directly
+-- an L2 penalty over ``self.parameters()``, a norm of one weight -- reads what the rank holds: a row
+block or a slice under shm_fsdp / shm_tp, which makes it another loss on every rank (a mean over a piece
+is not the mean over the whole; measured, 0.029 off one process after 4 steps under shm_fsdp), or
+another stage's parameters not at all. Such reads are found in the loss's autograd graph::
+
+    loss ---> ... ---> [a layer's output]  --- inside the layer: legitimate, not walked
+         \\--> pow --> sum --> AccumulateGrad(piece)  <- read outside: named
+
+Boundaries are the outputs of the layers that own the parameters and, under FSDP, the gather edge
+(``_GatherUnit``) a unit's forward reads its full parameters through. The walk does not go below a
+boundary, so it finds what joins the graph after the layers -- a term added to the loss, the usual
+case -- not a read feeding some layer's input. One check, on the first training step (automatic
+optimization: under manual optimization backward runs inside the step).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterable, Iterator, Mapping
+
+import torch
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import nn
+
+
+def read_outside(loss: torch.Tensor, pieces: Mapping[int, str], boundary: set[Any]) -> list[str]:
+    """Names of the parameters in ``pieces`` (id -> name) that ``loss`` reaches without passing a node of
+    ``boundary`` (or a gather edge of FSDP), in ``pieces``' order: walks the autograd graph from ``loss``."""
+    found: set[str] = set()
+    seen: set[Any] = set()
+    todo = [loss.grad_fn]
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen or fn in boundary or type(fn).__name__ == "_GatherUnitBackward":
+            continue
+        seen.add(fn)
+        var = getattr(fn, "variable", None)  # an AccumulateGrad node: a leaf tensor
+        if var is not None and id(var) in pieces:
+            found.add(pieces[id(var)])
+        todo.extend(f for f, _ in fn.next_functions)
+    return [n for n in pieces.values() if n in found]
+
+
+@contextlib.contextmanager
+def output_nodes(modules: Iterable[nn.Module]) -> Iterator[set[Any]]:
+    """Inside, the autograd nodes of the ``modules``' outputs are collected into the yielded set (after the
+    model's own forward hooks: what the layer hands on)."""
+    nodes: set[Any] = set()
+
+    def keep(module: nn.Module, args: Any, output: Any) -> None:
+        apply_to_collection(output, torch.Tensor, lambda t: nodes.add(t.grad_fn) if t.grad_fn is not None else None)
+
+    handles = [m.register_forward_hook(keep) for m in modules]
+    try:
+        yield nodes
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def refuse_outside_reads(names: list[str], held: str) -> None:
+    if names:
+        raise ValueError(
+            f"training_step's loss reads parameters itself ({names[:4]}{' ...' if len(names) > 4 else ''}), not "
+            f"through the layers that own them; here each rank holds {held} of them, so such a term (an L2 "
+            "penalty over self.parameters(), a norm of one weight) would be computed on this rank's piece -- "
+            "another loss on every rank than one process's. Use the optimizer's weight_decay, compute the term "
+            "inside a layer's forward, or use shm_ddp.")
