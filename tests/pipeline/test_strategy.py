@@ -7,6 +7,7 @@ import itertools
 import logging
 import re
 import warnings
+from functools import partial
 
 import lightning.pytorch as pl
 import pytest
@@ -926,3 +927,31 @@ def test_timing_the_layers_leaves_the_modules_attributes_as_they_were():
         model.kept = "changed"
         assert "feat" in model.__dict__
     assert model.__dict__ == before and "feat" not in model.__dict__
+
+
+class DrawsInTheStep(MNISTClassifier):
+    """Draws a sample mask in the step, used on the input (first stage) and in the loss (last stage); writes what
+    each rank drew, and the step's default dtype, per call."""
+
+    def __init__(self, out_dir, **kw):
+        super().__init__(**kw)
+        self.out_dir = out_dir
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        keep = (torch.rand(x.shape[0]) < 0.6).to(x.dtype)
+        with open(self.out_dir / f"rank{self.global_rank}", "a") as f:
+            f.write(f"{torch.get_default_dtype()} {keep.tolist()}\n")
+        loss = torch.nn.functional.cross_entropy(self(x * keep.view(-1, 1, 1, 1)), y, reduction="none")
+        return (loss * (1 - keep)).mean()
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
+def test_the_stages_draw_the_same_numbers_in_the_step(tmp_path, schedule):
+    """The first stage ran the step up to the Sequential outside the precision context: under 64-true it drew
+    float32 numbers, the last stage float64 ones -- after the first microbatch the masks differed, and the input
+    was masked with one, the loss weighted with another."""
+    train_mnist(pp(2, schedule=schedule), 2, "adam", batch=GLOBAL_BATCH, model_cls=partial(DrawsInTheStep, tmp_path))
+    first, last = ((tmp_path / f"rank{r}").read_text().splitlines() for r in (0, 1))
+    assert len(first) == len(last) == STEPS * 4 and first == last
+    assert all(line.startswith("torch.float64 ") for line in first)

@@ -206,7 +206,11 @@ class PipelineEngine:
     def _forward(self, a: Action, io: StageIO, training: bool) -> None:
         m, c = a.mb, a.chunk
         last = c == self.schedule.chunks - 1
-        x = io.first_input(m) if c == 0 else self.act_in[c].recv_obj()
+        if c == 0:  # the step up to the Sequential, in the step's precision context as on the last stage: under
+            with io.forward_context():  # 64-true it draws float64 numbers there (a mask drawn in the step: the same)
+                x = io.first_input(m)
+        else:
+            x = self.act_in[c].recv_obj()
         if c > 0 and training:
             for t in act.parts(x):
                 t.requires_grad_(t.is_floating_point())
