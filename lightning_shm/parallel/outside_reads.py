@@ -15,7 +15,8 @@ Boundaries are the outputs of the layers that own the parameters and, under FSDP
 (``_GatherUnit``) a unit's forward reads its full parameters through. The walk does not go below a
 boundary, so it finds what joins the graph after the layers -- a term added to the loss, the usual
 case -- not a read feeding some layer's input. One check, on the first training step (automatic
-optimization: under manual optimization backward runs inside the step).
+optimization: under manual optimization backward runs inside the step; and not where the step
+differentiates by itself, see :func:`differentiations`).
 """
 
 from __future__ import annotations
@@ -61,6 +62,30 @@ def output_nodes(modules: Iterable[nn.Module]) -> Iterator[set[Any]]:
     finally:
         for h in handles:
             h.remove()
+
+
+@contextlib.contextmanager
+def differentiations() -> Iterator[list[bool]]:
+    """Inside, a call of ``torch.autograd.grad`` / ``backward`` (``Tensor.backward`` too) appends to the yielded
+    list: a step that differentiates itself (a gradient penalty, ``create_graph=True``) builds graph nodes in
+    backward that read the parameters legitimately, which this walk cannot tell from a step's own reads."""
+    called: list[bool] = []
+    autograd = torch.autograd
+    originals = autograd.grad, autograd.backward
+
+    def grad(*args: Any, **kwargs: Any) -> Any:
+        called.append(True)
+        return originals[0](*args, **kwargs)
+
+    def backward(*args: Any, **kwargs: Any) -> Any:
+        called.append(True)
+        return originals[1](*args, **kwargs)
+
+    autograd.grad, autograd.backward = grad, backward
+    try:
+        yield called
+    finally:
+        autograd.grad, autograd.backward = originals
 
 
 def refuse_outside_reads(names: list[str], held: str) -> None:

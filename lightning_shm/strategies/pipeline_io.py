@@ -120,6 +120,11 @@ _NOT_SET_HERE = (
     "layer's activation kept for the loss) -- is never set there. A loss on an inner activation cannot be "
     "pipelined: compute it from the Sequential's output, or use shm_ddp / shm_fsdp / shm_tp.")
 
+_NOT_FROM_THE_INPUT = (
+    "shm_pipeline: on the last stage the step's batch is not what the Sequential computes from -- the first "
+    "stage feeds it, and this stage runs its layers on the activation it receives -- so a gradient with respect "
+    "to the input (a gradient penalty) cannot be taken in a pipeline; use shm_ddp / shm_fsdp / shm_tp.")
+
 
 class LightningStageIO:
     """The engine's view of one Lightning step: microbatch inputs, the step on the last stage, logs.
@@ -166,6 +171,10 @@ class LightningStageIO:
             except AttributeError as e:
                 if isinstance(getattr(e, "obj", None), nn.Module):
                     e.add_note(_NOT_SET_HERE)
+                raise
+            except RuntimeError as e:
+                if "appears to not have been used in the graph" in str(e):
+                    e.add_note(_NOT_FROM_THE_INPUT)
                 raise
 
     def first_input(self, mb: int) -> Tensor:

@@ -955,3 +955,17 @@ def test_the_stages_draw_the_same_numbers_in_the_step(tmp_path, schedule):
     first, last = ((tmp_path / f"rank{r}").read_text().splitlines() for r in (0, 1))
     assert len(first) == len(last) == STEPS * 4 and first == last
     assert all(line.startswith("torch.float64 ") for line in first)
+
+
+class InputGradientPenalty(MNISTClassifier):
+    def training_step(self, batch, batch_idx):
+        x = batch[0].clone().requires_grad_(True)
+        out = self(x)
+        g, = torch.autograd.grad(out.logsumexp(-1).sum(), x, create_graph=True)
+        return torch.nn.functional.cross_entropy(out, batch[1]) + g.pow(2).mean()
+
+
+def test_a_gradient_with_respect_to_the_input_fails_saying_why():
+    with pytest.raises(RuntimeError, match="appears to not have been used in the graph") as raised:
+        train_mnist(pp(2), 2, "adam", batch=GLOBAL_BATCH, model_cls=InputGradientPenalty)
+    assert "cannot be taken in a pipeline" in str(raised.value) + "".join(getattr(raised.value, "__notes__", []))

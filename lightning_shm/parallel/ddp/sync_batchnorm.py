@@ -26,6 +26,7 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from lightning_shm.runtime import Group
 
@@ -58,6 +59,7 @@ class _SyncBatchNormFn(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable  # its collectives write in place: no double backward (said, not wrong)
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         x_hat, rstd, weight = ctx.saved_tensors
         C = dy.shape[1]

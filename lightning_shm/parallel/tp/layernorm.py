@@ -35,6 +35,7 @@ import functools
 from typing import Any, Sequence
 
 import torch
+from torch.autograd.function import once_differentiable
 from torch.linalg import vecdot
 
 from lightning_shm.runtime import Group
@@ -71,6 +72,7 @@ class _DistributedLayerNorm(torch.autograd.Function):
         return y.to(x.dtype).view(shape)
 
     @staticmethod
+    @once_differentiable  # its collectives write in place: no double backward (said, not wrong)
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         x_hat, rstd, w = ctx.saved_tensors
         dy_rows = dy.reshape(-1, ctx.shape[-1]).to(x_hat.dtype)

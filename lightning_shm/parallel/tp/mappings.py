@@ -5,6 +5,7 @@ Named for what they do forward and backward::
     copy_to_tp(x)       forward: identity          backward: all-reduce(sum)   -- before a column layer
     reduce_from_tp(x)   forward: all-reduce(sum)   backward: identity          -- after a row layer
     gather_from_tp(y)   forward: all-gather(features)  backward: my slice      -- after a gathered column layer
+    split_to_tp(y)      forward: my slice              backward: all-gather    -- gather_from_tp's backward
 
 Why: a column-parallel layer gives every rank a slice of the outputs computed from the *whole*
 input, so the gradient w.r.t. that input is the sum of every rank's contribution (``f``'s
@@ -17,7 +18,11 @@ no communication: every rank computes the same replicated layers on the same bat
 the *whole* output gradient and keeps its own features' columns.
 
 ``copy_to_tp`` skips its backward all-reduce entirely when the input needs no gradient (e.g. the
-pixels entering the first layer): autograd never calls a backward nobody needs.
+pixels entering the first layer): autograd never calls a backward nobody needs. Each backward is
+the conjugate operator itself (``f``'s is ``g``, ``g``'s is ``f``, ``gather_from_tp``'s is ``split_to_tp``),
+so a double backward (a gradient penalty on the input, ``create_graph=True``) differentiates through
+them as through one process's sum and slice -- the raw all-reduce writes with ``out=`` and failed
+there, and a plain identity or slice kept only this rank's part of the second-order gradient.
 """
 
 from __future__ import annotations
@@ -37,28 +42,44 @@ class _CopyToTensorParallel(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
-        return ctx.group.all_reduce(grad.contiguous().clone(), "sum"), None
+        return reduce_from_tp(grad, ctx.group), None  # g: a double backward (a gradient penalty) goes through it
 
 
 class _ReduceFromTensorParallel(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: Group) -> torch.Tensor:  # type: ignore[override]
+        ctx.group = group
         return group.all_reduce(x.contiguous().clone(), "sum")
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
-        return grad, None
+        return copy_to_tp(grad, ctx.group), None  # f: identity, and its own backward sums (double backward)
 
 
 class _GatherFromTensorParallel(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, y: torch.Tensor, group: Group, sizes: tuple[int, ...]) -> torch.Tensor:  # type: ignore[override]
-        ctx.lo, ctx.n = sum(sizes[:group.index]), sizes[group.index]
+        ctx.group, ctx.sizes = group, sizes
         return _gather_features(y, group, sizes)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
-        return grad[..., ctx.lo:ctx.lo + ctx.n], None, None
+        return split_to_tp(grad, ctx.group, ctx.sizes), None, None
+
+
+class _SplitToTensorParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, y: torch.Tensor, group: Group, sizes: tuple[int, ...]) -> torch.Tensor:  # type: ignore[override]
+        ctx.group, ctx.sizes = group, sizes
+        return _my_features(y, group, sizes)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+        return gather_from_tp(grad, ctx.group, ctx.sizes), None, None
+
+
+def _my_features(y: torch.Tensor, group: Group, sizes: tuple[int, ...]) -> torch.Tensor:
+    return y.narrow(-1, sum(sizes[:group.index]), sizes[group.index])
 
 
 def _gather_features(y: torch.Tensor, group: Group, sizes: tuple[int, ...]) -> torch.Tensor:
@@ -84,6 +105,15 @@ def reduce_from_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
     if not (torch.is_grad_enabled() and x.requires_grad):
         return group.all_reduce(x.contiguous().clone(), "sum")
     return _ReduceFromTensorParallel.apply(x, group)
+
+
+def split_to_tp(y: torch.Tensor, group: Group, sizes: tuple[int, ...]) -> torch.Tensor:
+    """This rank's features forward, all-gather backward: ``gather_from_tp``'s backward, itself differentiable."""
+    if group.size == 1:
+        return y
+    if not (torch.is_grad_enabled() and y.requires_grad):
+        return _my_features(y, group, sizes)
+    return _SplitToTensorParallel.apply(y, group, tuple(sizes))
 
 
 def gather_from_tp(y: torch.Tensor, group: Group, sizes: tuple[int, ...]) -> torch.Tensor:
