@@ -287,7 +287,9 @@ class SHMModelParallel(SHMStrategyBase):
 
     # ------------------------------------------------------------------ steps
     def process_dataloader(self, dataloader: object) -> object:
-        """With ``tp_batch`` "split" (or "auto" where exact), each rank of a replica loads only its rows."""
+        """With ``tp_batch`` "split" (or "auto" where exact), each rank of a replica loads only its rows; unless
+        "off", the replica's ranks first check that a DistributedSampler the module built gives them the same
+        samples."""
         replica = self._groups.replica if self._groups is not None else None
         if self.tp_batch == "off" or replica is None or replica.size == 1:
             return dataloader
@@ -344,7 +346,12 @@ class SHMModelParallel(SHMStrategyBase):
                                                    trainer.fit_loop._skip_backward)
         if self._reads_checked or not self._grads_split or not self.lightning_module.automatic_optimization:
             return super().training_step(*args, **kwargs)
-        self._reads_checked = True  # the first step: its graph shows what the loss reads (see outside_reads)
+        self._reads_checked = True
+        return self._step_checking_reads(*args, **kwargs)
+
+    def _step_checking_reads(self, *args: Any, **kwargs: Any) -> Any:
+        """The first training step, whose loss's graph shows what it reads: parameters this rank holds pieces of,
+        read by the step itself, are refused (:mod:`lightning_shm.parallel.outside_reads`)."""
         assert self.parallel is not None
         module, state, W = self.lightning_module, self.parallel.state, self.world_size
         pieces = {id(p): n for n, p in module.named_parameters() if state.copies(p) < W}

@@ -279,6 +279,8 @@ def _over_microbatches(values: list[Any], sizes: list[int], weights: list[float]
         first = values[0]
         if first.dim() > 0 and all(v.shape[0] == n for v, n in zip(values, sizes)):
             return torch.cat(values)
+        if any(v.shape != first.shape for v in values):  # (a bincount without minlength)
+            return None
         if first.is_floating_point() or first.is_complex():
             return sum(v * w for v, w in zip(values, weights))
         return None if first.dtype == torch.bool else torch.stack(values).sum(0)

@@ -489,7 +489,8 @@ class ReturnsADict(MNISTClassifier):
         acc = (logits.argmax(-1) == batch[1]).double().mean()
         return {"loss": torch.nn.functional.cross_entropy(logits, batch[1]), "logits": logits.detach(), "acc": acc,
                 "n": len(batch[1]), "correct": (logits.argmax(-1) == batch[1]).sum(),
-                "per_class": torch.bincount(batch[1], minlength=10), "finite": torch.isfinite(logits).all()}
+                "per_class": torch.bincount(batch[1], minlength=10), "finite": torch.isfinite(logits).all(),
+                "ragged": torch.bincount(batch[1])}  # its length is each microbatch's largest label + 1
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
         self.log("logits_sum", outputs["logits"].sum(), reduce_fx="sum", on_step=False, on_epoch=True)
@@ -501,6 +502,8 @@ class ReturnsADict(MNISTClassifier):
         self.log("counts_are_the_batch_counts", float(all(counts)), reduce_fx="min", on_step=False, on_epoch=True)
         self.log("rows", float(len(outputs["logits"])), reduce_fx="sum", on_step=False, on_epoch=True)
         self.log("flag_returned", float("finite" in outputs), reduce_fx="max", on_step=False, on_epoch=True)
+        ragged_right = "ragged" not in outputs or torch.equal(outputs["ragged"], torch.bincount(batch[1]))
+        self.log("ragged_right", float(ragged_right), reduce_fx="min", on_step=False, on_epoch=True)
 
 
 def test_training_step_dict_outputs_reach_on_train_batch_end_over_the_batch():
@@ -520,6 +523,7 @@ def test_training_step_dict_outputs_reach_on_train_batch_end_over_the_batch():
     assert float(ours["acc_is_the_batch_mean"]) == 1.0
     assert float(one["counts_are_the_batch_counts"]) == float(ours["counts_are_the_batch_counts"]) == 1.0
     assert float(one["flag_returned"]) == 1.0 and float(ours["flag_returned"]) == 0.0  # no batch value: left out
+    assert float(ours["ragged_right"]) == 1.0  # microbatch bincounts of other lengths: left out, not a failed step
     assert float(ours["logits_sum"]) == pytest.approx(float(one["logits_sum"]), abs=1e-9)
 
 
