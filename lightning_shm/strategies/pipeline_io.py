@@ -22,7 +22,7 @@ from typing import Any, ContextManager, Iterator, Mapping, Optional, Sequence
 
 import lightning.pytorch as pl
 import torch
-from lightning_utilities.core.apply_func import apply_to_collection
+from lightning_utilities.core.apply_func import apply_to_collection, is_namedtuple
 from torch import Tensor, nn
 
 from lightning_shm.parallel.pipeline import CapturedInput, PipelineStage, split_batch
@@ -337,10 +337,14 @@ def _append(module: nn.Module, appended: Mapping[_ListKey, tuple[int, list]]) ->
 
 
 def _join(parts: Sequence[Any]) -> Any:
-    """Microbatch outputs of the Sequential (tensors, or tuples of them) -> the batch's, along dim 0."""
+    """Microbatch outputs of the Sequential (tensors, or tuples, namedtuples or dicts of them) -> the batch's,
+    along dim 0, in the same structure."""
     first = parts[0]
+    if isinstance(first, Mapping):
+        return type(first)({k: _join([p[k] for p in parts]) for k in first})
     if isinstance(first, tuple):
-        return tuple(_join([p[i] for p in parts]) for i in range(len(first)))
+        joined = [_join([p[i] for p in parts]) for i in range(len(first))]
+        return type(first)(*joined) if is_namedtuple(first) else tuple(joined)
     if isinstance(first, Tensor) and first.dim() > 0:
         return torch.cat(list(parts)) if len(parts) > 1 else first
     if len(parts) == 1:

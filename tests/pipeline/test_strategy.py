@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import csv
 import itertools
 import logging
@@ -973,3 +974,60 @@ def test_a_gradient_with_respect_to_the_input_fails_saying_why():
     with pytest.raises(RuntimeError, match="appears to not have been used in the graph") as raised:
         train_mnist(pp(2), 2, "adam", batch=GLOBAL_BATCH, model_cls=InputGradientPenalty)
     assert "cannot be taken in a pipeline" in str(raised.value) + "".join(getattr(raised.value, "__notes__", []))
+
+
+HeadOutput = collections.namedtuple("HeadOutput", "logits features")
+
+
+class _StructuredHead(nn.Module):
+    """A model head returning its logits with the features they came from, as a dict or a namedtuple."""
+
+    def __init__(self, as_dict):
+        super().__init__()
+        self.linear, self.as_dict = nn.Linear(64, 10), as_dict
+
+    def forward(self, h):
+        logits = self.linear(h)
+        return {"logits": logits, "features": h} if self.as_dict else HeadOutput(logits, h)
+
+
+class StructuredOutput(MNISTClassifier):
+    def __init__(self, as_dict=True, **kw):
+        super().__init__(**kw)
+        self.net[-1] = _StructuredHead(as_dict)
+
+    def forward(self, x):
+        out = self.net(x)
+        return out["logits"] if isinstance(out, dict) else out.logits
+
+    def training_step(self, batch, batch_idx):  # enumerating the parameters makes the step's reads checked
+        self.log("parameters", float(sum(p.numel() for p in self.parameters())), reduce_fx="sum")
+        return super().training_step(batch, batch_idx)
+
+    def predict_step(self, batch, batch_idx, dataloader_idx=0):
+        return self.net(batch[0])
+
+
+@pytest.mark.parametrize("as_dict", [True, False], ids=["dict", "namedtuple"])
+def test_the_sequentials_output_may_be_a_dict_or_a_namedtuple(as_dict):
+    """The last layer's output goes to the step, not to another stage: the layer timing refused a dict ("a pipeline
+    hands a tensor or a tuple of tensors") and evaluation turned a namedtuple into a tuple ('tuple' object has no
+    attribute 'logits'). Now training, validation and predictions are one process's."""
+    model_cls = partial(StructuredOutput, as_dict)
+    ds = mnist_like(GLOBAL_BATCH * 2, seed=1)
+
+    def fit(strategy, devices, ref=False):
+        pl.seed_everything(SEED)
+        model = model_cls(optimizer="adam", lr=0.01)
+        t = trainer(strategy=strategy(), devices=devices, max_epochs=1, precision="64-true")
+        t.fit(model, reference_loader(ds, GLOBAL_BATCH, SEED) if ref else loader(ds, GLOBAL_BATCH),
+              DataLoader(ds, batch_size=GLOBAL_BATCH))
+        predicted = trainer(strategy=strategy(), devices=devices, precision="64-true").predict(
+            model, DataLoader(ds, batch_size=8))
+        return flat_params(model), float(t.callback_metrics["val_loss"]), predicted[0]
+
+    (ref, ref_val, ref_pred), (got, val, pred) = fit(lambda: "auto", 1, ref=True), fit(lambda: pp(2), 2)
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-9)
+    assert val == pytest.approx(ref_val, abs=1e-9) and type(pred) is type(ref_pred)
+    torch.testing.assert_close(pred["logits"] if as_dict else pred.logits,
+                               ref_pred["logits"] if as_dict else ref_pred.logits, rtol=0, atol=1e-9)

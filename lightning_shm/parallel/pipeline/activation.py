@@ -1,12 +1,14 @@
 """What flows between the layers of a pipelined Sequential, and between its stages: a tensor, or a
 flat tuple of tensors (a layer that hands ``(hidden, skip)`` or ``(hidden, mask)`` to the next, as
-``nn.Sequential`` allows in one process). These helpers treat both alike, keeping the structure."""
+``nn.Sequential`` allows in one process). These helpers treat both alike, keeping the structure. The
+Sequential's own output, which only the step reads, may have any structure (:func:`tensors_in`)."""
 
 from __future__ import annotations
 
-from typing import Sequence, Union
+from typing import Any, Sequence, Union
 
 import torch
+from lightning_utilities.core.apply_func import apply_to_collection
 
 Activation = Union[torch.Tensor, tuple[torch.Tensor, ...]]
 
@@ -19,6 +21,14 @@ def parts(a: Activation) -> tuple[torch.Tensor, ...]:
     inner = f" holding {sorted({type(t).__name__ for t in a})}" if isinstance(a, (tuple, list)) else ""
     raise TypeError(f"a pipeline hands a tensor or a tuple of tensors from layer to layer and stage to stage; "
                     f"a layer returned a {type(a).__name__}{inner}")
+
+
+def tensors_in(out: Any) -> list[torch.Tensor]:
+    """The tensors of the Sequential's own output, which goes to the step and may have any structure (a dict or
+    namedtuple of logits and features, as model heads return): it never crosses a stage boundary."""
+    found: list[torch.Tensor] = []
+    apply_to_collection(out, torch.Tensor, found.append)
+    return found
 
 
 def like(a: Activation, new: Sequence[torch.Tensor]) -> Activation:

@@ -73,10 +73,13 @@ def layer_costs_by_time(seq: nn.Sequential, sample: torch.Tensor, repeats: int =
                 inp = act.leaves(x)
                 t0 = time.perf_counter()
                 out = layer(inp)
-                if act.requires_grad(out):
-                    act.backward(out, act.like(out, [torch.ones_like(o) for o in act.parts(out)]))
+                # the last layer's output goes to the step, not to another layer: any structure (a dict of logits)
+                outs = act.parts(out) if i < len(seq) - 1 else act.tensors_in(out)
+                pairs = [(o, torch.ones_like(o)) for o in outs if o.requires_grad]
+                if pairs:
+                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
                 costs[i].append(time.perf_counter() - t0)
-                x = act.detached(out)
+                x = act.detached(out) if i < len(seq) - 1 else None
     return [sorted(c)[len(c) // 2] for c in costs]
 
 

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from lightning_shm.parallel.outside_reads import read_outside
+from lightning_shm.parallel.pipeline import activation as act
 from lightning_shm.parallel.sequential import layers_of
 
 
@@ -150,8 +151,7 @@ def parameters_read_outside(loss: torch.Tensor, output: Any, named: Sequence[tup
     """Names of the ``named`` parameters (a stage's) that ``loss`` reaches other than through ``output``
     (what the stage's last chunk returned to the step): the step read them itself -- an L2 penalty over
     ``self.parameters()``, say (:func:`~lightning_shm.parallel.outside_reads.read_outside`)."""
-    parts = output if isinstance(output, tuple) else (output,)
-    boundary = {t.grad_fn for t in parts if isinstance(t, torch.Tensor) and t.grad_fn is not None}
+    boundary = {t.grad_fn for t in act.tensors_in(output) if t.grad_fn is not None}
     return read_outside(loss, {id(p): n for n, p in named}, boundary)
 
 
