@@ -35,14 +35,17 @@ from lightning_shm.runtime.ops import even_split
 
 
 class MemberBatches:
-    """A batch sampler yielding member ``index``'s rows of each batch of ``batches``.
+    """A batch sampler yielding member ``group.index``'s rows of each batch of ``batches``.
 
     ``pending`` holds, in order, the row counts of every batch handed out and not yet gathered: a
-    loader with workers draws indices ahead of the batches it returns.
+    loader with workers draws indices ahead of the batches it returns. The members compare the first
+    batch of every pass (one object all-gather per epoch): a sampler that shards by something other than
+    the data-parallel rank -- a custom one given ``trainer.global_rank`` -- gave them different indices, and
+    the gathered batch mixed their rows while each epoch covered part of the dataset, silently.
     """
 
-    def __init__(self, batches: Any, size: int, index: int) -> None:
-        self.batches, self.size, self.index = batches, size, index
+    def __init__(self, batches: Any, group: Group) -> None:
+        self.batches, self.group, self.size, self.index = batches, group, group.size, group.index
         self.pending: deque[tuple[int, ...]] = deque()
 
     @property
@@ -53,8 +56,10 @@ class MemberBatches:
         return len(self.batches)
 
     def __iter__(self) -> Iterator[list[int]]:
-        for indices in self.batches:
+        for i, indices in enumerate(self.batches):
             indices = list(indices)
+            if i == 0:
+                _check_same_indices(indices, self.group, self.batches)
             if len(indices) < self.size:  # too few to split: everyone loads them, member 0's copy wins
                 self.pending.append((len(indices),) + (0,) * (self.size - 1))
                 yield indices
@@ -62,6 +67,18 @@ class MemberBatches:
             b = even_split(len(indices), self.size)
             self.pending.append(tuple(b[k + 1] - b[k] for k in range(self.size)))
             yield indices[b[self.index]:b[self.index + 1]]
+
+
+def _check_same_indices(indices: list[int], group: Group, batches: Any) -> None:
+    seen = group.all_gather_object(indices)
+    if any(s != seen[0] for s in seen):
+        sampler = getattr(batches, "sampler", batches)
+        raise ValueError(
+            f"the ranks {list(group.ranks)} compute one model replica (tensor-parallel members and pipeline stages) "
+            f"on one batch, but their loader's {type(sampler).__name__} gave them different first batches (rank "
+            f"{group.ranks[0]}: {seen[0][:8]}..., rank {group.ranks[1]}: {seen[1][:8]}...): it shards by something "
+            "other than the data-parallel rank -- build it from trainer.strategy.distributed_sampler_kwargs "
+            "(num_replicas, rank), not from trainer.world_size / global_rank.")
 
 
 class SplitLoader(DataLoader):
@@ -106,7 +123,7 @@ def why_not_splittable(loader: Any, auto: bool) -> Optional[str]:
 def split_loader(loader: DataLoader, group: Group) -> SplitLoader:
     """``loader`` rebuilt so that this member loads only its rows of each batch (see the module doc)."""
     return SplitLoader(
-        loader.dataset, group=group, member_batches=MemberBatches(loader.batch_sampler, group.size, group.index),
+        loader.dataset, group=group, member_batches=MemberBatches(loader.batch_sampler, group),
         num_workers=loader.num_workers, collate_fn=loader.collate_fn, pin_memory=loader.pin_memory,
         timeout=loader.timeout, worker_init_fn=loader.worker_init_fn,
         multiprocessing_context=loader.multiprocessing_context, generator=loader.generator,
