@@ -71,13 +71,14 @@ class MemberBatches:
 
 def _check_same_indices(indices: list[int], group: Group, batches: Any) -> None:
     seen = group.all_gather_object(indices)
-    if any(s != seen[0] for s in seen):
+    other = next((j for j, s in enumerate(seen) if s != seen[0]), None)
+    if other is not None:
         sampler = getattr(batches, "sampler", batches)
         raise ValueError(
             f"the ranks {list(group.ranks)} compute one model replica (tensor-parallel members and pipeline stages) "
             f"on one batch, but their loader's {type(sampler).__name__} gave them different first batches (rank "
-            f"{group.ranks[0]}: {seen[0][:8]}..., rank {group.ranks[1]}: {seen[1][:8]}...): it shards by something "
-            "other than the data-parallel rank -- build it from trainer.strategy.distributed_sampler_kwargs "
+            f"{group.ranks[0]}: {seen[0][:8]}..., rank {group.ranks[other]}: {seen[other][:8]}...): it shards by "
+            "something other than the data-parallel rank -- build it from trainer.strategy.distributed_sampler_kwargs "
             "(num_replicas, rank), not from trainer.world_size / global_rank.")
 
 
