@@ -42,6 +42,13 @@ class PerRankDraws(torch.utils.data.Dataset):
         raise NotImplementedError
 
 
+class MeanOverTokens(torch.nn.Module):
+    """``[B, T, D] -> [B, D]``: the pooling between a token model's layers and its classifier head."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.mean(1)
+
+
 def loader(ds: TensorDataset, batch_size: int, shuffle: bool = True) -> DataLoader:
     return DataLoader(ds, batch_size=batch_size, shuffle=shuffle)
 

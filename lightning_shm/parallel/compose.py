@@ -143,10 +143,9 @@ def validate(module: nn.Module, config: ParallelConfig, world_size: int, batch_s
         check_plan(module, plan, topo.tp)
     elif topo.tp > 1:
         raise ValueError(_nothing_to_split(module, config, topo.tp))
-    pipelined = find_sequential(module, config.sequential)[0] if topo.pp > 1 else None
+    pipelined, seq = find_sequential(module, config.sequential) if topo.pp > 1 else (None, None)
     refuse_averaged_copies(module, plan, pipelined)
-    if topo.pp > 1:
-        _, seq = find_sequential(module, config.sequential)
+    if seq is not None:
         V = config.pipeline.chunks
         if V > len(seq):
             raise ValueError(f"{len(seq)} layers in the nn.Sequential cannot form {V} pipeline chunks "

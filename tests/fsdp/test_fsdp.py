@@ -21,6 +21,7 @@ from tests.helpers import (
     GLOBAL_BATCH,
     SEED,
     CompiledClassifier,
+    MeanOverTokens,
     SchedClassifier,
     StepsEveryOptimizer,
     check_plain_checkpoint,
@@ -392,17 +393,12 @@ class _Tokens(nn.Module):
         return (x.view(x.shape[0], -1)[:, ::16].clamp(-2, 2) * 3 + 6).long().clamp(0, 12)
 
 
-class _Mean(nn.Module):
-    def forward(self, x):
-        return x.mean(1)
-
-
 class RenormalisedEmbedding(MNISTClassifier):
     """``nn.Embedding(max_norm=...)`` renormalises the rows it looks up, in place, during forward."""
 
     def __init__(self, **kw):
         super().__init__(**kw)
-        self.net = nn.Sequential(_Tokens(), nn.Embedding(13, 16, max_norm=0.5), _Mean(), nn.Linear(16, 10))
+        self.net = nn.Sequential(_Tokens(), nn.Embedding(13, 16, max_norm=0.5), MeanOverTokens(), nn.Linear(16, 10))
 
 
 @pytest.mark.parametrize("gather", ["view", "copy"])

@@ -28,6 +28,7 @@ from tests.helpers import (
     PRECISION,
     SEED,
     STEPS,
+    MeanOverTokens,
     PerRankDraws,
     SchedClassifier,
     check_plain_checkpoint,
@@ -154,17 +155,12 @@ def test_a_layer_returning_neither_a_tensor_nor_a_tuple_of_them_is_named():
         train_mnist(pp(2, split_points=[3]), 2, "sgd", batch=GLOBAL_BATCH, model_cls=Model)
 
 
-class _MeanTokens(nn.Module):
-    def forward(self, x):
-        return x.mean(1)
-
-
 class _TokenModel(MNISTClassifier):
     """A Linear projecting [B, 98, 8] tokens, then attention: the Sequential's input is not a matrix."""
 
     def __init__(self, **kw):
         super().__init__(**kw)
-        self.net = nn.Sequential(nn.Linear(8, 16), Block(16, 4), Block(16, 4), _MeanTokens(), nn.Linear(16, 10))
+        self.net = nn.Sequential(nn.Linear(8, 16), Block(16, 4), Block(16, 4), MeanOverTokens(), nn.Linear(16, 10))
 
 
 def _tokens(ds):
