@@ -233,3 +233,61 @@ def test_a_custom_sampler_sharding_by_global_rank_is_refused(tp, pp):
     with pytest.raises(ValueError, match=r"their loader's _RankShards gave them different first batches"):
         trainer(strategy=mp(1, tp, pp), devices=tp * pp, max_epochs=1, use_distributed_sampler=False).fit(
             _OwnShardingSampler())
+
+
+class _Stream(torch.utils.data.IterableDataset):
+    """A stream that shards itself: every ``world``-th sample from ``rank``; with ``noise`` each sample's image gets
+    noise drawn by (global rank, index), as a loader worker's random augmentation seeded per rank does."""
+
+    def __init__(self, rank, world, noise):
+        self.ds, self.rank, self.world, self.noise = mnist_like(GLOBAL_BATCH * 2, seed=1), rank, world, noise
+
+    def __iter__(self):
+        from lightning.pytorch.utilities import rank_zero_only
+
+        for i in range(self.rank, len(self.ds), self.world):
+            x, y = self.ds[i]
+            if self.noise:
+                g = torch.Generator().manual_seed(1000 * rank_zero_only.rank + i)
+                x = x + 0.1 * torch.randn(x.shape, generator=g, dtype=x.dtype)
+            yield x, y
+
+
+class _Streaming(MNISTClassifier):
+    """Streams its data, sharded by ``trainer.global_rank`` / ``world_size`` (``per="world"``) or by the strategy's
+    ``distributed_sampler_kwargs`` (``per="dp"``) -- what a node split of a streaming dataset is given."""
+
+    def __init__(self, per, noise=False, **kw):
+        super().__init__(**kw)
+        self.per, self.noise = per, noise
+
+    def train_dataloader(self):
+        kw = (dict(num_replicas=self.trainer.world_size, rank=self.trainer.global_rank) if self.per == "world"
+              else getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) or dict(num_replicas=1, rank=0))
+        stream = _Stream(kw["rank"], kw["num_replicas"], self.noise)
+        return DataLoader(stream, batch_size=GLOBAL_BATCH // kw["num_replicas"])
+
+
+@pytest.mark.parametrize("dp, tp, pp", [(1, 2, 1), (2, 1, 2)])
+def test_a_stream_sharded_by_global_rank_is_refused(dp, tp, pp):
+    """Each rank of a replica streamed another shard and the replica trained on its first rank's batches alone: half
+    the samples per epoch under tp2, pp2 and dp2 x pp2, silently."""
+    with pytest.raises(ValueError, match=r"but their IterableDataset gave them first batches with different "
+                                         r"integer values or shapes .* by trainer.strategy.distributed_sampler_kwargs"):
+        trainer(strategy=mp(dp, tp, pp), devices=dp * tp * pp, max_epochs=1).fit(_Streaming("world"))
+
+
+@pytest.mark.parametrize("layout", ["dp2xpp2-by-kwargs", "tp2-noise-per-rank"])
+def test_a_stream_sharded_by_the_strategys_kwargs_trains_as_one_process(layout):
+    """Sharded by the data-parallel rank, the stream trains as one process; images augmented per rank (floats) are not
+    refused: the replica trains on its first member's draws (the one process draws rank 0's)."""
+    dp, tp, pp, noise = (2, 1, 2, False) if layout.startswith("dp2") else (1, 2, 1, True)
+
+    def fit(strategy, devices):
+        pl.seed_everything(SEED)
+        model = _Streaming("dp", noise, optimizer="adam", lr=0.01)
+        trainer(strategy=strategy, devices=devices, max_epochs=1, precision="64-true").fit(model)
+        return flat_params(model).double()
+
+    strategy = mp(dp, tp, pp, "shard" if dp > 1 else "replicate")
+    torch.testing.assert_close(fit(strategy, dp * tp * pp), fit("auto", 1), rtol=0, atol=1e-12)

@@ -36,6 +36,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.optim import Optimizer
+from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_shm.parallel.clip import clip_grad_norm_, torch_clipping_over
 from lightning_shm.parallel.compose import ParallelConfig, ParallelState, parallelize, validate
@@ -47,7 +48,13 @@ from lightning_shm.parallel.pipeline import PipelineEngine
 from lightning_shm.parallel.pipeline.split import attributes_kept, why_sample_fails
 from lightning_shm.parallel.state_copies import consolidate_copies, localize_copies
 from lightning_shm.parallel.tp.inputs import MODES, broadcast_from_first, check_same
-from lightning_shm.parallel.tp.loading import check_replica_samplers, is_group_batch, split_loader, why_not_splittable
+from lightning_shm.parallel.tp.loading import (
+    check_replica_samplers,
+    is_group_batch,
+    split_loader,
+    stream_loader,
+    why_not_splittable,
+)
 from lightning_shm.runtime import Group, ParallelGroups, Topology, World
 from lightning_shm.strategies.base import SHMStrategyBase
 from lightning_shm.strategies.collectives import MetricSync
@@ -289,7 +296,7 @@ class SHMModelParallel(SHMStrategyBase):
     def process_dataloader(self, dataloader: object) -> object:
         """With ``tp_batch`` "split" (or "auto" where exact), each rank of a replica loads only its rows; unless
         "off", the replica's ranks first check that a DistributedSampler the module built gives them the same
-        samples."""
+        samples; under "auto" a plain loader over an IterableDataset compares its first batches every pass."""
         replica = self._groups.replica if self._groups is not None else None
         if self.tp_batch == "off" or replica is None or replica.size == 1:
             return dataloader
@@ -302,6 +309,8 @@ class SHMModelParallel(SHMStrategyBase):
         if self.tp_batch == "split":
             raise ValueError(f"tp_batch='split' cannot split this loader's batches over the ranks of a replica "
                              f"(tp members and pipeline stages): {reason}. Use tp_batch='broadcast'.")
+        if type(dataloader) is DataLoader and isinstance(dataloader.dataset, IterableDataset):
+            return stream_loader(dataloader, replica)  # compares its first batches, then broadcast as below
         return dataloader  # auto: batch_to_device broadcasts member 0's batch
 
     def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:

@@ -28,6 +28,7 @@ from collections.abc import Mapping
 from typing import Any, Iterator, Optional, Sequence
 
 import torch
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, default_collate
 
 from lightning_shm.runtime import Group
@@ -180,6 +181,70 @@ def _gather_list(xs: Sequence[Any], rows: Sequence[int], group: Group) -> list:
         raise ValueError(f"tp_batch='split': a {type(xs).__name__} of {len(xs)} items in the batch is not this rank's "
                          f"{rows[group.index]} rows (rows per member {list(rows)}). Use tp_batch='broadcast'.")
     return [x for member in group.all_gather_object(xs) for x in member]
+
+
+class StreamLoader(DataLoader):
+    """A plain DataLoader over an ``IterableDataset`` whose replica members compare the first batch of every pass.
+
+    An iterable dataset has no sampler to inspect and no indices to split: every member loads the whole batch
+    and ``batch_to_device`` broadcasts the first member's. A stream that shards itself by
+    ``trainer.global_rank`` / ``world_size`` (a node split, ``split_dataset_by_node``) counts tp members and
+    pipeline stages as data-parallel replicas: each member streams another shard, and the replica trains on
+    its first member's alone -- half the epoch at tp=2 or pp=2, silently. Random augmentations drawn per rank
+    also make the members' batches differ, but in float tensors only; so the members compare the shapes of
+    every tensor and the values of the integer ones (labels, ids, tokens) -- one small all-gather per pass.
+    """
+
+    def __init__(self, *args: Any, group: Group, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.tp_group = group
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        for i, batch in enumerate(super().__iter__()):
+            if i == 0:
+                _check_same_samples(batch, self.tp_group)
+            yield batch
+
+
+def stream_loader(loader: DataLoader, group: Group) -> StreamLoader:
+    """``loader`` (a plain DataLoader over an IterableDataset) rebuilt as a :class:`StreamLoader`."""
+    return StreamLoader(
+        loader.dataset, group=group, batch_size=loader.batch_size, drop_last=loader.drop_last,
+        num_workers=loader.num_workers, collate_fn=loader.collate_fn, pin_memory=loader.pin_memory,
+        timeout=loader.timeout, worker_init_fn=loader.worker_init_fn,
+        multiprocessing_context=loader.multiprocessing_context, generator=loader.generator,
+        prefetch_factor=loader.prefetch_factor, persistent_workers=loader.persistent_workers,
+        pin_memory_device=loader.pin_memory_device, in_order=loader.in_order)
+
+
+def _samples_print(batch: Any) -> list[tuple]:
+    """Per tensor of ``batch``: its shape, and for an integer or bool tensor two sums of its values."""
+    prints: list[tuple] = []
+
+    def add(t: torch.Tensor) -> None:
+        if t.is_floating_point() or t.is_complex():
+            prints.append(tuple(t.shape))
+        else:
+            flat = t.detach().reshape(-1).long()
+            prints.append((tuple(t.shape), int(flat.sum()), int(flat[::7].sum())))
+
+    apply_to_collection(batch, torch.Tensor, add)
+    return prints
+
+
+def _check_same_samples(batch: Any, group: Group) -> None:
+    seen = group.all_gather_object(_samples_print(batch))
+    other = next((j for j, s in enumerate(seen) if s != seen[0]), None)
+    if other is not None:
+        raise ValueError(
+            f"the ranks {list(group.ranks)} compute one model replica (tensor-parallel members and pipeline stages) "
+            f"on one batch, but their IterableDataset gave them first batches with different integer values or "
+            f"shapes (rank {group.ranks[0]}: {seen[0]}, rank {group.ranks[other]}: {seen[other]}; per tensor: shape, "
+            f"sums), and the replica would train on rank {group.ranks[0]}'s alone, skipping the others' samples. A "
+            "stream that shards itself by trainer.global_rank / world_size counts tp members and pipeline stages as "
+            "data-parallel replicas: shard it by trainer.strategy.distributed_sampler_kwargs (num_replicas, rank). "
+            "If the members' draws differ on purpose (random masking at load time), pass tp_batch='broadcast' to "
+            "train on the first member's batch.")
 
 
 def check_replica_samplers(loader: Any, group: Group, expected: Mapping[str, int]) -> None:
