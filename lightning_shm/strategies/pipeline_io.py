@@ -122,8 +122,9 @@ _NOT_SET_HERE = (
 
 _NOT_FROM_THE_INPUT = (
     "shm_pipeline: on the last stage the step's batch is not what the Sequential computes from -- the first "
-    "stage feeds it, and this stage runs its layers on the activation it receives -- so a gradient with respect "
-    "to the input (a gradient penalty) cannot be taken in a pipeline; use shm_ddp / shm_fsdp / shm_tp.")
+    "stage feeds it, and this stage runs its layers on the activation it receives (in evaluation the "
+    "Sequential's output arrives with no graph at all) -- so a gradient with respect to the input (a gradient "
+    "penalty, a saliency map) cannot be taken in a pipeline; use shm_ddp / shm_fsdp / shm_tp.")
 
 
 class LightningStageIO:
@@ -244,7 +245,12 @@ class LightningStageIO:
         joined = _join(parts)
         with self.stage.running_chunk(lambda whole: whole, joined), self.forward_context(), \
                 recording_logs(self.module, self.records, 1.0), recording_rank_zero_calls(self.module, self.calls):
-            return getattr(self.module, self.step)(self.batch, self.batch_idx, *self.extra)
+            try:
+                return getattr(self.module, self.step)(self.batch, self.batch_idx, *self.extra)
+            except RuntimeError as e:
+                if "does not require grad and does not have a grad_fn" in str(e):
+                    e.add_note(_NOT_FROM_THE_INPUT)
+                raise
 
     def finish(self, position: StagePosition, result: Any) -> Any:
         """The last stage's ``result`` (the loss, the step's output) on every rank of the pp group, its

@@ -966,9 +966,21 @@ class InputGradientPenalty(MNISTClassifier):
         return torch.nn.functional.cross_entropy(out, batch[1]) + g.pow(2).mean()
 
 
-def test_a_gradient_with_respect_to_the_input_fails_saying_why():
-    with pytest.raises(RuntimeError, match="appears to not have been used in the graph") as raised:
-        train_mnist(pp(2), 2, "adam", batch=GLOBAL_BATCH, model_cls=InputGradientPenalty)
+class InputSaliency(MNISTClassifier):
+    """Logs a saliency map's size in validation (``Trainer(inference_mode=False)``, grad enabled in the step)."""
+
+    def validation_step(self, batch, batch_idx):
+        with torch.enable_grad():
+            x = batch[0].clone().requires_grad_(True)
+            g, = torch.autograd.grad(torch.nn.functional.cross_entropy(self(x), batch[1]), x)
+        self.log("saliency", g.abs().sum())
+
+
+@pytest.mark.parametrize("model_cls, error", [(InputGradientPenalty, "appears to not have been used in the graph"),
+                                              (InputSaliency, "does not require grad and does not have a grad_fn")])
+def test_a_gradient_with_respect_to_the_input_fails_saying_why(model_cls, error):
+    with pytest.raises(RuntimeError, match=error) as raised:
+        fit_seeded(model_cls, pp(2), 2, GLOBAL_BATCH, validate=True, inference_mode=False, limit_val_batches=1)
     assert "cannot be taken in a pipeline" in str(raised.value) + "".join(getattr(raised.value, "__notes__", []))
 
 
