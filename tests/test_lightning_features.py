@@ -6,6 +6,8 @@ copy or count the model must still behave as in one process.
 
 from __future__ import annotations
 
+import time
+
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -17,7 +19,7 @@ from lightning.pytorch.callbacks import (
     StochasticWeightAveraging,
 )
 
-from lightning_shm import SHMModelParallel, SHMPipeline, SHMTensorParallel
+from lightning_shm import SHMDDPStrategy, SHMModelParallel, SHMPipeline, SHMTensorParallel
 from lightning_shm.models import MNISTClassifier
 from tests.helpers import (
     GLOBAL_BATCH,
@@ -287,3 +289,44 @@ def test_prediction_writer_files_hold_every_sample_once(tmp_path, layout):
         rows = _written_rows(tmp_path, prefix)
         assert sorted(rows) == list(range(30)) and all(len(r) == 1 for r in rows.values()), prefix
         assert torch.equal(torch.stack([rows[i][0] for i in range(30)]), single), prefix
+
+
+class _SlowPrepare(pl.LightningDataModule):
+    """``prepare_data`` (rank 0 alone, as Lightning calls it) writes the dataset after ``seconds`` -- a download, a
+    tokenisation; ``setup`` reads it on every rank."""
+
+    def __init__(self, path, seconds, fail=False):
+        super().__init__()
+        self.path, self.seconds, self.fail = path, seconds, fail
+
+    def prepare_data(self):
+        time.sleep(self.seconds)
+        if self.fail:
+            raise OSError("the download failed")
+        torch.save(mnist_like(GLOBAL_BATCH, seed=1), self.path)
+
+    def setup(self, stage):
+        self.ds = torch.load(self.path, weights_only=False)
+
+    def train_dataloader(self):
+        return loader(self.ds, GLOBAL_BATCH // 2)
+
+
+@pytest.mark.parametrize("strategy", [lambda t: SHMDDPStrategy(start_method="fork", timeout=t),
+                                      lambda t: SHMTensorParallel(start_method="fork", tensor_parallel_size=2,
+                                                                  timeout=t)], ids=["ddp", "tp"])
+def test_prepare_data_may_take_longer_than_the_strategys_timeout(tmp_path, strategy):
+    """Lightning waits for prepare_data without a deadline (an infinite barrier over torch.distributed, which the
+    workers do not start); the other ranks' next barrier timed out after the strategy's ``timeout`` (300 s by
+    default): a download of more than five minutes failed the fit."""
+    t = trainer(strategy=strategy(3), devices=2, max_epochs=1)
+    t.fit(MNISTClassifier(), datamodule=_SlowPrepare(tmp_path / "ds.pt", 6))
+    assert t.global_step == (2 if isinstance(t.strategy, SHMTensorParallel) else 1)  # 24 samples, batches of 12
+
+
+def test_a_failing_prepare_data_stops_the_ranks_waiting_for_it(tmp_path):
+    start = time.monotonic()
+    with pytest.raises(OSError, match="the download failed"):
+        trainer(strategy=SHMDDPStrategy(start_method="fork"), devices=2, max_epochs=1).fit(
+            MNISTClassifier(), datamodule=_SlowPrepare(tmp_path / "ds.pt", 0.5, fail=True))
+    assert time.monotonic() - start < 30

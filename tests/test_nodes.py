@@ -8,13 +8,17 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
 from lightning_shm.models import MNISTClassifier
+from lightning_shm.runtime.errors import NodeStoppedError
+from lightning_shm.runtime.rail import NodeLayout, connect_rail
 from tests.helpers import GLOBAL_BATCH, SEED, STEPS, mnist_like, reference_loader, train_mnist, trainer
 from tests.nodes_job import Counted
 
@@ -71,3 +75,33 @@ def test_a_rank_failing_on_node_1_stops_both_nodes(tmp_path):
     assert "ValueError: rank 3 on node 1 failed on purpose" in done.stderr, done.stderr[-4000:]
     assert "NodeStoppedError: node 1 stopped" in done.stderr, done.stderr[-4000:]  # what node 0 reports
     assert not (tmp_path / "node0.pt").exists() and not (tmp_path / "node1.pt").exists()
+
+
+def _rail_barrier(node: int, port: int, untimed: bool, results) -> None:
+    rail = connect_rail(NodeLayout(nodes=2, node=node, local_size=1, local_rank=0), "127.0.0.1", port, 1.0)
+    if node == 0:
+        time.sleep(3)  # prepare_data on node 0 alone
+    try:
+        rail.barrier(untimed)
+        results.put((node, "arrived"))
+    except NodeStoppedError as e:
+        results.put((node, str(e)))
+
+
+@pytest.mark.parametrize("untimed", [True, False])
+def test_an_untimed_rail_barrier_outlasts_the_rails_timeout(untimed):
+    """The barrier after prepare_data waits as long as node 0 prepares (Lightning's infinite barrier); a gloo
+    wait cannot outlast its group's timeout, so the rail keeps a second group for it."""
+    ctx = torch.multiprocessing.get_context("fork")
+    results = ctx.Queue()
+    port = find_free_network_port()
+    nodes = [ctx.Process(target=_rail_barrier, args=(n, port, untimed, results)) for n in (0, 1)]
+    for p in nodes:
+        p.start()
+    got = dict(results.get(timeout=60) for _ in nodes)
+    for p in nodes:
+        p.join(10)
+    if untimed:
+        assert got == {0: "arrived", 1: "arrived"}
+    else:  # the rail's own timeout (1 s) ends node 1's wait
+        assert "Timed out" in got[1], got

@@ -29,7 +29,7 @@ The same argument makes double-buffered scratch safe in :mod:`lightning_shm.runt
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 from lightning_shm.runtime.errors import CollectiveMismatchError
 from lightning_shm.runtime.ops import arg_name, dtype_name, op_name
@@ -64,8 +64,9 @@ class Barrier:
         self.gen = words[self._me]  # 0 on a fresh segment
 
     def wait(self, seq: int, coll: int, dtype: int, numel: int, arg: int, check_numel: bool = True,
-             check: bool = True, check_arg: bool = True) -> int:
-        """Enter the next generation announcing (seq, coll, dtype, numel, arg); return the generation."""
+             check: bool = True, check_arg: bool = True, timeout_s: Optional[float] = None) -> int:
+        """Enter the next generation announcing (seq, coll, dtype, numel, arg); return the generation.
+        ``timeout_s``: how long to wait for the others (default: the waiter's policy)."""
         w = self._w
         g = self.gen + 1
         self.gen = g
@@ -77,8 +78,8 @@ class Barrier:
         w[self._me] = g  # publish: everything above is visible to whoever sees this
         for j, row in self._peers:
             if w[row] < g:
-                self._waiter.wait_ge(w, row, g, lambda: self._timeout_message(g, seq, coll),
-                                     lambda: self.missing(g))
+                self._waiter.wait_ge(w, row, g, lambda: self._timeout_message(g, seq, coll, timeout_s),
+                                     lambda: self.missing(g), timeout_s)
         if check:
             base = _DESC_BASE[g & 1]
             for j, row in self._peers:
@@ -109,11 +110,12 @@ class Barrier:
         """Global ranks that have not entered generation ``g``."""
         return [self._ranks[j] for j, row in self._peers if self._w[row] < g]
 
-    def _timeout_message(self, g: int, seq: int, coll: int) -> str:
+    def _timeout_message(self, g: int, seq: int, coll: int, timeout_s: Optional[float] = None) -> str:
         missing = self.missing(g)
+        waited = self._waiter.policy.timeout_s if timeout_s is None else timeout_s
         return (
             f"{self._label}: {op_name(coll)} (collective #{seq}, generation {g}) timed out after "
-            f"{self._waiter.policy.timeout_s:g} s on rank {self._ranks[self._index]}: rank(s) {missing} "
+            f"{waited:g} s on rank {self._ranks[self._index]}: rank(s) {missing} "
             f"did not arrive"
         )
 

@@ -57,9 +57,9 @@ class NodeSpanningGroup:
         return self.local.alloc_common(numel, dtype, tag)
 
     # ------------------------------------------------------------------ collectives
-    def barrier(self) -> None:
-        self.local.barrier()
-        self.rail.barrier()
+    def barrier(self, untimed: bool = False) -> None:
+        self.local.barrier(untimed)
+        self.rail.barrier(untimed)
 
     def vote_max(self, value: int) -> int:
         mine = torch.tensor([self.local.vote_max(value)], dtype=torch.int64)

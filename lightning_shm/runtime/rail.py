@@ -57,8 +57,8 @@ class NodeLayout:
 class Rail:
     """This rank's rail: the same local rank on every node, over its own gloo process group."""
 
-    def __init__(self, layout: NodeLayout, pg: Any, store: Any = None) -> None:
-        self.layout, self._pg = layout, pg
+    def __init__(self, layout: NodeLayout, pg: Any, store: Any = None, untimed_pg: Any = None) -> None:
+        self.layout, self._pg, self._untimed_pg = layout, pg, untimed_pg if untimed_pg is not None else pg
         self._store = store  # kept alive with the rail (on global rank 0 it serves every rank's rendezvous)
         self.size, self.index = layout.nodes, layout.node
         self.ranks = [n * layout.local_size + layout.local_rank for n in range(layout.nodes)]
@@ -98,9 +98,12 @@ class Rail:
             self._pg.allgather([out], [tensor.contiguous()]).wait()
         return torch.stack(out)
 
-    def barrier(self) -> None:
+    def barrier(self, untimed: bool = False) -> None:
+        """``untimed``: on the rail's second process group, whose timeout is 10,000 days (Lightning's infinite
+        barrier): a gloo wait cannot outlast its group's timeout, and a group cannot be made when needed (its
+        rendezvous would wait on the store's timeout for the late node). A peer that stops still ends it."""
         with self._guard("barrier"):
-            self._pg.barrier().wait()
+            (self._untimed_pg if untimed else self._pg).barrier().wait()
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         data = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
@@ -119,6 +122,8 @@ def connect_rail(layout: NodeLayout, address: str, port: int, timeout_s: float) 
     the TCP store that global rank 0 hosts at ``address:port`` (one store, one key prefix per rail)."""
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.TCPStore(address, port, layout.world_size, layout.global_rank == 0, timeout=timeout)
-    pg = dist.ProcessGroupGloo(dist.PrefixStore(f"lightning_shm/rail{layout.local_rank}", store), layout.node,
-                               layout.nodes, timeout)
-    return Rail(layout, pg, store)
+    prefix = f"lightning_shm/rail{layout.local_rank}"
+    pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), layout.node, layout.nodes, timeout)
+    untimed = dist.ProcessGroupGloo(dist.PrefixStore(f"{prefix}/untimed", store), layout.node, layout.nodes,
+                                    datetime.timedelta(days=10000))
+    return Rail(layout, pg, store, untimed)

@@ -74,15 +74,16 @@ class Waiter:
             )
 
     def wait_ge(self, words: memoryview, index: int, target: int, describe: Callable[[], str],
-                missing: Optional[Callable[[], Sequence[int]]] = None) -> None:
+                missing: Optional[Callable[[], Sequence[int]]] = None, timeout_s: Optional[float] = None) -> None:
         """Block until ``words[index] >= target``. ``describe()`` builds the timeout message, ``missing()``
-        names the ranks waited for (carried by the error, so the main process can say where they were)."""
+        names the ranks waited for (carried by the error, so the main process can say where they were).
+        ``timeout_s`` overrides the policy's for this wait (``math.inf``: no deadline; an abort still ends it)."""
         for _ in range(self.policy.spin_iters):
             if words[index] >= target:
                 return
         abort, aidx = self._abort, self._abort_idx
         now = time.monotonic()
-        deadline = now + self.policy.timeout_s
+        deadline = now + (self.policy.timeout_s if timeout_s is None else timeout_s)
         yield_until = now + self.policy.yield_s
         sleep = 2e-5
         while words[index] < target:

@@ -303,8 +303,12 @@ class SHMStrategyBase(ParallelStrategy):
         return votes == self._group.size if all else votes > 0
 
     def barrier(self, name: Optional[str] = None) -> None:
+        """Lightning's "pre_setup" barrier follows ``prepare_data``, which runs on rank 0 (of each node) alone and
+        may download or tokenise for hours: Lightning waits for it without a deadline (its infinite barrier,
+        over torch.distributed, which the workers do not start), so this barrier does too -- a rank that fails
+        still aborts it. Every other wait keeps the strategy's ``timeout``."""
         if self._group is not None:
-            self._group.barrier()
+            self._group.barrier(untimed=name == "pre_setup")
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         """``src`` is a global rank (Lightning's meaning); in the world group it is also the member index."""
