@@ -7,6 +7,7 @@ timeout; a slow detection by the time from the dead worker's ``fit()`` to the ex
 
 from __future__ import annotations
 
+import pickle
 import re
 import subprocess
 import sys
@@ -121,3 +122,21 @@ def test_fork_server_note_keeps_the_dead_workers_message_after_a_killed_workers_
                       "RuntimeError: ... a script that guards the main ...", "Alternatively, ..."])
     killed = "\n".join(["Traceback (most recent call last):", *frames[:12]])  # stopped mid-way
     assert "guards the main" in last_lines(f"{dead}\n{killed}", NOTE_LINES)
+
+
+@pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
+def test_what_cannot_be_pickled_for_the_workers_is_named_before_they_start(start_method):
+    """A lambda collate_fn, as Lightning's ddp_spawn fails on it: with the reason and the two ways out."""
+    from torch.utils.data import DataLoader, default_collate
+
+    from lightning_shm import SHMDDPStrategy
+    from lightning_shm.models import MNISTClassifier
+    from tests.helpers import mnist_like, trainer
+
+    data = DataLoader(mnist_like(16), batch_size=8, collate_fn=lambda b: default_collate(b))
+    with pytest.raises((pickle.PicklingError, AttributeError)) as raised:
+        trainer(strategy=SHMDDPStrategy(start_method=start_method), devices=2, max_epochs=1).fit(MNISTClassifier(),
+                                                                                                 data)
+    note = "".join(getattr(raised.value, "__notes__", []))
+    assert f"start_method='{start_method}' sends the job to every worker by pickling it" in note
+    assert "start_method='fork'" in note

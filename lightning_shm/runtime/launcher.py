@@ -192,7 +192,14 @@ class Launcher:
         A pickling error surfaces here, before any worker starts."""
         if self.config.start_method == "fork":
             return ("object", (fn, args, kwargs))
-        data = pickle.dumps((fn, args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            data = pickle.dumps((fn, args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
+        except (pickle.PicklingError, AttributeError, TypeError) as e:
+            e.add_note(f"start_method={self.config.start_method!r} sends the job to every worker by pickling it (under "
+                       "Lightning: the trainer, the module, its data loaders and callbacks). A lambda, a function or "
+                       "class defined inside another, an open file or lock cannot be pickled: define it at a module's "
+                       "top level, or start the workers with start_method='fork' (the strategies' *_fork names).")
+            raise
         seg = self._create("job", len(data))
         seg.write_bytes(data)
         return ("segment", seg.name, len(data))
