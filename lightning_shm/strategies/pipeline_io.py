@@ -181,11 +181,13 @@ class LightningStageIO:
     def first_input(self, mb: int) -> Tensor:
         try:
             with self.stage.capturing_input():
-                self._call_step(mb, None, 0.0)
+                out = self._call_step(mb, None, 0.0)
         except CapturedInput as captured:
             return captured.x
+        skipped = (" It returned None: skipping a training_step that way is not supported in distributed training "
+                   "(Lightning refuses it under every other strategy too)." if out is None and self.training else "")
         raise RuntimeError(f"{type(self.module).__name__}.{self.step} returned without calling the pipelined "
-                           "nn.Sequential; the pipeline cannot find its input")
+                           f"nn.Sequential; the pipeline cannot find its input.{skipped}")
 
     def last_forward(self, mb: int, x: Tensor, chunk: nn.Module, recompute: bool = False) -> Optional[Tensor]:
         if not self.training:  # the step runs once over the whole batch: :meth:`eval_output`

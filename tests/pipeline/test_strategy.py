@@ -1039,3 +1039,26 @@ def test_the_sequentials_output_may_be_a_dict_or_a_namedtuple(as_dict):
     assert val == pytest.approx(ref_val, abs=1e-9) and type(pred) is type(ref_pred)
     torch.testing.assert_close(pred["logits"] if as_dict else pred.logits,
                                ref_pred["logits"] if as_dict else ref_pred.logits, rtol=0, atol=1e-9)
+
+
+class _SkipsABatch(MNISTClassifier):
+    def training_step(self, batch, batch_idx):
+        return None if batch_idx == 1 else super().training_step(batch, batch_idx)
+
+
+class _NeverCallsTheModel(MNISTClassifier):
+    def training_step(self, batch, batch_idx):
+        return torch.zeros((), requires_grad=True)
+
+
+@pytest.mark.parametrize("model_cls, said", [(_SkipsABatch, "It returned None: skipping a training_step that way is "
+                                                            "not supported in distributed training"),
+                                             (_NeverCallsTheModel, "the pipeline cannot find its input.$")])
+def test_a_step_without_the_sequential_is_refused_saying_why(model_cls, said):
+    with pytest.raises(RuntimeError, match=r"training_step returned without calling the pipelined nn.Sequential; "
+                                           r"the pipeline cannot find its input"):
+        try:
+            train_mnist(pp(2), 2, "sgd", batch=GLOBAL_BATCH, model_cls=model_cls)
+        except RuntimeError as e:
+            assert re.search(said, str(e).splitlines()[0]), str(e)
+            raise
