@@ -195,10 +195,10 @@ class Launcher:
         try:
             data = pickle.dumps((fn, args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
         except (pickle.PicklingError, AttributeError, TypeError) as e:
-            e.add_note(f"start_method={self.config.start_method!r} sends the job to every worker by pickling it (under "
-                       "Lightning: the trainer, the module, its data loaders and callbacks). A lambda, a function or "
-                       "class defined inside another, an open file or lock cannot be pickled: define it at a module's "
-                       "top level, or start the workers with start_method='fork' (the strategies' *_fork names).")
+            e.add_note(f"start_method={self.config.start_method!r} sends the job to every worker by pickling it -- the "
+                       "function and its arguments, everything they refer to. A lambda, a function or class defined "
+                       "inside another, an open file or lock cannot be pickled: define it at a module's top level, or "
+                       "start the workers with start_method='fork'.")
             raise
         seg = self._create("job", len(data))
         seg.write_bytes(data)

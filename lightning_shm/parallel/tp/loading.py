@@ -19,6 +19,10 @@ strategy broadcasts the first member's copy, as it does for loaders it cannot sp
 
 The gather runs inside the loader's iteration, so Lightning's hooks (``on_before_batch_transfer``
 on) already see the whole batch. Members call it at the same points of the same loop, in order.
+
+An ``IterableDataset`` has neither indices to split nor a sampler to check: its loader is broadcast, and
+a :class:`StreamLoader` has the members compare the first batch of every pass, so that a stream sharded by
+global rank (each member another shard, the replica training on one) is refused instead of halving the epoch.
 """
 
 from __future__ import annotations
