@@ -16,7 +16,13 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from lightning.pytorch.callbacks import Callback, LearningRateFinder, LearningRateMonitor, ModelCheckpoint
+from lightning.pytorch.callbacks import (
+    Callback,
+    EarlyStopping,
+    LearningRateFinder,
+    LearningRateMonitor,
+    ModelCheckpoint,
+)
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.tuner import Tuner
 from torch.utils.data import DataLoader
@@ -318,3 +324,18 @@ def test_what_the_datamodule_setup_derived_comes_back_to_the_main_process():
     dm = _DerivesInSetup(GLOBAL_BATCH // dp)
     trainer(strategy=strategy(), devices=devices, max_epochs=1).fit(MNISTClassifier(optimizer="adam"), datamodule=dm)
     assert (dm.num_samples, dm.stages) == (GLOBAL_BATCH * 2, ["fit"]) and not hasattr(dm, "ds")
+
+
+@pytest.mark.parametrize("layout", ["ddp", "pp2-1f1b"])
+def test_the_main_process_trainer_says_the_run_was_stopped(layout):
+    """EarlyStopping ended the run: one process's ``trainer.should_stop`` stays True (a script asking whether the
+    run stopped early reads it); the main process's said False."""
+    make, devices, dp = LAYOUTS[layout]
+
+    def fit(strategy, devices, batch, ref=False):
+        stop = EarlyStopping("val_loss", patience=0, min_delta=10.0)
+        return fit_seeded(MNISTClassifier, strategy, devices, batch, ref=ref, validate=True, max_epochs=5,
+                          callbacks=[stop])[0]
+
+    one, ours = fit("auto", 1, GLOBAL_BATCH, ref=True), fit(make(), devices, GLOBAL_BATCH // dp)
+    assert one.should_stop and ours.should_stop and ours.current_epoch == one.current_epoch == 2

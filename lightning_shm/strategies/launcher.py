@@ -67,6 +67,7 @@ class WorkerOutput(NamedTuple):
     stopped_by: int  # the signal all ranks agreed to stop on (0: ran to the end)
     learning_rates: list  # what LearningRateFinder callbacks found (:func:`.main_state.found_learning_rates`)
     attributes: list  # the module's and callbacks' public plain data (:func:`.main_state.gathered_attributes`)
+    should_stop: bool  # a callback or the module stopped the run (EarlyStopping): what one process's trainer says
 
 
 class SHMLauncher(_Launcher):
@@ -144,11 +145,12 @@ class SHMLauncher(_Launcher):
         buffer = io.BytesIO()
         torch.save(metrics, buffer)
         return WorkerOutput(path, trainer.state, results, buffer.getvalue(), stopped_by, found_learning_rates(trainer),
-                            attributes)
+                            attributes, trainer.should_stop)
 
     # ------------------------------------------------------------------ main side
     def _recover_in_main_process(self, output: WorkerOutput, trainer: "pl.Trainer", data: dict[str, Any]) -> None:
         trainer.state = output.trainer_state
+        trainer.should_stop = output.should_stop
         metrics = torch.load(io.BytesIO(output.metrics_bytes), weights_only=True)
         # the Trainer's own dicts (it holds no results to compute them from here): rank 0's, replacing the
         # previous run's, as each run of one process starts them afresh
