@@ -32,6 +32,7 @@ from lightning_shm.runtime import Group
 from lightning_shm.strategies.metric_state import export_state, import_state
 from lightning_shm.strategies.module_log import logging_through
 from lightning_shm.strategies.rank_zero_calls import Call, recording_rank_zero_calls, replay
+from lightning_shm.strategies.step_randomness import call_seed, seed_streams
 
 LogRecord = tuple[str, Any, tuple, dict, float]  # name, value, args, kwargs, microbatch weight
 
@@ -138,14 +139,17 @@ class LightningStageIO:
         forward_context: opened around every forward of a chunk (the precision plugin's autocast).
         check_reads: refuse a loss that reads the stage's parameters other than through its output
             (checked once, on the first microbatch: see :func:`_refuse_reads`).
+        seed: this pipeline step's seed, the same on every stage: each call of the step starts from streams
+            seeded from it and the microbatch (:mod:`.step_randomness`); None leaves the streams alone.
     """
 
     def __init__(self, module: pl.LightningModule, stage: PipelineStage, step: str, batch: Any, batch_idx: int,
                  microbatches: int, training: bool, extra: Sequence[Any] = (), loss_scale: float = 1.0,
-                 forward_context: Any = contextlib.nullcontext, check_reads: bool = False) -> None:
+                 forward_context: Any = contextlib.nullcontext, check_reads: bool = False,
+                 seed: Optional[int] = None) -> None:
         self.module, self.stage, self.step, self.batch_idx, self.training = module, stage, step, batch_idx, training
         self.extra, self.loss_scale, self._forward_context = extra, loss_scale, forward_context
-        self.check_reads = check_reads
+        self.check_reads, self.seed = check_reads, seed
         size = batch_size_of(batch) or 1
         self.parts = max(1, min(microbatches, size))
         self.batch = batch
@@ -159,6 +163,12 @@ class LightningStageIO:
         self.losses: dict[int, Tensor] = {}
         self.extras: dict[int, dict[str, Any]] = {}  # training: what the step returned beside the loss
         self.lists = _list_lengths(module)  # before the step: what it appends goes to every stage
+        self._whole_input: Optional[list[Any]] = None  # evaluation, first stage: the batch's input, cut
+
+    def _seed(self, mb: int) -> None:
+        """The streams for the step's call on microbatch ``mb`` (-1: the whole batch), alike on every stage."""
+        if self.seed is not None:
+            seed_streams(call_seed(self.seed, mb))
 
     def forward_context(self) -> ContextManager[Any]:
         return self._forward_context()
@@ -166,6 +176,7 @@ class LightningStageIO:
     def _call_step(self, mb: int, sink: Optional[list[LogRecord]], weight: float) -> Any:
         # rank-zero calls (a logger's, print) are kept from the last stage's first microbatch only: one per batch
         calls = self.calls if sink is not None and mb == 0 else []
+        self._seed(mb)
         with recording_logs(self.module, sink, weight), recording_rank_zero_calls(self.module, calls):
             try:
                 return getattr(self.module, self.step)(self.micro[mb], self.batch_idx, *self.extra)
@@ -179,6 +190,11 @@ class LightningStageIO:
                 raise
 
     def first_input(self, mb: int) -> Tensor:
+        if not self.training:  # evaluation: the step runs once on the whole batch, on the last stage as here
+            if self._whole_input is None:
+                self._whole_input = self._whole_batch_input()
+            if self._whole_input:
+                return self._whole_input[mb]
         try:
             with self.stage.capturing_input():
                 out = self._call_step(mb, None, 0.0)
@@ -188,6 +204,20 @@ class LightningStageIO:
                    "(Lightning refuses it under every other strategy too)." if out is None and self.training else "")
         raise RuntimeError(f"{type(self.module).__name__}.{self.step} returned without calling the pipelined "
                            f"nn.Sequential; the pipeline cannot find its input.{skipped}")
+
+    def _whole_batch_input(self) -> list[Any]:
+        """The Sequential's input for the whole batch, cut into the microbatches' -- so that what the step draws
+        before it is what the last stage's single call over the whole batch draws. Empty if that input is
+        not one row per sample of the batch (then each microbatch's step gives its own)."""
+        self._seed(-1)
+        try:
+            with self.stage.capturing_input():
+                getattr(self.module, self.step)(self.batch, self.batch_idx, *self.extra)
+        except CapturedInput as captured:
+            x = captured.x
+            if batch_size_of(x) == batch_size_of(self.batch):
+                return split_batch(x, self.parts)
+        return []
 
     def last_forward(self, mb: int, x: Tensor, chunk: nn.Module, recompute: bool = False) -> Optional[Tensor]:
         if not self.training:  # the step runs once over the whole batch: :meth:`eval_output`
@@ -245,6 +275,7 @@ class LightningStageIO:
         layers ran per microbatch."""
         parts = [self.finals[m] for m in sorted(self.finals)]
         joined = _join(parts)
+        self._seed(-1)
         with self.stage.running_chunk(lambda whole: whole, joined), self.forward_context(), \
                 recording_logs(self.module, self.records, 1.0), recording_rank_zero_calls(self.module, self.calls):
             try:

@@ -25,6 +25,7 @@ from lightning_shm.parallel.compose import ParallelState
 from lightning_shm.parallel.pipeline import PipelineSchedule, Schedule
 from lightning_shm.parallel.replaced import accumulate_grad, parameter_hooks_suspended
 from lightning_shm.strategies.pipeline_io import LightningStageIO, StagePosition
+from lightning_shm.strategies.step_randomness import call_seed
 
 
 class PipelineSteps:
@@ -39,6 +40,9 @@ class PipelineSteps:
         self._warned_short = False
         self.sync_grads = True  # False inside Lightning's gradient-accumulation micro-steps
         self._reads_checked = False
+        # the step's draws alike on every stage (see step_randomness): a base they agree on, a step count
+        self._seed_base = self.position.pp_group.broadcast_object(torch.initial_seed(), src_member=0)
+        self._steps_run = 0
 
     # ------------------------------------------------------------------ training
     def training_step(self, batch: Any, batch_idx: int, accumulate: int, skip_backward: bool) -> Tensor:
@@ -112,5 +116,7 @@ class PipelineSteps:
 
     def _io(self, step: str, batch: Any, batch_idx: int, training: bool, context: Callable[[], Any],
             extra: tuple = (), loss_scale: float = 1.0) -> LightningStageIO:
+        self._steps_run += 1
         return LightningStageIO(self.module, self.stage, step, batch, batch_idx, self.schedule.microbatches,
-                                training=training, extra=extra, loss_scale=loss_scale, forward_context=context)
+                                training=training, extra=extra, loss_scale=loss_scale, forward_context=context,
+                                seed=call_seed(self._seed_base, self._steps_run))

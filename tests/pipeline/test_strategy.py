@@ -932,30 +932,60 @@ def test_timing_the_layers_leaves_the_modules_attributes_as_they_were():
 
 class DrawsInTheStep(MNISTClassifier):
     """Draws a sample mask in the step, used on the input (first stage) and in the loss (last stage); writes what
-    each rank drew, and the step's default dtype, per call."""
+    each rank drew, and the step's default dtype, per call. ``more``: the step also draws after the Sequential
+    (loss weights) and the layers drop out -- draws only one of the stages makes; so does validation."""
 
-    def __init__(self, out_dir, **kw):
+    def __init__(self, out_dir, more=False, **kw):
         super().__init__(**kw)
-        self.out_dir = out_dir
+        self.out_dir, self.more = out_dir, more
+        if more:
+            self.net = nn.Sequential(*itertools.chain.from_iterable(
+                [[m, nn.Dropout(0.2)] if isinstance(m, nn.ReLU) else [m] for m in self.net]))
 
-    def training_step(self, batch, batch_idx):
+    def _step(self, batch, batch_idx, stage):
         x, y = batch
         keep = (torch.rand(x.shape[0]) < 0.6).to(x.dtype)
         with open(self.out_dir / f"rank{self.global_rank}", "a") as f:
-            f.write(f"{torch.get_default_dtype()} {keep.tolist()}\n")
+            f.write(f"{stage} {batch_idx} {torch.get_default_dtype()} {keep.tolist()}\n")
         loss = torch.nn.functional.cross_entropy(self(x * keep.view(-1, 1, 1, 1)), y, reduction="none")
+        if self.more:
+            loss = loss * torch.rand(x.shape[0], dtype=x.dtype)
         return (loss * (1 - keep)).mean()
 
+    def training_step(self, batch, batch_idx):
+        return self._step(batch, batch_idx, "train")
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
-def test_the_stages_draw_the_same_numbers_in_the_step(tmp_path, schedule):
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self._step(batch, batch_idx, "val"))
+
+
+def _draws(path):
+    """Per (stage, batch): the masks drawn, joined in call order (the first stage of an evaluation step drew
+    per microbatch before: the same numbers as one draw over the batch when nothing else drew between)."""
+    out = {}
+    for line in path.read_text().splitlines():
+        stage, idx, dtype, mask = line.split(" ", 3)
+        dtypes, masks = out.setdefault((stage, int(idx)), (set(), []))
+        dtypes.add(dtype)
+        masks.extend(float(v) for v in mask.strip("[]").split(", "))
+    return out
+
+
+@pytest.mark.parametrize("schedule, more", [("1f1b", False), ("zero_bubble", False), ("1f1b", True),
+                                            ("zero_bubble", True)])
+def test_the_stages_draw_the_same_numbers_in_the_step(tmp_path, schedule, more):
     """The first stage ran the step up to the Sequential outside the precision context: under 64-true it drew
     float32 numbers, the last stage float64 ones -- after the first microbatch the masks differed, and the input
-    was masked with one, the loss weighted with another."""
-    train_mnist(pp(2, schedule=schedule), 2, "adam", batch=GLOBAL_BATCH, model_cls=partial(DrawsInTheStep, tmp_path))
-    first, last = ((tmp_path / f"rank{r}").read_text().splitlines() for r in (0, 1))
-    assert len(first) == len(last) == STEPS * 4 and first == last
-    assert all(line.startswith("torch.float64 ") for line in first)
+    was masked with one, the loss weighted with another. With draws only one stage makes (after the Sequential,
+    dropout in the layers) the streams parted after the first microbatch (the stages agreed on 1 mask of 20), and
+    in validation after the first batch: each call of the step now starts from streams seeded alike."""
+    model_cls = partial(DrawsInTheStep, tmp_path, more)
+    fit_seeded(lambda: model_cls(optimizer="adam", lr=0.01), pp(2, schedule=schedule), 2, GLOBAL_BATCH,
+               samples=GLOBAL_BATCH * 3, validate=True)
+    first, last = (_draws(tmp_path / f"rank{r}") for r in (0, 1))
+    assert sorted(first) == sorted(last) == [("train", i) for i in range(3)] + [("val", i) for i in range(3)]
+    assert first == last
+    assert all(dtypes == {"torch.float64"} for dtypes, _ in first.values())
 
 
 class InputGradientPenalty(MNISTClassifier):
