@@ -40,8 +40,9 @@ class PipelineSteps:
         self._warned_short = False
         self.sync_grads = True  # False inside Lightning's gradient-accumulation micro-steps
         self._reads_checked = False
-        # the step's draws alike on every stage (see step_randomness): a base they agree on, a step count
-        self._seed_base = self.position.pp_group.broadcast_object(torch.initial_seed(), src_member=0)
+        # the step's draws alike on every stage and tp member of the replica (see step_randomness): a base they
+        # agree on, a step count
+        self._seed_base = parallel.groups.replica.broadcast_object(torch.initial_seed(), src_member=0)
         self._steps_run = 0
 
     # ------------------------------------------------------------------ training

@@ -11,8 +11,8 @@ mask and the loss computed with another, silently (the stages agreed on 1 of 20 
     pipeline step n, microbatch m     every stage: streams seeded from hash(base, n, m), then the step
     evaluation step n (whole batch)   every stage: streams seeded from hash(base, n, -1)
 
-``base`` is the first stage's ``torch.initial_seed()``, which the stages agree on at setup; every stage
-counts the same pipeline steps. Seeded: torch's default generator, Python's ``random`` and numpy's global
+``base`` is the replica's first rank's ``torch.initial_seed()``, which its stages and tp members agree on at
+setup; every stage counts the same pipeline steps. Seeded: torch's default generator, Python's ``random`` and numpy's global
 stream -- what ``seed_everything`` seeds. A ``torch.Generator`` the module keeps itself is not.
 """
 
