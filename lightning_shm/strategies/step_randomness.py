@@ -12,8 +12,9 @@ mask and the loss computed with another, silently (the stages agreed on 1 of 20 
     evaluation step n (whole batch)   every stage: streams seeded from hash(base, n, -1)
 
 ``base`` is the replica's first rank's ``torch.initial_seed()``, which its stages and tp members agree on at
-setup; every stage counts the same pipeline steps. Seeded: torch's default generator, Python's ``random`` and numpy's global
-stream -- what ``seed_everything`` seeds. A ``torch.Generator`` the module keeps itself is not.
+setup; every stage counts the same pipeline steps. Seeded: torch's default generator, Python's ``random``
+and numpy's global stream -- what ``seed_everything`` seeds. A ``torch.Generator`` the module keeps itself
+is not.
 """
 
 from __future__ import annotations
