@@ -207,17 +207,27 @@ class LightningStageIO:
 
     def _whole_batch_input(self) -> list[Any]:
         """The Sequential's input for the whole batch, cut into the microbatches' -- so that what the step draws
-        before it is what the last stage's single call over the whole batch draws. Empty if that input is
-        not one row per sample of the batch (then each microbatch's step gives its own)."""
+        before it is what the last stage's single call over the whole batch draws. Empty if that input's dim 0
+        is not the batch's -- its size differs, or the first microbatch's input is not that microbatch's size
+        (a time-major ``[T, B, ...]`` input with T == B) -- then each microbatch's step gives its own."""
+        whole = self._captured(self.batch)
+        if whole is None or batch_size_of(whole) != batch_size_of(self.batch):
+            return []
+        if self.parts > 1:
+            first = self._captured(self.micro[0])
+            if first is None or batch_size_of(first) != self.sizes[0]:
+                return []
+        return split_batch(whole, self.parts)
+
+    def _captured(self, batch: Any) -> Any:
+        """The Sequential's input when the step runs on ``batch`` (streams seeded for the whole batch)."""
         self._seed(-1)
         try:
             with self.stage.capturing_input():
-                getattr(self.module, self.step)(self.batch, self.batch_idx, *self.extra)
+                getattr(self.module, self.step)(batch, self.batch_idx, *self.extra)
         except CapturedInput as captured:
-            x = captured.x
-            if batch_size_of(x) == batch_size_of(self.batch):
-                return split_batch(x, self.parts)
-        return []
+            return captured.x
+        return None
 
     def last_forward(self, mb: int, x: Tensor, chunk: nn.Module, recompute: bool = False) -> Optional[Tensor]:
         if not self.training:  # the step runs once over the whole batch: :meth:`eval_output`

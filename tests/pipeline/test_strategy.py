@@ -930,26 +930,47 @@ def test_timing_the_layers_leaves_the_modules_attributes_as_they_were():
     assert model.__dict__ == before and "feat" not in model.__dict__
 
 
+class _InputMask(nn.Module):
+    """The Sequential's first layer (first stage): writes which samples of its input the step zeroed -- the mask
+    the input was masked with -- under the tag the step set."""
+
+    def __init__(self, owner):
+        super().__init__()
+        self.owner = [owner]  # not a submodule
+
+    def forward(self, x):
+        owner = self.owner[0]
+        if owner.armed:
+            kept = (x.flatten(1).abs().sum(1) > 0).to(x.dtype)
+            with open(owner.out_dir / f"input{owner.global_rank}", "a") as f:
+                f.write(f"{owner.tag} {torch.get_default_dtype()} {kept.tolist()}\n")
+        return x
+
+
 class DrawsInTheStep(MNISTClassifier):
-    """Draws a sample mask in the step, used on the input (first stage) and in the loss (last stage); writes what
-    each rank drew, and the step's default dtype, per call. ``more``: the step also draws after the Sequential
-    (loss weights) and the layers drop out -- draws only one of the stages makes; so does validation."""
+    """Draws a sample mask in the step, used on the input (the first stage's layers see it) and in the loss (last
+    stage); writes the mask the loss uses, and the step's default dtype, per call; the first layer writes the mask
+    the input was masked with. ``more``: the step also draws after the Sequential (loss weights) and the layers
+    drop out -- draws only one of the stages makes."""
 
     def __init__(self, out_dir, more=False, **kw):
         super().__init__(**kw)
-        self.out_dir, self.more = out_dir, more
-        if more:
-            self.net = nn.Sequential(*itertools.chain.from_iterable(
-                [[m, nn.Dropout(0.2)] if isinstance(m, nn.ReLU) else [m] for m in self.net]))
+        self.out_dir, self.more, self.armed, self.tag = out_dir, more, False, ""
+        layers = [[m, nn.Dropout(0.2)] if more and isinstance(m, nn.ReLU) else [m] for m in self.net]
+        self.net = nn.Sequential(_InputMask(self), *itertools.chain.from_iterable(layers))
+
+    def on_fit_start(self):
+        self.armed = True  # not while the pipeline times the layers
 
     def _step(self, batch, batch_idx, stage):
         x, y = batch
         keep = (torch.rand(x.shape[0]) < 0.6).to(x.dtype)
-        with open(self.out_dir / f"rank{self.global_rank}", "a") as f:
-            f.write(f"{stage} {batch_idx} {torch.get_default_dtype()} {keep.tolist()}\n")
+        self.tag = f"{stage} {batch_idx}"
         loss = torch.nn.functional.cross_entropy(self(x * keep.view(-1, 1, 1, 1)), y, reduction="none")
         if self.more:
             loss = loss * torch.rand(x.shape[0], dtype=x.dtype)
+        with open(self.out_dir / f"loss{self.global_rank}", "a") as f:
+            f.write(f"{self.tag} {torch.get_default_dtype()} {keep.tolist()}\n")
         return (loss * (1 - keep)).mean()
 
     def training_step(self, batch, batch_idx):
@@ -959,9 +980,8 @@ class DrawsInTheStep(MNISTClassifier):
         self.log("val_loss", self._step(batch, batch_idx, "val"))
 
 
-def _draws(path):
-    """Per (stage, batch): the masks drawn, joined in call order (the first stage of an evaluation step drew
-    per microbatch before: the same numbers as one draw over the batch when nothing else drew between)."""
+def _masks(path):
+    """Per (loop, batch): the dtypes seen and the masks written, joined in call order."""
     out = {}
     for line in path.read_text().splitlines():
         stage, idx, dtype, mask = line.split(" ", 3)
@@ -973,7 +993,7 @@ def _draws(path):
 
 @pytest.mark.parametrize("schedule, more", [("1f1b", False), ("zero_bubble", False), ("1f1b", True),
                                             ("zero_bubble", True)])
-def test_the_stages_draw_the_same_numbers_in_the_step(tmp_path, schedule, more):
+def test_the_input_is_masked_with_the_mask_the_loss_uses(tmp_path, schedule, more):
     """The first stage ran the step up to the Sequential outside the precision context: under 64-true it drew
     float32 numbers, the last stage float64 ones -- after the first microbatch the masks differed, and the input
     was masked with one, the loss weighted with another. With draws only one stage makes (after the Sequential,
@@ -982,10 +1002,11 @@ def test_the_stages_draw_the_same_numbers_in_the_step(tmp_path, schedule, more):
     model_cls = partial(DrawsInTheStep, tmp_path, more)
     fit_seeded(lambda: model_cls(optimizer="adam", lr=0.01), pp(2, schedule=schedule), 2, GLOBAL_BATCH,
                samples=GLOBAL_BATCH * 3, validate=True)
-    first, last = (_draws(tmp_path / f"rank{r}") for r in (0, 1))
-    assert sorted(first) == sorted(last) == [("train", i) for i in range(3)] + [("val", i) for i in range(3)]
-    assert first == last
-    assert all(dtypes == {"torch.float64"} for dtypes, _ in first.values())
+    masked, loss = _masks(tmp_path / "input0"), _masks(tmp_path / "loss1")
+    assert sorted(masked) == sorted(loss) == [("train", i) for i in range(3)] + [("val", i) for i in range(3)]
+    assert all(len(masks) == GLOBAL_BATCH for _, masks in loss.values())
+    assert masked == loss  # also: both drew float64 numbers
+    assert all(dtypes == {"torch.float64"} for dtypes, _ in loss.values())
 
 
 class InputGradientPenalty(MNISTClassifier):
@@ -1092,3 +1113,32 @@ def test_a_step_without_the_sequential_is_refused_saying_why(model_cls, said):
         except RuntimeError as e:
             assert re.search(said, str(e).splitlines()[0]), str(e)
             raise
+
+
+class _Mean0(nn.Module):
+    def forward(self, h):
+        return h.mean(0)
+
+
+class _TimeMajor(MNISTClassifier):
+    """A time-major Sequential: ``[T=28, B, 28]`` rows through torch's encoder layers (``batch_first=False``)."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.net = nn.Sequential(nn.Linear(28, 16), nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0), _Mean0(),
+                                 nn.Linear(16, 10))
+
+    def forward(self, x):
+        return self.net(x.view(x.shape[0], 28, 28).transpose(0, 1))
+
+
+def test_a_time_major_input_as_long_as_the_batch_is_cut_by_samples_in_evaluation():
+    """Evaluation's first stage cuts the whole batch's input into microbatches along dim 0 -- unless dim 0 is not
+    the batch's: with 28 samples per batch the time-major input is [28, 28, 28], and a cut along time failed in
+    the loss (112 outputs for 28 targets)."""
+    def val_loss(strategy, devices):
+        pl.seed_everything(SEED)
+        t = trainer(strategy=strategy, devices=devices, precision="64-true")
+        return t.validate(_TimeMajor(), DataLoader(mnist_like(56, seed=3), batch_size=28), verbose=False)[0]["val_loss"]
+
+    assert val_loss(pp(2), 2) == pytest.approx(val_loss("auto", 1), abs=1e-12)
