@@ -173,13 +173,16 @@ class LightningStageIO:
     def forward_context(self) -> ContextManager[Any]:
         return self._forward_context()
 
-    def _call_step(self, mb: int, sink: Optional[list[LogRecord]], weight: float) -> Any:
+    def _call_step(self, mb: int, sink: Optional[list[LogRecord]], weight: float, batch: Any = None) -> Any:
+        """The module's step on microbatch ``mb`` (or on ``batch``, with the streams of ``mb``; -1: the whole
+        batch's), its logs into ``sink`` (None: dropped)."""
         # rank-zero calls (a logger's, print) are kept from the last stage's first microbatch only: one per batch
         calls = self.calls if sink is not None and mb == 0 else []
         self._seed(mb)
         with recording_logs(self.module, sink, weight), recording_rank_zero_calls(self.module, calls):
             try:
-                return getattr(self.module, self.step)(self.micro[mb], self.batch_idx, *self.extra)
+                return getattr(self.module, self.step)(self.micro[mb] if batch is None else batch, self.batch_idx,
+                                                       *self.extra)
             except AttributeError as e:
                 if isinstance(getattr(e, "obj", None), nn.Module):
                     e.add_note(_NOT_SET_HERE)
@@ -220,11 +223,11 @@ class LightningStageIO:
         return split_batch(whole, self.parts)
 
     def _captured(self, batch: Any) -> Any:
-        """The Sequential's input when the step runs on ``batch`` (streams seeded for the whole batch)."""
-        self._seed(-1)
+        """The Sequential's input when the step runs on ``batch`` (streams seeded for the whole batch; what it
+        logs is dropped, as for every call of the step up to the Sequential)."""
         try:
             with self.stage.capturing_input():
-                getattr(self.module, self.step)(batch, self.batch_idx, *self.extra)
+                self._call_step(-1, None, 0.0, batch)
         except CapturedInput as captured:
             return captured.x
         return None

@@ -1142,3 +1142,27 @@ def test_a_time_major_input_as_long_as_the_batch_is_cut_by_samples_in_evaluation
         return t.validate(_TimeMajor(), DataLoader(mnist_like(56, seed=3), batch_size=28), verbose=False)[0]["val_loss"]
 
     assert val_loss(pp(2), 2) == pytest.approx(val_loss("auto", 1), abs=1e-12)
+
+
+class _LogsBeforeTheModel(MNISTClassifier):
+    def validation_step(self, batch, batch_idx):
+        self.log("input_mean", batch[0].abs().mean())
+        self.print(f"validating batch {batch_idx}")
+        self.log("val_loss", torch.nn.functional.cross_entropy(self(batch[0]), batch[1]))
+
+
+def test_what_evaluation_logs_and_prints_before_the_sequential_counts_once(capfd):
+    """The first stage runs the step up to the Sequential to capture its input; what that part logs and prints is
+    the last stage's to report (a capture over the whole batch once logged a wrong input mean, 0.8028 for 0.7980,
+    and printed each line four times)."""
+    def validate(strategy, devices):
+        pl.seed_everything(SEED)
+        t = trainer(strategy=strategy, devices=devices, precision="64-true")
+        return t.validate(_LogsBeforeTheModel(), DataLoader(mnist_like(48, seed=3), batch_size=16), verbose=False)[0]
+
+    one = validate("auto", 1)
+    capfd.readouterr()
+    got = validate(pp(2), 2)
+    printed = capfd.readouterr().out
+    assert got == pytest.approx(one, abs=1e-12)
+    assert [printed.count(f"validating batch {i}") for i in range(3)] == [1, 1, 1], printed
