@@ -317,7 +317,7 @@ class _SlowPrepare(pl.LightningDataModule):
                                                                   timeout=t)], ids=["ddp", "tp"])
 def test_prepare_data_may_take_longer_than_the_strategys_timeout(tmp_path, strategy):
     """Lightning waits for prepare_data without a deadline (an infinite barrier over torch.distributed, which the
-    workers do not start); the other ranks' next barrier timed out after the strategy's ``timeout`` (300 s by
+    workers do not start); the other ranks' next barrier timed out after the strategy's ``timeout`` (then 300 s by
     default): a download of more than five minutes failed the fit."""
     t = trainer(strategy=strategy(3), devices=2, max_epochs=1)
     t.fit(MNISTClassifier(), datamodule=_SlowPrepare(tmp_path / "ds.pt", 6))

@@ -55,7 +55,10 @@ class SHMStrategyBase(ParallelStrategy):
             lightning once -- the first fit starts like "spawn", later fits in the same process in a
             fraction of a second), "spawn" (a fresh interpreter per worker, every fit) or "fork"
             (fastest start; Linux; forked workers run torch single-threaded).
-        timeout: seconds any wait may block before raising with the ranks that did not arrive.
+        timeout: seconds any wait may block before raising with the ranks that did not arrive. 30 minutes, as
+            Lightning's ``DDPStrategy`` (torch.distributed's default): work one rank does while the others wait
+            at a barrier -- a download in ``setup`` gated on rank 0, a large checkpoint written to slow storage
+            -- may take that long there. A failed or killed rank stops the others at once whatever the timeout.
         runtime: full runtime configuration (overrides ``timeout``).
         stop_grace_s: after SIGINT / SIGTERM, how long the workers may take to reach their next step
             (where they stop together and run ``on_exception`` callbacks) before they are stopped at once.
@@ -67,7 +70,7 @@ class SHMStrategyBase(ParallelStrategy):
                  parallel_devices: Optional[list[torch.device]] = None,
                  cluster_environment: Optional[ClusterEnvironment] = None,
                  checkpoint_io: Optional[CheckpointIO] = None, precision_plugin: Optional[Precision] = None,
-                 start_method: str = "forkserver", timeout: float = 300.0, runtime: Optional[RuntimeConfig] = None,
+                 start_method: str = "forkserver", timeout: float = 1800.0, runtime: Optional[RuntimeConfig] = None,
                  stop_grace_s: float = 60.0, stop_check_every: int = 4) -> None:
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,

@@ -352,6 +352,35 @@ def test_a_hang_says_which_line_the_missing_rank_is_on():
     assert "test_lightning.py" in where.splitlines()[1] and "in training_step" in where.splitlines()[1]
 
 
+class WaitsForRank0InSetup(BoringModel):
+    def setup(self, stage):
+        if self.trainer.is_global_zero:
+            time.sleep(3)  # a download the others wait for at a barrier
+        self.trainer.strategy.barrier()
+
+
+@pytest.mark.parametrize("timeout", [None, 1.0])
+def test_other_ranks_wait_for_rank_0_as_long_as_under_lightnings_ddp(timeout):
+    """Lightning's ddp waits 30 minutes (torch.distributed's default timeout) at a barrier for work one rank does;
+    ours waited 5 (a download in setup gated on rank 0 that takes longer failed). The default is now the same;
+    a shorter one given still ends the wait (here 1 s for rank 0's 3 s)."""
+    import inspect
+
+    from lightning.pytorch.strategies import DDPStrategy
+
+    lightnings = inspect.signature(DDPStrategy.__init__).parameters["timeout"].default.total_seconds()
+    strategy = SHMDDPStrategy(start_method="fork", **({} if timeout is None else {"timeout": timeout}))
+    assert lightnings == 1800 and strategy.runtime_config.timeout_s == (timeout or lightnings)
+    for other in (SHMFSDPStrategy(), SHMTensorParallel(tensor_parallel_size=2), SHMPipeline(pipeline_parallel_size=2)):
+        assert other.runtime_config.timeout_s == lightnings
+    fit = trainer(strategy=strategy, devices=2, max_epochs=1, limit_train_batches=2).fit
+    if timeout is None:
+        fit(WaitsForRank0InSetup())
+    else:
+        with pytest.raises(BarrierTimeoutError, match=r"rank\(s\) \[0\] did not arrive"):
+            fit(WaitsForRank0InSetup())
+
+
 def test_unused_parameter_error_reaches_the_user():
     class Unused(BoringModel):
         def __init__(self):
