@@ -1154,7 +1154,7 @@ class _LogsBeforeTheModel(MNISTClassifier):
 def test_what_evaluation_logs_and_prints_before_the_sequential_counts_once(capfd):
     """The first stage runs the step up to the Sequential to capture its input; what that part logs and prints is
     the last stage's to report (a capture over the whole batch once logged a wrong input mean, 0.8028 for 0.7980,
-    and printed each line four times)."""
+    and rank 0 printed each line three times)."""
     def validate(strategy, devices):
         pl.seed_everything(SEED)
         t = trainer(strategy=strategy, devices=devices, precision="64-true")
