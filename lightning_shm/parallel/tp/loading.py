@@ -74,9 +74,14 @@ class MemberBatches:
             yield indices[b[self.index]:b[self.index + 1]]
 
 
+def _first_differing(seen: Sequence[Any]) -> Optional[int]:
+    """The first member whose value differs from member 0's, or None."""
+    return next((j for j, s in enumerate(seen) if s != seen[0]), None)
+
+
 def _check_same_indices(indices: list[int], group: Group, batches: Any) -> None:
     seen = group.all_gather_object(indices)
-    other = next((j for j, s in enumerate(seen) if s != seen[0]), None)
+    other = _first_differing(seen)
     if other is not None:
         sampler = getattr(batches, "sampler", batches)
         raise ValueError(
@@ -126,15 +131,19 @@ def why_not_splittable(loader: Any, auto: bool) -> Optional[str]:
     return None
 
 
+def _loading_kwargs(loader: DataLoader) -> dict[str, Any]:
+    """How ``loader`` loads (workers, collate, memory), for a loader rebuilt around its dataset."""
+    return dict(num_workers=loader.num_workers, collate_fn=loader.collate_fn, pin_memory=loader.pin_memory,
+                timeout=loader.timeout, worker_init_fn=loader.worker_init_fn,
+                multiprocessing_context=loader.multiprocessing_context, generator=loader.generator,
+                prefetch_factor=loader.prefetch_factor, persistent_workers=loader.persistent_workers,
+                pin_memory_device=loader.pin_memory_device)
+
+
 def split_loader(loader: DataLoader, group: Group) -> SplitLoader:
     """``loader`` rebuilt so that this member loads only its rows of each batch (see the module doc)."""
-    return SplitLoader(
-        loader.dataset, group=group, member_batches=MemberBatches(loader.batch_sampler, group),
-        num_workers=loader.num_workers, collate_fn=loader.collate_fn, pin_memory=loader.pin_memory,
-        timeout=loader.timeout, worker_init_fn=loader.worker_init_fn,
-        multiprocessing_context=loader.multiprocessing_context, generator=loader.generator,
-        prefetch_factor=loader.prefetch_factor, persistent_workers=loader.persistent_workers,
-        pin_memory_device=loader.pin_memory_device)
+    return SplitLoader(loader.dataset, group=group, member_batches=MemberBatches(loader.batch_sampler, group),
+                       **_loading_kwargs(loader))
 
 
 def gather_rows(part: Any, rows: Sequence[int], group: Group) -> Any:
@@ -212,13 +221,8 @@ class StreamLoader(DataLoader):
 
 def stream_loader(loader: DataLoader, group: Group) -> StreamLoader:
     """``loader`` (a plain DataLoader over an IterableDataset) rebuilt as a :class:`StreamLoader`."""
-    return StreamLoader(
-        loader.dataset, group=group, batch_size=loader.batch_size, drop_last=loader.drop_last,
-        num_workers=loader.num_workers, collate_fn=loader.collate_fn, pin_memory=loader.pin_memory,
-        timeout=loader.timeout, worker_init_fn=loader.worker_init_fn,
-        multiprocessing_context=loader.multiprocessing_context, generator=loader.generator,
-        prefetch_factor=loader.prefetch_factor, persistent_workers=loader.persistent_workers,
-        pin_memory_device=loader.pin_memory_device, in_order=loader.in_order)
+    return StreamLoader(loader.dataset, group=group, batch_size=loader.batch_size, drop_last=loader.drop_last,
+                        in_order=loader.in_order, **_loading_kwargs(loader))
 
 
 def _samples_print(batch: Any) -> list[tuple]:
@@ -238,7 +242,7 @@ def _samples_print(batch: Any) -> list[tuple]:
 
 def _check_same_samples(batch: Any, group: Group) -> None:
     seen = group.all_gather_object(_samples_print(batch))
-    other = next((j for j, s in enumerate(seen) if s != seen[0]), None)
+    other = _first_differing(seen)
     if other is not None:
         raise ValueError(
             f"the ranks {list(group.ranks)} compute one model replica (tensor-parallel members and pipeline stages) "
