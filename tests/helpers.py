@@ -49,6 +49,29 @@ class MeanOverTokens(torch.nn.Module):
         return x.mean(1)
 
 
+class InBatchNegatives(pl.LightningModule):
+    """A SimCLR-style loss: each row's positive is its other view among the rows every data-parallel rank gathers
+    with ``self.all_gather(..., sync_grads=True)``; the other rows are its negatives (logged as ``negatives``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(784, 32), torch.nn.LayerNorm(32),
+                                       torch.nn.ReLU(), torch.nn.Linear(32, 16))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, _ = batch
+        views = torch.nn.functional.normalize(self.net(torch.cat([x + 0.1 * torch.sin(37 * x), x.flip(-1)])), dim=1)
+        anchors, positives = views.chunk(2)
+        keys = self.all_gather(positives, sync_grads=True).reshape(-1, positives.shape[-1])  # data-parallel ranks'
+        rank = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) or {"rank": 0}
+        labels = torch.arange(len(anchors)) + rank["rank"] * len(anchors)
+        self.log("negatives", float(len(keys) - 1), reduce_fx="max")
+        return torch.nn.functional.cross_entropy(anchors @ keys.T / 0.1, labels)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=0.01)
+
+
 def loader(ds: TensorDataset, batch_size: int, shuffle: bool = True) -> DataLoader:
     return DataLoader(ds, batch_size=batch_size, shuffle=shuffle)
 

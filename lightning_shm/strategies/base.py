@@ -320,7 +320,11 @@ class SHMStrategyBase(ParallelStrategy):
         return self._group.broadcast_object(obj, src_member=src)
 
     def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
-        g = group if isinstance(group, Group) else self._group
+        """``[dp, *tensor.shape]`` over the data-parallel group -- the ranks holding different samples, those
+        ``sync_dist`` and metrics combine over -- so a gathered batch holds each sample once, as one process's
+        does: tp members and pipeline stages hold the same samples (a loss taking the other ranks' embeddings
+        as negatives met each positive again as a negative under tp). Every rank: ``group=strategy.group``."""
+        g = group if isinstance(group, Group) else self.data_parallel_group()
         if g is None:
             return tensor.unsqueeze(0) if isinstance(tensor, Tensor) else tensor
         return collectives.all_gather(g, tensor, sync_grads=sync_grads)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import warnings
 from typing import Any, Iterator, Mapping, Optional, Sequence, Union
 
 import lightning.pytorch as pl
@@ -63,6 +64,7 @@ from lightning_shm.strategies.pipeline_steps import PipelineSteps
 from lightning_shm.strategies.prediction_writers import mute_writers, unmute_writers
 from lightning_shm.strategies.summary import full_model_summary
 from lightning_shm.strategies.swa import adapt_swa
+from lightning_shm.strategies.torch_distributed import user_stacklevel
 
 _ELEMENTWISE_FRONT = (nn.Flatten, nn.Identity, nn.Dropout, nn.ReLU)
 
@@ -127,6 +129,7 @@ class SHMModelParallel(SHMStrategyBase):
         self._exit: Optional[contextlib.ExitStack] = None  # what setup patched for the run (ModelSummary)
         self._buffer_owners: Optional[list[tuple[nn.Module, str]]] = None
         self._in_stage_step = False
+        self._warned_step_gather = False
         self._muted_writers: list[BasePredictionWriter] = []
         self._grads_split = False  # some rank holds a gradient that is not every rank's whole one (setup)
         self._reads_checked = False  # the first training step's loss was checked for reads of pieces
@@ -402,17 +405,25 @@ class SHMModelParallel(SHMStrategyBase):
             self._in_stage_step = False
 
     def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
-        """Over every rank, as Lightning's ModelParallelStrategy gathers -- except inside a pipeline's step.
-        Only some ranks run that step's code (the last stage, once per microbatch; the first stage up to
-        its Sequential), so a gather over every rank would wait for the other stages forever; there it
-        gathers over the data-parallel group: the ranks running the same code on other data, those
-        ``sync_dist`` combines over."""
-        if self._in_stage_step and not isinstance(group, Group):
-            group = self.data_parallel_group()
+        """As every strategy's (the data-parallel group); a differentiable gather in a pipeline's step -- a loss
+        taking the other ranks' rows as negatives -- is warned about once: the step runs per microbatch, so it
+        sees one microbatch of every data-parallel rank where one process sees the batch."""
+        if sync_grads and self._in_stage_step and not self._warned_step_gather:
+            self._warned_step_gather = True
+            dp = self.data_parallel_group()
+            if dp is None or dp.index == 0:  # one warning per run: the last stage's first replica
+                rows = tensor.shape[0] if tensor.dim() else 1
+                warnings.warn(
+                    f"lightning_shm: self.all_gather(..., sync_grads=True) in a pipeline's step gathers {rows} rows "
+                    f"from each of {dp.size if dp is not None else 1} data-parallel rank(s): the step runs once per "
+                    f"microbatch (microbatches={self.parallel_config.microbatches}), so a loss over the gathered "
+                    "rows (in-batch negatives: SimCLR, CLIP) sees one microbatch of each rank where one process "
+                    "sees the whole batch. Fewer microbatches keep more rows; a strategy without "
+                    "pipeline_parallel_size keeps them all.", stacklevel=user_stacklevel())
         return super().all_gather(tensor, group, sync_grads)
 
     def barrier(self, name: Optional[str] = None) -> None:
-        """Inside a pipeline's step over the data-parallel group (the ranks running that code), as ``all_gather``."""
+        """Inside a pipeline's step over the data-parallel group (the ranks running that code); elsewhere every rank."""
         dp = self.data_parallel_group() if self._in_stage_step else None
         if dp is not None:
             dp.barrier()

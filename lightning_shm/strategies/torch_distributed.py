@@ -52,3 +52,12 @@ def warn_on_user_checks(warn: Callable[[str], None]) -> Callable[[], None]:
             dist.is_initialized = original
 
     return restore
+
+
+def user_stacklevel() -> int:
+    """``warnings.warn``'s ``stacklevel`` that names the first frame outside :data:`_OURS` (the module's own
+    code) when passed by the function calling this one."""
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and frame.f_globals.get("__name__", "").partition(".")[0] in _OURS:
+        frame, level = frame.f_back, level + 1
+    return level

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import collections
 import csv
+import inspect
 import itertools
 import logging
+import os
 import re
+import sys
+import types
 import warnings
 from functools import partial
 
@@ -23,11 +27,13 @@ from lightning_shm.models import MNISTClassifier
 from lightning_shm.models.transformer import Block
 from lightning_shm.parallel.pipeline.row_cut import LinearRows
 from lightning_shm.parallel.pipeline.split import attributes_kept, layer_costs_by_time
+from lightning_shm.strategies import model_parallel
 from tests.helpers import (
     GLOBAL_BATCH,
     PRECISION,
     SEED,
     STEPS,
+    InBatchNegatives,
     MeanOverTokens,
     PerRankDraws,
     SchedClassifier,
@@ -299,7 +305,7 @@ class AutocastSeen(MNISTClassifier):
 
     def on_train_epoch_end(self):
         mine = torch.tensor(float(bool(self.seen) and all(self.seen)))
-        self.log("every_stage_autocast", self.all_gather(mine).min())
+        self.log("every_stage_autocast", self.all_gather(mine, group=self.trainer.strategy.group).min())  # every rank
 
 
 @pytest.mark.parametrize("precision,schedule", [("bf16-mixed", "1f1b"), ("16-mixed", "1f1b"),  # 16: bf16 on CPU
@@ -335,7 +341,7 @@ class Logged(MNISTClassifier):
     def on_train_epoch_end(self):
         # every rank must see the logged values, not only the last stage
         seen = torch.tensor([float("train_loss" in self.trainer.callback_metrics)])
-        self.log("ranks_seeing_loss", self.all_gather(seen).sum())
+        self.log("ranks_seeing_loss", self.all_gather(seen, group=self.trainer.strategy.group).sum())
 
 
 def test_logged_values_reach_every_rank_and_the_main_process():
@@ -396,6 +402,27 @@ def test_all_gather_inside_a_step_gathers_over_the_ranks_running_it(devices):
     assert float(ours["val_gathered_loss_sum"]) == pytest.approx(float(one["val_gathered_loss_sum"]), abs=1e-9)
     for name in ("val_rows", "val_correct"):
         assert ours[name].dtype == one[name].dtype == torch.float64, name
+
+
+@pytest.mark.parametrize("devices", [2, 4])
+def test_a_loss_over_rows_gathered_in_the_step_is_warned_to_see_one_microbatch(devices, tmp_path, monkeypatch):
+    """The step runs per microbatch: in-batch negatives gathered there are one microbatch of each data-parallel
+    rank (5 negatives where one process has 23 at pp2, M=4). Said once per run, naming the gathering line."""
+    said = tmp_path / "warnings"
+
+    def warn(msg, stacklevel):  # what warnings.warn would print, in a file (the forked workers inherit the patch)
+        frame = sys._getframe(stacklevel)
+        said.open("a").write(f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno} {msg}\n")
+
+    monkeypatch.setattr(model_parallel, "warnings", types.SimpleNamespace(warn=warn))
+    t, _ = fit_seeded(InBatchNegatives, pp(2), devices, GLOBAL_BATCH // (devices // 2))
+    assert float(t.callback_metrics["negatives"]) == GLOBAL_BATCH // 4 - 1
+    line = next(i for i, src in enumerate(inspect.getsourcelines(InBatchNegatives.training_step)[0])
+                if "all_gather" in src) + inspect.getsourcelines(InBatchNegatives.training_step)[1]
+    lines = said.read_text().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"helpers.py:{line} lightning_shm: self.all_gather("), lines
+    rows = GLOBAL_BATCH // (devices // 2) // 4  # a microbatch of a data-parallel rank's batch
+    assert f"gathers {rows} rows from each of {devices // 2} data-parallel rank(s)" in lines[0]
 
 
 class SyncsInStep(MNISTClassifier):
@@ -590,7 +617,7 @@ class _CountsRowPieces(pl.Callback):
 
     def on_train_epoch_end(self, trainer, pl_module):
         pieces = torch.tensor([float(sum(isinstance(m, LinearRows) for m in pl_module.modules()))])
-        pl_module.log("row_pieces", pl_module.all_gather(pieces).sum())  # over every rank (sync_dist: dp only)
+        pl_module.log("row_pieces", pl_module.all_gather(pieces, group=trainer.strategy.group).sum())
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble", "interleaved_1f1b"])
@@ -841,7 +868,8 @@ class RankPaired(PerRankDraws):
 
 class SameBatchOnEveryRank(MNISTClassifier):
     def on_train_batch_start(self, batch, batch_idx):
-        sums = self.all_gather(torch.stack([t.double().sum() for t in batch]))  # [W, 2]: every rank, every stage
+        every_rank = self.trainer.strategy.group
+        sums = self.all_gather(torch.stack([t.double().sum() for t in batch]), group=every_rank)  # [W, 2]
         assert torch.equal(sums, sums[:1].expand_as(sums)), f"ranks loaded different batches: {sums.tolist()}"
 
 

@@ -18,10 +18,13 @@ from lightning_shm.parallel.tp.loading import gather_rows, is_group_batch
 from lightning_shm.runtime import launch
 from tests.helpers import (
     GLOBAL_BATCH,
+    InBatchNegatives,
     PerRankDraws,
     SchedClassifier,
     check_plain_checkpoint,
     fit_adam64,
+    fit_seeded,
+    flat_params,
     loader,
     mnist_like,
     train_mnist,
@@ -103,7 +106,8 @@ class SameInputs(MNISTClassifier):
     def training_step(self, batch, batch_idx):
         if self.trainer.world_size > 1:
             x, y = batch
-            sums = self.all_gather(torch.stack([x.double().sum(), y.double().sum()]))  # [W, 2]
+            every_rank = self.trainer.strategy.group
+            sums = self.all_gather(torch.stack([x.double().sum(), y.double().sum()]), group=every_rank)  # [W, 2]
             assert torch.equal(sums, sums[:1].expand_as(sums)), f"ranks computed on different inputs: {sums.tolist()}"
         return super().training_step(batch, batch_idx)
 
@@ -391,3 +395,15 @@ def test_a_gradient_penalty_on_the_input_equals_one_process(arch, dp):
     ref = train_mnist("auto", 1, "adam", batch=GLOBAL_BATCH, ref=True, model_cls=model_cls)
     got = train_mnist(strategy, 2 * dp, "adam", batch=GLOBAL_BATCH // dp, model_cls=model_cls)
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-7)
+
+
+@pytest.mark.parametrize("devices, size", [(2, 2), (4, 2)], ids=["tp2", "dp2xtp2"])
+def test_in_batch_negatives_gathered_with_sync_grads_train_as_one_process(devices, size):
+    """``self.all_gather`` gathers over the data-parallel ranks, as ``sync_dist`` and metrics combine: until
+    2026-12-03 it gathered over every rank, so each tp member contributed the replica's rows again and every
+    positive met its own copy as a negative (47 negatives for one process's 23; 0.040 off it after 2 Adam steps)."""
+    one, ref = fit_seeded(InBatchNegatives, "auto", 1, GLOBAL_BATCH, ref=True)
+    ours, got = fit_seeded(InBatchNegatives, tp(size), devices, GLOBAL_BATCH // (devices // size))
+    assert float(ours.callback_metrics["negatives"]) == float(one.callback_metrics["negatives"]) == GLOBAL_BATCH - 1
+    torch.testing.assert_close(flat_params(got), flat_params(ref), rtol=0, atol=1e-10)
+
