@@ -19,7 +19,8 @@ class SHMDDPStrategy(SHMModelParallel):
 
     Args:
         bucket_cap_mb: gradient bucket size; a bucket is averaged as soon as its gradients are ready.
-        find_unused_parameters: allow parameters without gradient in a step (taken as zero);
+        find_unused_parameters: allow parameters without gradient in a step (a rank without one
+            contributes zero; one without one on every rank keeps None, as in one process);
             otherwise such a step raises naming them.
         broadcast_buffers: copy rank 0's buffers (e.g. BatchNorm statistics) to all ranks before
             every training step and at the start of evaluation, as torch DDP does.

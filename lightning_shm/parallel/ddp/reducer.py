@@ -19,7 +19,8 @@ the bucket views and are reduced on the last micro-step.
 
 Unused parameters (no gradient in this backward) would leave a bucket incomplete: by default that
 is an error naming the parameters; with ``find_unused_parameters=True`` the remaining buckets are
-reduced at the end of backward (their unused parts hold zeros, or the accumulated gradient).
+reduced at the end of backward (their unused parts hold zeros, or the accumulated gradient), and a
+parameter no rank has a gradient for keeps None, as in one process (one small all-reduce of flags).
 
 Sparse gradients (``nn.Embedding(sparse=True)``) have no bucket: after the buckets, each rank's
 (indices, values) are gathered and the average stays sparse, as torch DDP keeps it.
@@ -111,6 +112,7 @@ class GradReducer:
         # hooks=False: gradients are produced outside autograd's per-step rhythm (pipeline schedules)
         # and averaged by an explicit synchronize()
         self._index = {p: i for i, (_, p) in enumerate(params)}
+        self._params = [p for _, p in params]
         self._handles = [p.register_post_accumulate_grad_hook(self._make_hook(i, p)) for i, (_, p) in
                          enumerate(params)] if hooks else []
         self._sync = True
@@ -254,8 +256,22 @@ class GradReducer:
             self.group.all_reduce(b.flat, "mean")
             self._next += 1
 
+    def _used_here(self) -> torch.Tensor:
+        """1 for each parameter with a gradient since ``zero_grad`` on this rank (read before any is adopted)."""
+        return torch.tensor([p.grad is not None for p in self._params], dtype=torch.int32)
+
+    def _unused_everywhere(self, used: torch.Tensor) -> list[nn.Parameter]:
+        """The parameters no rank has a gradient for: they get None after the average, as in one process --
+        whose optimizer then skips them, where a zero gradient would still advance Adam's step count and
+        decay its moments (an expert no sample of the batch was routed to). One small all-reduce, as torch
+        DDP's ``find_unused_parameters`` makes; collective, after every bucket's (a rank that used every
+        parameter reduced its buckets during backward, one that did not reduces the rest at its end)."""
+        self.group.all_reduce(used, "max")
+        return [p for p, u in zip(self._params, used.tolist()) if not u]
+
     def _finish_backward(self) -> None:
         try:
+            used = self._used_here() if self.find_unused_parameters else None
             if self._next < len(self.buckets):
                 unused = [p for b in self.buckets[self._next:] for p in b.params if not self._ready[self._index[p]]]
                 if not self.find_unused_parameters:
@@ -263,13 +279,16 @@ class GradReducer:
                     raise RuntimeError(
                         f"{len(names)} parameter(s) received no gradient in this backward pass: {names[:10]}"
                         f"{' ...' if len(names) > 10 else ''}. Every rank must produce a gradient for every "
-                        "trainable parameter, or pass find_unused_parameters=True to the strategy (their "
-                        "gradient is then taken as zero), or freeze them with requires_grad_(False)."
+                        "trainable parameter, or pass find_unused_parameters=True to the strategy (a rank "
+                        "without one contributes zero), or freeze them with requires_grad_(False)."
                     )
                 for p in unused:  # contributes zero (or what earlier micro-steps accumulated)
                     self._adopt(p)
                 for b in self.buckets[self._next:]:
                     self.group.all_reduce(b.flat, "mean")
+            if used is not None:
+                for p in self._unused_everywhere(used):
+                    p.grad = None
             self._reduce_sparse()
         finally:
             self._reset()
@@ -293,11 +312,15 @@ class GradReducer:
 
     def synchronize(self) -> None:
         """Average every bucket now, whatever produced the gradients (used after a pipeline schedule,
-        whose zero-bubble weight passes write ``param.grad`` outside autograd's hooks)."""
+        whose zero-bubble weight passes write ``param.grad`` outside autograd's hooks). A parameter without a
+        gradient on every rank keeps none, as in one process."""
+        used = self._used_here()
         for p in self._views:
             self._adopt(p)
         for b in self.buckets:
             self.group.all_reduce(b.flat, "mean")
+        for p in self._unused_everywhere(used):
+            p.grad = None
         self._reduce_sparse()
 
     # ------------------------------------------------------------------ lifecycle

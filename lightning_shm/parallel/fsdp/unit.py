@@ -107,6 +107,7 @@ class _GatherUnit(torch.autograd.Function):
     def forward(ctx: Any, unit: "FSDPUnit", key: int, full: torch.Tensor,  # type: ignore[override]
                 *shards: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.unit, ctx.key = unit, key
+        ctx.set_materialize_grads(False)  # a parameter the forward did not use gets None: see reduce_scatter
         params = unit.params_of(full)
         ctx.mark_non_differentiable(*[p for p, b in zip(params, unit.blocks) if not b.shard.requires_grad])
         return tuple(params)
@@ -188,6 +189,7 @@ class FSDPUnit:
         self._prefetched: Optional[tuple[torch.Tensor, int]] = None  # (full tensor being gathered, shard version)
         self.held: Optional[torch.Tensor] = None  # gathered for a whole pipeline step (see hold())
         self._held_grad: Optional[torch.Tensor] = None
+        self._held_used: list[bool] = []  # blocks that got a gradient in some microbatch of the held step
         # gather before the module's own pre-hooks, free after its own hooks: they see the full parameters
         # (torch.nn.utils.weight_norm / spectral_norm compute ``weight`` in a pre-hook)
         self._handles = [spec.modules[0][1].register_forward_pre_hook(self._pre_forward, prepend=True),
@@ -294,16 +296,32 @@ class FSDPUnit:
                     owner.__dict__[attr] = params[i]
 
     # ------------------------------------------------------------------ reduce-scatter
-    def reduce_scatter(self, grads: Sequence[Optional[torch.Tensor]]) -> list[Optional[torch.Tensor]]:
+    def reduce_scatter(self, grads: Sequence[Optional[torch.Tensor]],
+                       used: Optional[Sequence[bool]] = None) -> list[Optional[torch.Tensor]]:
         """Each trainable parameter's full gradient -> the mean over ranks of this rank's rows: one
         collective for the whole unit (a Linear's weight and bias: one barrier per round, not two).
-        ``grads`` has an entry per block; frozen blocks' entries are ignored and get None."""
-        r = self.group.index
-        taken = [(b, g) for b, g in zip(self.blocks, grads) if b.shard.requires_grad]
-        parts = iter(self.group.reduce_scatter_coalesced(
-            [g.reshape(-1) for _, g in taken], "mean",
-            sizes=[[k * b.row_numel for k in b.rows] for b, _ in taken], across=self.across))
-        return [next(parts).view(b.rows[r], *b.shape[1:]) if b.shard.requires_grad else None for b in self.blocks]
+        ``grads`` has an entry per block; frozen blocks' entries are ignored and get None.
+
+        A parameter this rank's forward did not use (``used``, by default: its gradient is not None)
+        contributes zeros; one no rank used gets None, as in one process -- whose optimizer then skips
+        it, where a zero gradient would still advance Adam's step count and decay its moments (an
+        expert no sample of the batch was routed to). Which ranks used what rides in the same
+        collective: W copies of this rank's flags, of which rank j receives the mean of copy j."""
+        r, W = self.group.index, self.group.size
+        used = [g is not None for g in grads] if used is None else used
+        taken = [(i, b, g) for i, (b, g) in enumerate(zip(self.blocks, grads)) if b.shard.requires_grad]
+        out: list[Optional[torch.Tensor]] = [None] * len(self.blocks)
+        if not taken:
+            return out
+        flags = torch.tensor([float(used[i]) for i, _, _ in taken], dtype=self.dtype).repeat(W)
+        parts = self.group.reduce_scatter_coalesced(
+            [torch.zeros(b.numel, dtype=self.dtype) if g is None else g.reshape(-1) for _, b, g in taken] + [flags],
+            "mean", sizes=[[k * b.row_numel for k in b.rows] for _, b, _ in taken] + [[len(taken)] * W],
+            across=self.across)
+        for (i, b, _), part, anywhere in zip(taken, parts, parts[-1].tolist()):
+            if anywhere > 0:
+                out[i] = part.view(b.rows[r], *b.shape[1:])
+        return out
 
     # ------------------------------------------------------------------ a whole pipeline step
     def hold(self) -> None:
@@ -317,9 +335,11 @@ class FSDPUnit:
         """Add each full parameter's gradient of one microbatch to the step's flat full gradient."""
         if self._held_grad is None:
             self._held_grad = torch.zeros(self.numel, dtype=self.dtype)
-        for b, g in zip(self.blocks, grads):
-            if b.shard.requires_grad:
+            self._held_used = [False] * len(self.blocks)
+        for i, (b, g) in enumerate(zip(self.blocks, grads)):
+            if b.shard.requires_grad and g is not None:
                 self._held_grad[b.full_offset:b.full_offset + b.numel].view(b.shape).add_(g)
+                self._held_used[i] = True
 
     def holds(self, tensor: torch.Tensor) -> bool:
         """``tensor`` is one of the held full parameters (a view of the held storage, not a block in it)."""
@@ -335,8 +355,12 @@ class FSDPUnit:
         held = self.held
         if self._held_grad is None:
             self._held_grad = torch.zeros_like(held)
+            self._held_used = [False] * len(self.blocks)
         offset = tensor.storage_offset() - held.storage_offset()
         self._held_grad[offset:offset + tensor.numel()].view_as(tensor).add_(grad)
+        for i, b in enumerate(self.blocks):
+            if b.full_offset < offset + tensor.numel() and offset < b.full_offset + b.numel:
+                self._held_used[i] = True
         return True
 
     def release(self) -> None:
@@ -344,8 +368,8 @@ class FSDPUnit:
         what is there, as autograd would), free the full tensors."""
         if self._held_grad is not None:
             held_grads = [self._held_grad[b.full_offset:b.full_offset + b.numel] for b in self.blocks]
-            for b, g in zip(self.blocks, self.reduce_scatter(held_grads)):
-                if b.shard.requires_grad:
+            for b, g in zip(self.blocks, self.reduce_scatter(held_grads, self._held_used)):
+                if g is not None:
                     accumulate_grad(b.shard, g)
             self._held_grad = None
         if self.held is not None:
