@@ -1,10 +1,13 @@
-"""Parameters a step does not use: a mixture of experts' top-1 routing leaves experts without samples.
+"""Parameters a step does not use: a mixture of experts' top-1 routing leaves experts without samples; a head
+outside a pipeline's Sequential is used every other step, a decoder only by ``predict_step``.
 
 One process gives such a parameter no gradient (None), and its optimizer skips it: Adam neither counts
 the step nor decays its moments. A data-parallel rank whose samples skip an expert contributes zeros to
 the average; an expert no rank used keeps None, as in one process -- until 2026-12-03 it got zeros, and
 Adam's step count ran ahead for it (0.0042 off one process and off Lightning's ``ddp`` with
-``find_unused_parameters=True`` after 4 steps, under shm_ddp, shm_fsdp and dp x pp).
+``find_unused_parameters=True`` after 4 steps, under shm_ddp, shm_fsdp and dp x pp). Under a pipeline the
+parameters outside its Sequential are summed over the stages: one no stage used got zeros there, and AdamW
+decayed it (the decoder 0.0010 off, the auxiliary head 0.0051, after 4 steps).
 """
 
 from __future__ import annotations
@@ -16,8 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import lightning_shm  # noqa: F401
-from lightning_shm import SHMDDPStrategy, SHMFSDPStrategy, SHMModelParallel
-from tests.helpers import GLOBAL_BATCH, fit_seeded, flat_params
+from lightning_shm import SHMDDPStrategy, SHMFSDPStrategy, SHMModelParallel, SHMPipeline
+from tests.helpers import GLOBAL_BATCH, SEED, fit_seeded, flat_params
 
 
 class TopOneExperts(nn.Module):
@@ -88,3 +91,36 @@ def test_an_expert_no_rank_routed_to_is_skipped_by_the_optimizer_as_in_one_proce
     make, devices, dp = LAYOUTS[layout]
     _, model = fit_seeded(MixtureOfExperts, make(), devices, GLOBAL_BATCH // dp, samples=GLOBAL_BATCH * 4)
     torch.testing.assert_close(flat_params(model), one_process, rtol=0, atol=1e-10)
+
+
+class OutsideHeads(pl.LightningModule):
+    """Heads outside the Sequential: ``aux`` adds a loss every other step, ``decoder`` only ``predict_step`` uses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(784, 32), nn.ReLU(), nn.Linear(32, 16), nn.ReLU())
+        self.head, self.aux, self.decoder = nn.Linear(16, 10), nn.Linear(16, 10), nn.Linear(16, 784)
+
+    def training_step(self, batch, batch_idx):
+        h = self.net(batch[0])
+        loss = F.cross_entropy(self.head(h), batch[1])
+        return loss + 0.5 * F.cross_entropy(self.aux(h), batch[1]) if batch_idx % 2 else loss
+
+    def predict_step(self, batch, batch_idx):
+        return self.decoder(self.net(batch[0]))
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=0.01, weight_decay=0.1)
+
+
+@pytest.mark.parametrize("layout", ["ddp", "dp2xpp2", "dp2xpp2-shard", "dp2xpp2-shard-zero-bubble", "pp2"])
+def test_a_head_no_stage_used_is_skipped_by_the_optimizer_as_in_one_process(layout):
+    _, one = fit_seeded(OutsideHeads, "auto", 1, GLOBAL_BATCH, ref=True, samples=GLOBAL_BATCH * 4)
+    make, devices, dp = LAYOUTS[layout] if layout != "pp2" else (
+        lambda: SHMPipeline(start_method="fork", pipeline_parallel_size=2, microbatches=4), 2, 1)
+    _, model = fit_seeded(OutsideHeads, make(), devices, GLOBAL_BATCH // dp, samples=GLOBAL_BATCH * 4)
+    torch.testing.assert_close(flat_params(model), flat_params(one), rtol=0, atol=1e-10)
+    pl.seed_everything(SEED)
+    untrained = OutsideHeads().decoder.weight.detach()
+    assert torch.equal(model.decoder.weight.detach().to(untrained.dtype), untrained)  # never stepped, never decayed
+

@@ -14,6 +14,10 @@ gradients of an embedding tied between its first and last stage::
     stage s:  g_s = this stage's gradient of p (zeros where the step did not use p here)
     all-reduce(sum) over the pp group:  every stage's p.grad = sum_s g_s  -> identical updates
 
+A parameter no stage used in the step (an auxiliary head every other step, a decoder only
+``predict_step`` calls) keeps None, as in one process, whose optimizer skips it -- with zeros AdamW
+would still decay it. Whether each stage used each parameter rides in the same all-reduce.
+
 Cost: the bytes of these gradients per step, on every stage; a model with large modules outside its
 Sequential (an embedding table) pays it -- put them in the Sequential to give them to one stage.
 """
@@ -43,14 +47,16 @@ class OutsideParameters:
         params = [p for p in self.params if p.requires_grad]
         if not params or self.group.size == 1:
             return
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
         for dtype in sorted({p.dtype for p in params}, key=str):
             same = [p for p in params if p.dtype == dtype]
-            flat = torch.cat([p.grad.reshape(-1) for p in same])
+            used = torch.tensor([float(p.grad is not None) for p in same], dtype=dtype)
+            flat = torch.cat([p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), dtype=dtype)
+                              for p in same] + [used])
             self.group.all_reduce(flat, "sum")
             offset = 0
-            for p in same:
-                p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
+            for p, anywhere in zip(same, flat[-len(same):].tolist()):
+                if anywhere > 0:  # else no stage used it: None, as in one process (AdamW would decay it)
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                    p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
                 offset += p.numel()
