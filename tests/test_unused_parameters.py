@@ -20,6 +20,7 @@ from torch import nn
 
 import lightning_shm  # noqa: F401
 from lightning_shm import SHMDDPStrategy, SHMFSDPStrategy, SHMModelParallel, SHMPipeline
+from lightning_shm.runtime.errors import CollectiveMismatchError
 from tests.helpers import GLOBAL_BATCH, SEED, fit_seeded, flat_params
 
 
@@ -123,4 +124,12 @@ def test_a_head_no_stage_used_is_skipped_by_the_optimizer_as_in_one_process(layo
     pl.seed_everything(SEED)
     untrained = OutsideHeads().decoder.weight.detach()
     assert torch.equal(model.decoder.weight.detach().to(untrained.dtype), untrained)  # never stepped, never decayed
+
+
+def test_a_unit_per_expert_that_ranks_skip_differently_is_refused_naming_the_units():
+    """FSDP units must run on every rank in one order. Before 2026-12-03 units of equal sizes reduced in different
+    orders exchanged their gradients silently; the run failed only when the checkpoint gathered Adam's states."""
+    per_expert = SHMFSDPStrategy(start_method="fork", unit_policy=lambda name, m: name.startswith("net.3.experts."))
+    with pytest.raises(CollectiveMismatchError, match=r"(?s)site=.*reduced in different orders.*unit 'net\.3\.experts"):
+        fit_seeded(MixtureOfExperts, per_expert, 2, GLOBAL_BATCH // 2, samples=GLOBAL_BATCH * 4)
 

@@ -44,6 +44,7 @@ from lightning_shm.runtime.segment import Segment, align_up, normal_views
 from lightning_shm.runtime.wait import Waiter
 
 _SHARED_FLAG = 16  # added to the descriptor's op field when the zero-copy path is taken
+_SITE = 32  # a reduce-scatter's ``site`` rides in its op field in multiples of this (see ops.arg_name)
 _PAGE = 4096
 # plain ints for the small collectives' hot path (an enum member looked up through its class costs ~0.2 us)
 _ALL_REDUCE, _ALL_GATHER, _BARRIER = int(Coll.ALL_REDUCE), int(Coll.ALL_GATHER), int(Coll.BARRIER)
@@ -336,7 +337,8 @@ class Group:
 
     def reduce_scatter_coalesced(self, tensors: Sequence[torch.Tensor], op: Any = "sum",
                                  sizes: Optional[Sequence[Optional[Sequence[int]]]] = None,
-                                 across: Optional[Callable[[torch.Tensor], None]] = None) -> list[torch.Tensor]:
+                                 across: Optional[Callable[[torch.Tensor], None]] = None,
+                                 site: int = 0) -> list[torch.Tensor]:
         """Several reduce-scatters as one collective: this member's part of every tensor.
 
         Same as ``[reduce_scatter(t, op, sizes=s) for t, s in zip(tensors, sizes)]`` (bit for bit),
@@ -347,7 +349,14 @@ class Group:
 
             slot of member j, round c:  [ dest 0: t0 part 0 | t1 part 0 ...  | dest 1: t0 part 1 | t1 part 1 ... ]
                                           (a window of cap/W elements of each destination's sequence)
+
+        ``site`` (an int >= 0, the same on every member) names the call site in the collective's descriptor:
+        members entering it from different sites raise :class:`CollectiveMismatchError` even when kinds,
+        dtypes and sizes agree -- two FSDP units of equal sizes reduced in a different order would
+        otherwise exchange each other's gradients.
         """
+        if site < 0:
+            raise ValueError(f"reduce_scatter_coalesced: site must be >= 0, got {site}")
         if not tensors:
             return []
         sizes = sizes if sizes is not None else [None] * len(tensors)
@@ -356,14 +365,14 @@ class Group:
         if len({t.dtype for t in tensors}) > 1:
             raise ValueError(f"reduce_scatter_coalesced: tensors must share a dtype, got "
                              f"{sorted(str(t.dtype) for t in tensors)}")
-        outs = self._reduce_scatter_many(list(tensors), op, [None] * len(tensors), list(sizes))
+        outs = self._reduce_scatter_many(list(tensors), op, [None] * len(tensors), list(sizes), site)
         if across is not None:
             for out in outs:
                 across(out.view(-1))
         return outs
 
     def _reduce_scatter_many(self, tensors: list[torch.Tensor], op: Any, outs: list[Optional[torch.Tensor]],
-                             sizes: list[Optional[Sequence[int]]]) -> list[torch.Tensor]:
+                             sizes: list[Optional[Sequence[int]]], site: int = 0) -> list[torch.Tensor]:
         op = ReduceOp.parse(op)
         check_reducible(tensors[0].dtype, op)
         W, r = self.size, self.index
@@ -402,11 +411,11 @@ class Group:
         if hit is not None:
             buf, off = hit
             b, o = bounds[0], results[0].view(-1)
-            self._sync(Coll.REDUCE_SCATTER, dc, total, int(op) + _SHARED_FLAG, check=True)
+            self._sync(Coll.REDUCE_SCATTER, dc, total, int(op) + _SHARED_FLAG + site * _SITE, check=True)
             if b[r + 1] > b[r]:
                 fold(op, [buf.region(j)[off + b[r]:off + b[r + 1]] for j in range(W)], o, W)
             # nobody may overwrite its input while others still read it
-            self._sync(Coll.REDUCE_SCATTER, dc, total, int(op) + _SHARED_FLAG, check=False)
+            self._sync(Coll.REDUCE_SCATTER, dc, total, int(op) + _SHARED_FLAG + site * _SITE, check=False)
             return results
         # destination k's sequence: tensor 0's part k, tensor 1's part k, ...; start[i][k] = where tensor i's begins
         start = [[0] * W for _ in flats]
@@ -428,7 +437,7 @@ class Group:
                     a, e = max(w0, st[k]), min(w1, st[k] + b[k + 1] - b[k])
                     if e > a:
                         mine[k * cp + a - w0:k * cp + e - w0].copy_(flat[b[k] + a - st[k]:b[k] + e - st[k]])
-            self._sync(Coll.REDUCE_SCATTER, dc, total, int(op), check=c == 0)
+            self._sync(Coll.REDUCE_SCATTER, dc, total, int(op) + site * _SITE, check=c == 0)
             for (flat, _), b, st, out in zip(flats, bounds, start, results):
                 a, e = max(w0, st[r]), min(w1, st[r] + b[r + 1] - b[r])
                 if e > a:

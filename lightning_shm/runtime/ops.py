@@ -86,12 +86,14 @@ def op_name(code: int) -> str:
 
 def arg_name(coll: int, arg: int) -> str:
     """A collective's own argument, as its descriptor carries it (reduce op, or source member)."""
-    zero_copy = 16  # group.py adds it for tensors in shared buffers
+    zero_copy, site = 16, 32  # group.py adds them: tensors in shared buffers; a reduce-scatter's call site
     if coll in (Coll.ALL_REDUCE, Coll.REDUCE_SCATTER):
         try:
-            return f"reduce={ReduceOp(arg % zero_copy).name.lower()}" + (", zero-copy" if arg >= zero_copy else "")
+            name = f"reduce={ReduceOp(arg % zero_copy).name.lower()}"
         except ValueError:
             return f"reduce=<{arg}>"
+        where = f", site={arg // site}" if arg >= site else ""
+        return name + (", zero-copy" if arg % site >= zero_copy else "") + where
     if coll in (Coll.BROADCAST, Coll.BROADCAST_OBJECT):
         return f"src_member={arg % zero_copy}"
     return f"arg={arg}"

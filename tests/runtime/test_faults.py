@@ -164,6 +164,19 @@ def test_mismatched_sizes_raise():
         launch(_size_mismatch, 2, start_method="fork")
 
 
+def _site_mismatch(world, shared):
+    g = world.group()
+    x = g.alloc_shared(8).local if shared else torch.ones(8)  # shared: the zero-copy path
+    g.reduce_scatter_coalesced([x], "mean", site=1 + world.rank)  # equal kinds, dtypes and sizes
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_reduce_scatters_from_different_sites_raise(shared):
+    """Two FSDP units of equal sizes reduced in different orders would exchange gradients: the site tells them apart."""
+    with pytest.raises(CollectiveMismatchError, match="reduce=mean.*site=1.*site=2|site=2.*site=1"):
+        launch(_site_mismatch, 2, shared, start_method="fork")
+
+
 def _exit_silently(world):
     world.group().barrier()
     if world.rank == 1:

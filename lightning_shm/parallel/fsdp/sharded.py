@@ -63,6 +63,8 @@ class FSDPState:
         # order a prefetched gather is merely wasted (used later or dropped), never wrong
         for a, b in zip(self.units, self.units[1:]):
             a.next_unit, b.prev_unit = b, a
+        for u in self.units:
+            u.unit_names = [v.name for v in self.units]
         self._shards = {id(b.shard) for u in self.units for b in u.blocks}
         self._watched: list[Any] = []
         self._synced_version = -1

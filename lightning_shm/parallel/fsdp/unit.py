@@ -45,6 +45,7 @@ microbatches, their gradients add up in one full gradient, reduce-scattered once
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
@@ -55,6 +56,7 @@ from lightning_shm.parallel.fsdp.policy import UnitSpec
 from lightning_shm.parallel.fsdp.prefetch import Prefetcher
 from lightning_shm.parallel.replaced import accumulate_grad, carry_over
 from lightning_shm.runtime import Group, SharedBuffer, even_split
+from lightning_shm.runtime.errors import CollectiveMismatchError
 
 GATHERS = ("view", "copy")
 
@@ -143,6 +145,8 @@ class FSDPUnit:
                  across: Optional[Callable[[torch.Tensor], None]] = None, gather: str = "view") -> None:
         check_gather(gather, reshard_after_forward, prefetcher is not None)
         self.name = spec.name
+        self.index = index
+        self.unit_names: Sequence[str] = ()  # every unit's, by index (set by the state that makes them)
         self.group = group
         self.across = across
         self.reshard_after_forward = reshard_after_forward
@@ -314,14 +318,29 @@ class FSDPUnit:
         if not taken:
             return out
         flags = torch.tensor([float(used[i]) for i, _, _ in taken], dtype=self.dtype).repeat(W)
-        parts = self.group.reduce_scatter_coalesced(
-            [torch.zeros(b.numel, dtype=self.dtype) if g is None else g.reshape(-1) for _, b, g in taken] + [flags],
-            "mean", sizes=[[k * b.row_numel for k in b.rows] for _, b, _ in taken] + [[len(taken)] * W],
-            across=self.across)
+        try:
+            parts = self.group.reduce_scatter_coalesced(
+                [torch.zeros(b.numel, dtype=self.dtype) if g is None else g.reshape(-1) for _, b, g in taken]
+                + [flags], "mean", sizes=[[k * b.row_numel for k in b.rows] for _, b, _ in taken] + [[len(taken)] * W],
+                across=self.across, site=self.index + 1)
+        except CollectiveMismatchError as e:
+            raise CollectiveMismatchError(self._out_of_order(str(e))) from e
         for (i, b, _), part, anywhere in zip(taken, parts, parts[-1].tolist()):
             if anywhere > 0:
                 out[i] = part.view(b.rows[r], *b.shape[1:])
         return out
+
+    def _out_of_order(self, message: str) -> str:
+        """The runtime's mismatch, said in units: a site is a unit's index + 1 (see :meth:`reduce_scatter`)."""
+        names = [self.unit_names[i - 1] if 0 < i <= len(self.unit_names) else f"#{i - 1}"
+                 for i in map(int, re.findall(r"site=(\d+)", message))]
+        said = f" (this rank reduced unit '{self.name}'; another " + (
+            f"unit '{names[-1]}')" if len(names) > 1 else "rank entered another collective)")
+        return (f"{message}\nFSDP units' gradients were reduced in different orders on the ranks{said}. Every rank "
+                "must run every unit's forward and backward in every step, in one order, as torch's FSDP requires: a "
+                "unit that some ranks' samples skip -- a unit per expert of a mixture of experts -- breaks it. Keep "
+                "such modules in one unit (the default policy takes each child of the Sequential whole), or use "
+                "shm_ddp with find_unused_parameters=True.")
 
     # ------------------------------------------------------------------ a whole pipeline step
     def hold(self) -> None:
