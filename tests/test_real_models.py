@@ -253,8 +253,15 @@ class TorchEncoder(MNISTClassifier):
             d, 4, 32, dropout=0.0, batch_first=True) for _ in range(3)], Head(d, 10))
 
 
+class TorchEncoderNoPlan(TorchEncoder):
+    """The same model without a plan: the one derived for its Sequential splits each layer's feed-forward pair."""
+
+    tp_plan = None
+
+
 TORCH_ENCODER_RUNS = {**{k: TRANSFORMER_RUNS[k] for k in ("ddp", "fsdp-unit-per-block", "tp2")},
-                      **layouts("fsdp-copy", "pp2-zero-bubble", "dp2xpp2-shard")}
+                      **layouts("fsdp-copy", "pp2-zero-bubble", "dp2xpp2-shard"),
+                      "tp2-derived": (lambda: SHMTensorParallel(start_method="fork", tensor_parallel_size=2), 2, 1)}
 
 
 @pytest.mark.parametrize("name", list(TORCH_ENCODER_RUNS))
@@ -265,7 +272,7 @@ def test_torch_transformer_encoder_layers_equal_one_process(name):
 
     def fit(strategy, devices, batch, ref):
         pl.seed_everything(SEED)
-        model = TorchEncoder(optimizer="adam", lr=0.01)
+        model = (TorchEncoderNoPlan if name == "tp2-derived" else TorchEncoder)(optimizer="adam", lr=0.01)
         ds = mnist_like(GLOBAL_BATCH * STEPS, seed=1)
         t = trainer(strategy=strategy, devices=devices, max_epochs=1, precision="64-true")
         t.fit(model, reference_loader(ds, batch, SEED) if ref else loader(ds, batch),

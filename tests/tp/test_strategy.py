@@ -53,6 +53,9 @@ def test_derived_plan_pairs_linears_column_row_gathers_before_small_ones_and_rep
                                                                         "10": "row"}
     cnn = nn.Sequential(nn.Conv2d(1, 64, 3), nn.ReLU(), nn.Conv2d(64, 1, 1))  # Conv2d pairs are never gathered
     assert _styles(derive_plan(cnn, 2)) == {"0": "column", "2": "row"}
+    # torch's encoder layer: its feed-forward pair, the attention whole; a Linear on each side stays unpaired
+    encoder = nn.Sequential(nn.Linear(28, 16), nn.TransformerEncoderLayer(16, 4, 32), nn.Linear(16, 10))
+    assert _styles(derive_plan(encoder, 2)) == {"1.linear1": "column", "1.linear2": "row"}
 
 
 @pytest.fixture(scope="module")

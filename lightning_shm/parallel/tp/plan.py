@@ -118,7 +118,9 @@ def resolve_plan(module: nn.Module, plan: Mapping[str, Any]) -> dict[str, LayerP
 
 
 def derive_plan(seq: nn.Sequential, tp: int, prefix: str = "") -> dict[str, LayerPlan]:
-    """Pair the Sequential's Linear (Conv2d) children column -> row; a leftover stays replicated.
+    """Pair the Sequential's Linear (Conv2d) children column -> row; a leftover stays replicated. A child that
+    is torch's ``nn.TransformerEncoderLayer`` gets its feed-forward pair split (``linear1`` column, ``linear2``
+    row); its attention's fused ``in_proj_weight`` stays whole.
 
     Except when the second Linear of a pair holds at most ``1/tp`` of the first's weights: then the
     first is ``"column_gathered"``, and it and every later Linear that small stay replicated (a
@@ -139,6 +141,11 @@ def derive_plan(seq: nn.Sequential, tp: int, prefix: str = "") -> dict[str, Laye
     shared = {i for span in shared_spans(layers) for i in span.positions}  # split, they would stop sharing
     for i, (name, m) in enumerate(layers):
         q = _qual(prefix, name)
+        if isinstance(m, nn.TransformerEncoderLayer):  # torch's own block: its feed-forward pair, attention whole
+            if i not in shared and all(type(getattr(m, a, None)) is nn.Linear for a in ("linear1", "linear2")):
+                plan[f"{q}.linear1"], plan[f"{q}.linear2"] = LayerPlan("column"), LayerPlan("row")
+            pending = None
+            continue
         kind = _kind(m)
         # split, it would stop sharing its parameters / computing its weight / running its own forward
         whole = i in shared or kind is not None and (computed_weight(m) or own_behaviour(m))
