@@ -22,6 +22,7 @@ model, called by the main process before any worker starts and by :func:`paralle
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Union
 
@@ -35,6 +36,7 @@ from lightning_shm.parallel.fsdp.policy import PolicyFn
 from lightning_shm.parallel.fsdp.unit import check_gather
 from lightning_shm.parallel.optimizers import check_optimizers
 from lightning_shm.parallel.pipeline import PipelineEngine, PipelineSchedule, PipelineStage, Schedule
+from lightning_shm.parallel.pipeline.copies import SequentialCopies
 from lightning_shm.parallel.pipeline.outside import OutsideParameters
 from lightning_shm.parallel.pipeline.row_cut import apply_row_cuts, plan_cuts, stage_rows
 from lightning_shm.parallel.pipeline.split import attributes_kept, plan_chunks, validate_split_points
@@ -237,6 +239,7 @@ class ParallelState:
     reducer: Optional[GradReducer] = None
     outside: Optional[OutsideParameters] = None  # a pipeline's parameters outside its Sequential
     originals: Originals = field(default_factory=dict)  # the model's parameters before any was replaced
+    copies: Optional[SequentialCopies] = None  # copies of a pipeline's Sequential kept outside it (EMA teachers)
 
     def begin_step(self) -> None:
         """Before a training step: drop what a forward without backward left gathered; average the
@@ -245,6 +248,8 @@ class ParallelState:
             self.fsdp.begin_step()
         if self.reducer is not None:
             self.reducer.follow_requires_grad()
+        if self.copies is not None:
+            self.copies.check()
 
     def watch(self, optimizers: list[torch.optim.Optimizer]) -> None:
         """The optimizers of the run: refused if they cannot update this layout's pieces as one process
@@ -283,8 +288,11 @@ def parallelize(module: nn.Module, config: ParallelConfig, world: World, groups:
     if (config.sync_batchnorm or torch_sync) and groups.dp_size > 1:
         kinds = (nn.modules.batchnorm._BatchNorm,) if config.sync_batchnorm else (nn.SyncBatchNorm,)
         convert_sync_batchnorm(module, groups.dp, kinds)
-    stage = engine = starts = None
+    stage = engine = starts = copies = None
     if topo.pp > 1:
+        copies = SequentialCopies(module, find_sequential(module, config.sequential)[0])  # before the cut
+        if copies.names and world.rank == 0:
+            warnings.warn(copies.note(), stacklevel=2)
         stage, starts = _split_pipeline(module, config, world, groups, plan, sample_input, log)
     tp = TensorParallelState(module, groups.tp, splits) if splits else None
     if stage is not None:
@@ -324,7 +332,8 @@ def parallelize(module: nn.Module, config: ParallelConfig, world: World, groups:
                        before_load=fsdp.before_shards_written if fsdp is not None else None,
                        after_load=fsdp.after_shards_written if fsdp is not None else None,
                        stage_rows=stage_rows(module) if stage is not None else None)
-    return ParallelState(module, groups, state, stage, engine, starts, tp, fsdp, reducer, outside, originals)
+    return ParallelState(module, groups, state, stage, engine, starts, tp, fsdp, reducer, outside, originals,
+                         copies if copies is not None and copies.names else None)
 
 
 def _node_mean(groups: ParallelGroups) -> Optional[Callable[[torch.Tensor], None]]:

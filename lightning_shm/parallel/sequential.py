@@ -35,6 +35,22 @@ def find_sequential(module: nn.Module, name: Optional[str] = None) -> tuple[str,
                      "name>' or build the model around an nn.Sequential")
 
 
+def copies_of(module: nn.Module, seq_name: str) -> list[tuple[str, nn.Sequential]]:
+    """The top-level children of ``module`` that copy the architecture of its Sequential ``seq_name``
+    (``copy.deepcopy(self.net)``): Sequentials with the same module types in the same places and the same
+    parameter names and shapes. A BYOL / DINO / mean-teacher EMA target is one, updated by
+    ``zip(teacher.parameters(), net.parameters())``: paired by position with the Sequential's parameters,
+    it must be split as the Sequential is (tensor parallelism does so), or the pairs mismatch -- a shape
+    error, or silently other layers where shapes agree (a pipeline stage holds only its layers)."""
+    seq = module.get_submodule(seq_name) if seq_name else module
+    kinds = [(n, type(m)) for n, m in seq.named_modules()]
+    shapes = [(n, p.shape) for n, p in seq.named_parameters()]
+    return [(n, c) for n, c in module.named_children()
+            if n != seq_name and c is not seq and isinstance(c, nn.Sequential)
+            and [(k, type(m)) for k, m in c.named_modules()] == kinds
+            and [(k, p.shape) for k, p in c.named_parameters()] == shapes]
+
+
 def compiled_original(m: nn.Module) -> Optional[nn.Module]:
     """The module ``torch.compile`` wrapped, if ``m`` is such a wrapper (torch's ``OptimizedModule`` keeps
     it as ``_orig_mod``), else None."""

@@ -41,7 +41,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from lightning_shm.parallel.replaced import carry_over_module
-from lightning_shm.parallel.sequential import find_sequential, layers_of, parameter_holders, shared_spans
+from lightning_shm.parallel.sequential import copies_of, find_sequential, layers_of, parameter_holders, shared_spans
 from lightning_shm.parallel.tp.hooks import whole_tensors_for_hooks
 from lightning_shm.parallel.tp.layers import (
     ColumnParallelConv2d,
@@ -179,7 +179,10 @@ def plan_for(module: nn.Module, plan: Optional[Mapping[str, Any]], tp: int, sequ
     if isinstance(own, Mapping):
         return resolve_plan(module, own)
     prefix, seq = find_sequential(module, sequential)
-    return derive_plan(seq, tp, prefix)
+    plan = derive_plan(seq, tp, prefix)
+    for name, copy in copies_of(module, prefix):  # an EMA teacher is split alike, so the two pair piece with piece
+        plan.update(derive_plan(copy, tp, name))
+    return plan
 
 
 def split_sizes(name: str, layer: nn.Module, lp: LayerPlan, tp: int, parent: Optional[nn.Module]) -> list[int]:
