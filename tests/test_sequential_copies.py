@@ -113,3 +113,28 @@ def test_a_frozen_copy_under_a_pipeline_trains_as_one_process_and_is_noted_once(
     torch.testing.assert_close(flat_params(model), flat_params(one_process[FrozenReference]), rtol=0, atol=1e-10)
     notes = said.read_text().splitlines()
     assert len(notes) == 1 and "['teacher'] copy the architecture of the pipelined nn.Sequential 'net'" in notes[0]
+
+
+class TwoTowers(Teacher):
+    """A second tower of the Sequential's architecture that the optimizer trains (its own weights, not an EMA)."""
+
+    ema = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.teacher.requires_grad_(True)
+
+    def training_step(self, batch, batch_idx):
+        x = batch[0].flatten(1)[:, :32]
+        return F.cross_entropy(self.net(x)[:, :10] + self.teacher(x.flip(-1))[:, :10], batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=0.01)
+
+
+def test_a_copy_the_optimizer_trains_under_a_pipeline_trains_as_one_process():
+    _, one = fit_seeded(TwoTowers, "auto", 1, GLOBAL_BATCH, ref=True, samples=GLOBAL_BATCH * 4)
+    make, devices, dp = PIPELINES["pp2"]
+    _, model = fit_seeded(TwoTowers, make(), devices, GLOBAL_BATCH // dp, samples=GLOBAL_BATCH * 4)
+    torch.testing.assert_close(flat_params(model), flat_params(one), rtol=0, atol=1e-10)
+

@@ -260,6 +260,8 @@ class ParallelState:
         check_optimizers(optimizers, pieces, self.groups.topology.pp)
         if self.fsdp is not None:
             self.fsdp.watch(optimizers)
+        if self.copies is not None:
+            self.copies.skip_optimized({id(p) for o in optimizers for g in o.param_groups for p in g["params"]})
 
     def close(self) -> None:
         if self.reducer is not None:
@@ -291,7 +293,7 @@ def parallelize(module: nn.Module, config: ParallelConfig, world: World, groups:
     stage = engine = starts = copies = None
     if topo.pp > 1:
         copies = SequentialCopies(module, find_sequential(module, config.sequential)[0])  # before the cut
-        if copies.names and world.rank == 0:
+        if copies.frozen and world.rank == 0:
             warnings.warn(copies.note(), stacklevel=2)
         stage, starts = _split_pipeline(module, config, world, groups, plan, sample_input, log)
     tp = TensorParallelState(module, groups.tp, splits) if splits else None

@@ -9,9 +9,10 @@ that stage's layers, so the zip pairs other layers::
                                         zip: teacher b0 <- net b2, teacher b1 <- net b3 (b2, b3 never)
 
 -- a shape error, or, where the layers' shapes agree (identical blocks), silently the wrong teacher, which
-the last stage then runs in the step. A copy used frozen (a reference model) is fine. So the copies are
-watched: a change to their parameters between two training steps -- outside the optimizer, which never
-holds them under a pipeline -- stops the run at the next step, saying why.
+the last stage then runs in the step. A copy used frozen (a reference model) is fine, and so is one the
+optimizer trains (a second tower of the same architecture: its gradients are summed over the stages like
+any parameter outside the Sequential). So the parameters of the copies that no optimizer holds are watched:
+a change to them between two training steps stops the run at the next step, saying why.
 """
 
 from __future__ import annotations
@@ -29,18 +30,30 @@ class SequentialCopies:
         self.seq_name = seq_name
         self.names = [n for n, _ in copies_of(module, seq_name)]
         self._versions: dict[str, list[int]] = {}
+        self._optimized: set[int] = set()  # ids of parameters an optimizer updates: their changes are its steps
+
+    @property
+    def frozen(self) -> list[str]:
+        """The copies without a parameter that requires a gradient (an EMA teacher, a reference model)."""
+        return [n for n in self.names if not any(p.requires_grad for p in self.module.get_submodule(n).parameters())]
+
+    def skip_optimized(self, params: set[int]) -> None:
+        """The run's optimizers hold the parameters with these ids: changes to them are optimizer steps."""
+        self._optimized = params
+        self._versions = {}
 
     def note(self) -> str:
         """Said once at setup where there are copies: a frozen one works, an updated one cannot."""
-        return (f"lightning_shm: {self.names} copy the architecture of the pipelined nn.Sequential "
+        return (f"lightning_shm: {self.frozen} copy the architecture of the pipelined nn.Sequential "
                 f"{self.seq_name!r}. Used frozen (a reference model) that works; updated from {self.seq_name!r}'s "
-                f"parameters (an EMA teacher: zip({self.names[0]}.parameters(), {self.seq_name}.parameters())) it "
+                f"parameters (an EMA teacher: zip({self.frozen[0]}.parameters(), {self.seq_name}.parameters())) it "
                 f"cannot: each stage holds only its own layers of {self.seq_name!r}, so such an update pairs other "
                 "layers -- a shape error, or, where shapes agree, a refusal at the next step. Train such a model with "
                 "shm_ddp, shm_fsdp or shm_tp.")
 
     def _now(self) -> dict[str, list[int]]:  # read at every check: FSDP replaces the parameters by its row blocks
-        return {n: [p._version for p in self.module.get_submodule(n).parameters()] for n in self.names}
+        return {n: [p._version for p in self.module.get_submodule(n).parameters() if id(p) not in self._optimized]
+                for n in self.names}
 
     def check(self) -> None:
         """At a training step's start: refuse a copy changed since the previous step's start."""
