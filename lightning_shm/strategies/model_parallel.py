@@ -411,7 +411,8 @@ class SHMModelParallel(SHMStrategyBase):
         if sync_grads and self._in_stage_step and not self._warned_step_gather:
             self._warned_step_gather = True
             dp = self.data_parallel_group()
-            if dp is None or dp.index == 0:  # one warning per run: the last stage's first replica
+            first = (dp is None or dp.index == 0) and self.topology().coords(self.local_rank).tp == 0
+            if first:  # one warning per run: the last stage's first replica, its first tp member
                 rows = tensor.shape[0] if tensor.dim() else 1
                 warnings.warn(
                     f"lightning_shm: self.all_gather(..., sync_grads=True) in a pipeline's step gathers {rows} rows "
