@@ -291,3 +291,33 @@ def test_a_stream_sharded_by_the_strategys_kwargs_trains_as_one_process(layout):
 
     strategy = mp(dp, tp, pp, "shard" if dp > 1 else "replicate")
     torch.testing.assert_close(fit(strategy, dp * tp * pp), fit("auto", 1), rtol=0, atol=1e-12)
+
+
+class GathersPredictions(MNISTClassifier):
+    """Appends each validation batch's predictions; gathers them at the epoch's end, as users compute AUROC."""
+
+    def on_validation_epoch_start(self):
+        self.preds = []
+
+    def validation_step(self, batch, batch_idx):
+        self.preds.append(self(batch[0]).softmax(-1)[:, 0])
+
+    def on_validation_epoch_end(self):
+        gathered = self.all_gather(torch.cat(self.preds)).reshape(-1)
+        self.log("gathered_rows", float(len(gathered)))
+        self.log("gathered_sum", gathered.double().sum())
+
+
+@pytest.mark.parametrize("dp, tp, pp", [(1, 2, 1), (1, 1, 2), (2, 1, 2), (1, 2, 2)])
+def test_predictions_gathered_at_the_epochs_end_hold_each_sample_once(dp, tp, pp):
+    """Until 2026-12-03 ``self.all_gather`` gathered every rank: tp members and pipeline stages (which all hold the
+    replica's predictions) contributed them again -- 96 rows for 48 samples, their sum doubled."""
+    ds = mnist_like(48, seed=3)
+    pl.seed_everything(SEED)
+    one = trainer(devices=1).validate(GathersPredictions(), DataLoader(ds, batch_size=GLOBAL_BATCH), verbose=False)
+    pl.seed_everything(SEED)
+    ours = trainer(strategy=mp(dp, tp, pp), devices=dp * tp * pp).validate(
+        GathersPredictions(), DataLoader(ds, batch_size=GLOBAL_BATCH // dp), verbose=False)
+    assert ours[0]["gathered_rows"] == one[0]["gathered_rows"] == 48
+    assert ours[0]["gathered_sum"] == pytest.approx(one[0]["gathered_sum"], rel=1e-6)
+
