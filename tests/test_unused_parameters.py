@@ -130,6 +130,8 @@ def test_a_unit_per_expert_that_ranks_skip_differently_is_refused_naming_the_uni
     """FSDP units must run on every rank in one order. Before 2026-12-03 units of equal sizes reduced in different
     orders exchanged their gradients silently; the run failed only when the checkpoint gathered Adam's states."""
     per_expert = SHMFSDPStrategy(start_method="fork", unit_policy=lambda name, m: name.startswith("net.3.experts."))
-    with pytest.raises(CollectiveMismatchError, match=r"(?s)site=.*reduced in different orders.*unit 'net\.3\.experts"):
+    with pytest.raises(CollectiveMismatchError, match=r"(?s)site=.*reduced in different orders on the ranks \(this "
+                                                      r"rank reduced unit 'net\.3\.experts\.\d'; another unit "
+                                                      r"'net\.3\.experts\.\d'\)"):
         fit_seeded(MixtureOfExperts, per_expert, 2, GLOBAL_BATCH // 2, samples=GLOBAL_BATCH * 4)
 

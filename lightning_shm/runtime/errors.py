@@ -6,7 +6,7 @@ processes can be understood from the single traceback the main process re-raises
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 
 class SHMRuntimeError(RuntimeError):
@@ -36,7 +36,16 @@ class BarrierTimeoutError(SHMRuntimeError, TimeoutError):
 
 
 class CollectiveMismatchError(SHMRuntimeError):
-    """Ranks of one group entered different collectives (kind, dtype, size, reduce op or source, sequence number)."""
+    """Ranks of one group entered different collectives (kind, dtype, size, reduce op or source, sequence number).
+    ``mine`` / ``theirs``: the two descriptors (seq, coll, dtype, numel, arg), for callers that say it their way."""
+
+    def __init__(self, message: str, mine: Optional[dict[str, int]] = None,
+                 theirs: Optional[dict[str, int]] = None) -> None:
+        super().__init__(message)
+        self.mine, self.theirs = mine or {}, theirs or {}
+
+    def __reduce__(self) -> Any:  # keep the descriptors (and notes) across the pipe to the main process
+        return (type(self), (self.args[0] if self.args else "", self.mine, self.theirs), self.__dict__)
 
 
 class WorkerDiedError(SHMRuntimeError):

@@ -39,12 +39,12 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from lightning_shm.runtime.barrier import ROW_WORDS, Barrier
+from lightning_shm.runtime.ops import SHARED_FLAG as _SHARED_FLAG
+from lightning_shm.runtime.ops import SITE as _SITE
 from lightning_shm.runtime.ops import Coll, ReduceOp, check_reducible, dtype_code, even_split, fold, fold_onto_own
 from lightning_shm.runtime.segment import Segment, align_up, normal_views
 from lightning_shm.runtime.wait import Waiter
 
-_SHARED_FLAG = 16  # added to the descriptor's op field when the zero-copy path is taken
-_SITE = 32  # a reduce-scatter's ``site`` rides in its op field in multiples of this (see ops.arg_name)
 _PAGE = 4096
 # plain ints for the small collectives' hot path (an enum member looked up through its class costs ~0.2 us)
 _ALL_REDUCE, _ALL_GATHER, _BARRIER = int(Coll.ALL_REDUCE), int(Coll.ALL_GATHER), int(Coll.BARRIER)

@@ -84,18 +84,28 @@ def op_name(code: int) -> str:
         return f"<op {code}>"
 
 
+# A collective's own argument in its barrier descriptor: the reduce op (or source member), plus SHARED_FLAG when
+# the zero-copy path is taken, plus a reduce-scatter's caller site in multiples of SITE (group.py adds them).
+SHARED_FLAG = 16
+SITE = 32
+
+
+def site_of(arg: int) -> int:
+    """The caller site a descriptor's argument carries (0: none given)."""
+    return arg // SITE
+
+
 def arg_name(coll: int, arg: int) -> str:
     """A collective's own argument, as its descriptor carries it (reduce op, or source member)."""
-    zero_copy, site = 16, 32  # group.py adds them: tensors in shared buffers; a reduce-scatter's call site
     if coll in (Coll.ALL_REDUCE, Coll.REDUCE_SCATTER):
         try:
-            name = f"reduce={ReduceOp(arg % zero_copy).name.lower()}"
+            name = f"reduce={ReduceOp(arg % SHARED_FLAG).name.lower()}"
         except ValueError:
             return f"reduce=<{arg}>"
-        where = f", site={arg // site}" if arg >= site else ""
-        return name + (", zero-copy" if arg % site >= zero_copy else "") + where
+        where = f", site={site_of(arg)}" if site_of(arg) else ""
+        return name + (", zero-copy" if arg % SITE >= SHARED_FLAG else "") + where
     if coll in (Coll.BROADCAST, Coll.BROADCAST_OBJECT):
-        return f"src_member={arg % zero_copy}"
+        return f"src_member={arg % SHARED_FLAG}"
     return f"arg={arg}"
 
 

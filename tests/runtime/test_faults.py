@@ -30,6 +30,7 @@ from lightning_shm.runtime import (
     launch,
     stacks,
 )
+from lightning_shm.runtime.ops import site_of
 from lightning_shm.runtime.segment import PREFIX, SHM_DIR, Segment, check_free_space, list_owned, sweep_stale
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -173,8 +174,10 @@ def _site_mismatch(world, shared):
 @pytest.mark.parametrize("shared", [False, True])
 def test_reduce_scatters_from_different_sites_raise(shared):
     """Two FSDP units of equal sizes reduced in different orders would exchange gradients: the site tells them apart."""
-    with pytest.raises(CollectiveMismatchError, match="reduce=mean.*site=1.*site=2|site=2.*site=1"):
+    with pytest.raises(CollectiveMismatchError, match="reduce=mean.*site=1.*site=2|site=2.*site=1") as info:
         launch(_site_mismatch, 2, shared, start_method="fork")
+    # the descriptors travel with the error to the main process, for a caller that names its sites
+    assert {site_of(info.value.mine["arg"]), site_of(info.value.theirs["arg"])} == {1, 2}
 
 
 def _exit_silently(world):

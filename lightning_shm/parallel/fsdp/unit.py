@@ -45,7 +45,6 @@ microbatches, their gradients add up in one full gradient, reduce-scattered once
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
@@ -57,6 +56,7 @@ from lightning_shm.parallel.fsdp.prefetch import Prefetcher
 from lightning_shm.parallel.replaced import accumulate_grad, carry_over
 from lightning_shm.runtime import Group, SharedBuffer, even_split
 from lightning_shm.runtime.errors import CollectiveMismatchError
+from lightning_shm.runtime.ops import site_of
 
 GATHERS = ("view", "copy")
 
@@ -324,19 +324,19 @@ class FSDPUnit:
                 + [flags], "mean", sizes=[[k * b.row_numel for k in b.rows] for _, b, _ in taken] + [[len(taken)] * W],
                 across=self.across, site=self.index + 1)
         except CollectiveMismatchError as e:
-            raise CollectiveMismatchError(self._out_of_order(str(e))) from e
+            raise CollectiveMismatchError(self._out_of_order(e), e.mine, e.theirs) from e
         for (i, b, _), part, anywhere in zip(taken, parts, parts[-1].tolist()):
             if anywhere > 0:
                 out[i] = part.view(b.rows[r], *b.shape[1:])
         return out
 
-    def _out_of_order(self, message: str) -> str:
+    def _out_of_order(self, e: CollectiveMismatchError) -> str:
         """The runtime's mismatch, said in units: a site is a unit's index + 1 (see :meth:`reduce_scatter`)."""
-        names = [self.unit_names[i - 1] if 0 < i <= len(self.unit_names) else f"#{i - 1}"
-                 for i in map(int, re.findall(r"site=(\d+)", message))]
+        theirs = site_of(e.theirs.get("arg", 0)) if e.theirs.get("coll") == e.mine.get("coll") else 0
         said = f" (this rank reduced unit '{self.name}'; another " + (
-            f"unit '{names[-1]}')" if len(names) > 1 else "rank entered another collective)")
-        return (f"{message}\nFSDP units' gradients were reduced in different orders on the ranks{said}. Every rank "
+            f"unit '{self.unit_names[theirs - 1]}')" if 0 < theirs <= len(self.unit_names)
+            else "rank entered another collective)")
+        return (f"{e}\nFSDP units' gradients were reduced in different orders on the ranks{said}. Every rank "
                 "must run every unit's forward and backward in every step, in one order, as torch's FSDP requires: a "
                 "unit that some ranks' samples skip -- a unit per expert of a mixture of experts -- breaks it. Keep "
                 "such modules in one unit (the default policy takes each child of the Sequential whole), or use "
