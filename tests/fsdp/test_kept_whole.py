@@ -1,6 +1,7 @@
 """Parameters FSDP keeps whole on every rank: the LightningModule's own (read in its step, where no unit's
-forward hook sees the read) and 0-d ones (no rows to cut) -- once refused, now replicated with their
-gradients averaged (``parallel/fsdp/policy.py``, ``kept_whole``)."""
+forward hook sees the read), those of parameter containers it holds and 0-d ones (no rows to cut) -- once
+refused, now replicated with their gradients averaged (``parallel/fsdp/policy.py``, ``kept_whole``) -- and
+a container's parameters inside a module outside the Sequential, gathered around that module's forward."""
 
 from __future__ import annotations
 
@@ -40,22 +41,57 @@ class Scaled(MNISTClassifier):
         return nn.functional.cross_entropy(logits, y)
 
 
+class _Affine(nn.Module):
+    """A per-class gain and bias kept in containers: its forward reads them, the containers have none."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.gain = nn.ParameterList([nn.Parameter(torch.linspace(0.5, 1.5, n))])
+        self.bias = nn.ParameterDict({"b": nn.Parameter(torch.zeros(n))})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.gain[0] + self.bias["b"]
+
+
+class Prompted(MNISTClassifier):
+    """Per-task input prompts in an ``nn.ParameterDict`` and layer-mixing weights in an ``nn.ParameterList``
+    held by the module, read in its step; a head outside the Sequential whose parameters live in containers.
+    Until 2026-12-04 each container was a unit no forward gathered: the step read the rank's rows
+    ("The size of tensor a (784) must match the size of tensor b (392)")."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.prompts = nn.ParameterDict({"digits": nn.Parameter(torch.zeros(784)),
+                                         "unused": nn.Parameter(torch.zeros(784))})
+        self.mix = nn.ModuleDict({"w": nn.ParameterList([nn.Parameter(torch.full((1,), 0.7)),
+                                                         nn.Parameter(torch.full((2,), 0.2))])})
+        self.head = _Affine(10)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        w0, w1 = self.mix["w"]
+        logits = self.head(self(x.flatten(1) + self.prompts["digits"]) * w0 + w1.sum())
+        return nn.functional.cross_entropy(logits, y)
+
+
+@pytest.mark.parametrize("model_cls", [Scaled, Prompted])
 @pytest.mark.parametrize("layout", ["fsdp", "fsdp-copy", "dp2xpp2-shard"])
-def test_module_and_scalar_parameters_train_as_in_one_process(layout):
+def test_module_and_scalar_parameters_train_as_in_one_process(layout, model_cls):
     """Clipped by the global norm: a replicated gradient must count once, not once per rank."""
     strategy, devices, dp = layouts(layout)[layout]
-    kw = dict(model_cls=Scaled, buffers=True, gradient_clip_val=0.5)
+    kw = dict(model_cls=model_cls, buffers=True, gradient_clip_val=0.5)
     ref = train_mnist("auto", 1, "adam", batch=GLOBAL_BATCH, ref=True, **kw)
     got = train_mnist(strategy(), devices, "adam", batch=GLOBAL_BATCH // dp, **kw)
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-9)
 
 
-def test_checkpoint_is_plain_and_resumes_as_uninterrupted(tmp_path):
+@pytest.mark.parametrize("model_cls", [Scaled, Prompted])
+def test_checkpoint_is_plain_and_resumes_as_uninterrupted(tmp_path, model_cls):
     ds = mnist_like(GLOBAL_BATCH * 2, seed=1)
 
     def fit(epochs, ckpt_path=None, callbacks=()):
         pl.seed_everything(SEED)
-        model = Scaled(optimizer="adam", lr=0.01)
+        model = model_cls(optimizer="adam", lr=0.01)
         t = trainer(strategy="shm_fsdp_fork", devices=2, max_epochs=epochs, precision="64-true",
                     enable_checkpointing=bool(callbacks), callbacks=list(callbacks))
         t.fit(model, loader(ds, GLOBAL_BATCH // 2), ckpt_path=ckpt_path)
@@ -65,7 +101,7 @@ def test_checkpoint_is_plain_and_resumes_as_uninterrupted(tmp_path):
     ckpt = ModelCheckpoint(dirpath=tmp_path)
     fit(1, callbacks=[ckpt])
     saved = torch.load(ckpt.best_model_path, weights_only=False)
-    plain = Scaled()
+    plain = model_cls()
     assert {k: v.shape for k, v in saved["state_dict"].items()} == {k: v.shape for k, v in plain.state_dict().items()}
     plain.load_state_dict(saved["state_dict"])
     torch.optim.Adam(plain.parameters()).load_state_dict(saved["optimizer_states"][0])

@@ -2,7 +2,8 @@
 
 Default: every child of the model's top-level ``nn.Sequential`` that owns parameters (for the
 reference MLP: the three Linear and two LayerNorm layers); parameters outside the Sequential go to
-a unit per owning module. ``min_unit_params`` merges consecutive small Sequential children into one
+a unit per module whose forward reads them (the owner; for a parameter container, which has no forward,
+the nearest enclosing module that is not one). ``min_unit_params`` merges consecutive small Sequential children into one
 unit (fewer collectives); a callable ``policy(name, module) -> bool`` marks unit roots explicitly,
 like torch FSDP's ``auto_wrap_policy``.
 
@@ -66,12 +67,23 @@ class UnitPolicy:
         raise ValueError(f"unit policy must be None, an int (min_unit_params) or a callable, got {policy!r}")
 
 
+# modules without a forward of their own: what they hold is read directly, never inside a call of theirs
+CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
+
+
 def kept_whole(module: nn.Module) -> dict[str, nn.Parameter]:
     """Parameters no unit can gather, which FSDP keeps whole on every rank (their gradients averaged, as
     DDP does): the module's own -- a LightningModule's learned temperature, read in its step, where no
-    submodule's forward hook sees the read -- and 0-d ones (no rows to cut). Small by nature: 1/W of
-    them would save nothing."""
-    own = {id(p) for p in module.parameters(recurse=False)}
+    submodule's forward hook sees the read --, those of the parameter containers it holds (an
+    ``nn.ParameterDict`` of per-task prompts, an ``nn.ParameterList`` of layer-mixing weights, also inside
+    a ``ModuleDict`` / ``ModuleList``: they have no forward, so every read is direct) and 0-d ones (no rows
+    to cut). Small by nature: 1/W of them would save little."""
+    read_directly, todo = [], [module]
+    while todo:  # the module and the containers reachable from it through containers only
+        m = todo.pop()
+        read_directly.append(m)
+        todo.extend(c for c in m.children() if isinstance(c, CONTAINERS))
+    own = {id(p) for m in read_directly for p in m.parameters(recurse=False)}
     return {n: p for n, p in module.named_parameters() if id(p) in own or p.dim() == 0}
 
 
@@ -121,15 +133,21 @@ def find_units(module: nn.Module, policy: UnitPolicy,
                     if id(p) not in claimed:
                         claimed.add(id(p))
                         unit.params.append((f"{sub}.{attr}" if sub else attr, owner, attr, p))
-    # parameters outside every unit: one unit per owning module
-    for owner_name, owner in module.named_modules():
-        leftovers = [(a, p) for a, p in owner.named_parameters(recurse=False) if id(p) not in claimed]
-        if leftovers:
-            u = UnitSpec(name=owner_name or "<root>", modules=[(owner_name, owner)])
-            for a, p in leftovers:
-                claimed.add(id(p))
-                u.params.append((f"{owner_name}.{a}" if owner_name else a, owner, a, p))
-            units.append(u)
+    # parameters outside every unit: one unit per module whose forward reads them -- the owner, or for a
+    # container's parameters (a head's nn.ParameterList) the nearest enclosing module that is not a container
+    modules = dict(module.named_modules())
+    outside: dict[str, UnitSpec] = {}
+    for owner_name, owner in modules.items():
+        for a, p in owner.named_parameters(recurse=False):
+            if id(p) in claimed:
+                continue
+            caller = owner_name
+            while caller and isinstance(modules[caller], CONTAINERS):
+                caller = caller.rpartition(".")[0]
+            u = outside.setdefault(caller, UnitSpec(name=caller or "<root>", modules=[(caller, modules[caller])]))
+            claimed.add(id(p))
+            u.params.append((f"{owner_name}.{a}" if owner_name else a, owner, a, p))
+    units.extend(outside.values())
     units = [u for u in units if u.params]
     _check_shared(module, units)
     for u in units:  # execution order within a unit = parameter registration order
