@@ -289,7 +289,7 @@ def test_torch_transformer_encoder_layers_equal_one_process(name):
     ("encoder", lambda: SHMFSDPStrategy(start_method="fork",
                                         unit_policy=lambda name, m: isinstance(m, torch.nn.Linear)),
      r"TransformerEncoderLayer 'net.1' reads 'net.1.self_attn.out_proj.weight' in its own forward .* FSDP unit "
-     r"'net.1.self_attn.out_proj' holds it and 'net.1' runs in no unit"),
+     r"'net.1.self_attn.out_proj' holds it and 'net.1' runs in unit 'net.1'"),  # the leftovers' unit
     ("attention", lambda: SHMFSDPStrategy(start_method="fork", unit_policy=lambda name, m: isinstance(
         m, (torch.nn.Linear, torch.nn.MultiheadAttention))),
      r"MultiheadAttention 'net.1.attn' reads 'net.1.attn.out_proj.weight' in its own forward .* FSDP unit "
@@ -321,3 +321,43 @@ class TorchAttention(MNISTClassifier):
     def __init__(self, **kw):
         super().__init__(**kw)
         self.net = torch.nn.Sequential(RowEmbedding(16), _AttentionBlock(16), Head(16, 10))
+
+
+class PooledByAttention(MNISTClassifier):
+    """Modules torch's attention reads itself, outside the Sequential: a ``nn.TransformerEncoderLayer`` after it
+    and an attention-pooling head (``nn.MultiheadAttention`` with a learned query). Until 2026-12-04 shm_fsdp
+    gave each of their children a unit of its own and refused the model ("MultiheadAttention 'pool' reads
+    'pool.out_proj.weight' in its own forward ...") although no unit policy was given."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        d = 16
+        self.net = torch.nn.Sequential(RowEmbedding(d), torch.nn.LayerNorm(d))
+        self.enc = torch.nn.TransformerEncoderLayer(d, 4, 32, dropout=0.0, batch_first=True)
+        self.query = torch.nn.Parameter(torch.randn(1, 1, d) * 0.1)
+        self.pool = torch.nn.MultiheadAttention(d, 4, batch_first=True)
+        self.head = torch.nn.Linear(d, 10)
+
+    def forward(self, x):
+        h = self.enc(self.net(x))
+        return self.head(self.pool(self.query.expand(len(h), -1, -1), h, h, need_weights=False)[0][:, 0])
+
+
+@pytest.mark.parametrize("name", ["fsdp", "fsdp-copy", "dp2xpp2-shard"])
+def test_attention_modules_outside_the_sequential_equal_one_process(name):
+    """Trained, then validated (the encoder layer's evaluation fast path reads every weight itself)."""
+    strategy, devices, dp = layouts(name)[name]
+
+    def fit(strategy, devices, batch, ref):
+        pl.seed_everything(SEED)
+        model = PooledByAttention(optimizer="adam", lr=0.01)
+        ds = mnist_like(GLOBAL_BATCH * 3, seed=1)
+        t = trainer(strategy=strategy, devices=devices, max_epochs=1, precision="64-true")
+        t.fit(model, reference_loader(ds, batch, SEED) if ref else loader(ds, batch),
+              DataLoader(ds, batch_size=GLOBAL_BATCH // dp))
+        return flat_params(model), float(t.callback_metrics["val_loss"])
+
+    ref, ref_loss = fit("auto", 1, GLOBAL_BATCH, True)
+    got, loss = fit(strategy(), devices, GLOBAL_BATCH // dp, False)
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-9)
+    assert loss == pytest.approx(ref_loss, abs=1e-9)

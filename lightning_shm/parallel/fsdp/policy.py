@@ -3,9 +3,10 @@
 Default: every child of the model's top-level ``nn.Sequential`` that owns parameters (for the
 reference MLP: the three Linear and two LayerNorm layers); parameters outside the Sequential go to
 a unit per module whose forward reads them (the owner; for a parameter container, which has no forward,
-the nearest enclosing module that is not one). ``min_unit_params`` merges consecutive small Sequential children into one
-unit (fewer collectives); a callable ``policy(name, module) -> bool`` marks unit roots explicitly,
-like torch FSDP's ``auto_wrap_policy``.
+the nearest enclosing module that is not one; for the children of an ``nn.MultiheadAttention`` or
+``nn.TransformerEncoderLayer``, which read them in their own forward, that module). ``min_unit_params``
+merges consecutive small Sequential children into one unit (fewer collectives); a callable
+``policy(name, module) -> bool`` marks unit roots explicitly, like torch FSDP's ``auto_wrap_policy``.
 
 A unit is a list of consecutive modules executed one after the other; its parameters are those of
 the modules' subtrees not claimed by a nested unit.
@@ -133,8 +134,9 @@ def find_units(module: nn.Module, policy: UnitPolicy,
                     if id(p) not in claimed:
                         claimed.add(id(p))
                         unit.params.append((f"{sub}.{attr}" if sub else attr, owner, attr, p))
-    # parameters outside every unit: one unit per module whose forward reads them -- the owner, or for a
-    # container's parameters (a head's nn.ParameterList) the nearest enclosing module that is not a container
+    # parameters outside every unit: one unit per module whose forward reads them -- the owner; for a
+    # container's parameters (a head's nn.ParameterList) the nearest enclosing module that is not a container;
+    # under a READ_BY_PARENT module (an attention-pooling head, an encoder layer) the outermost such module
     modules = dict(module.named_modules())
     outside: dict[str, UnitSpec] = {}
     for owner_name, owner in modules.items():
@@ -144,6 +146,9 @@ def find_units(module: nn.Module, policy: UnitPolicy,
             caller = owner_name
             while caller and isinstance(modules[caller], CONTAINERS):
                 caller = caller.rpartition(".")[0]
+            path = caller.split(".")
+            caller = next((n for n in (".".join(path[:k]) for k in range(1, len(path) + 1))
+                           if isinstance(modules.get(n), READ_BY_PARENT)), caller)
             u = outside.setdefault(caller, UnitSpec(name=caller or "<root>", modules=[(caller, modules[caller])]))
             claimed.add(id(p))
             u.params.append((f"{owner_name}.{a}" if owner_name else a, owner, a, p))
