@@ -16,13 +16,14 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
-from lightning_shm import SHMDDPStrategy, SHMFSDPStrategy, SHMPipeline, SHMTensorParallel
+from lightning_shm import SHMDDPStrategy, SHMFSDPStrategy, SHMModelParallel, SHMPipeline, SHMTensorParallel
 from lightning_shm.models import MNISTClassifier
 from lightning_shm.parallel.ddp import GradReducer
 from lightning_shm.parallel.fsdp import UnitPolicy, find_units
 from lightning_shm.parallel.pipeline.stage import PipelineStage
 from lightning_shm.parallel.sequential import layers_of, shared_spans
 from lightning_shm.parallel.tp import derive_plan
+from lightning_shm.parallel.tp.plan import plan_for
 from tests.helpers import GLOBAL_BATCH, flat_params, layouts, loader, mnist_like, train_mnist, trainer
 
 
@@ -47,7 +48,27 @@ class Tied(MNISTClassifier):
                                  nn.ReLU(), b, nn.ReLU(), nn.Linear(32, 10))
 
 
-MODELS = {"applied-twice": AppliedTwice, "tied": Tied}
+class TiedToEmbedding(MNISTClassifier):
+    """GPT-2's tie: an input embedding outside the Sequential, applied in ``forward``, and the Sequential's
+    output layer with the embedding's weight. Until 2026-12-04 shm_fsdp refused it (no unit runs around both
+    holders) suggesting a policy that cannot select the LightningModule, the pipelines failed with a
+    CollectiveMismatchError (the last stage counted the weight as its own, the first as an outside one), and
+    the derived tensor-parallel plan split the output layer and refused itself."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.embed = nn.Embedding(10, 32)
+        # a derived tp plan pairs net.0 / net.2 and would pair net.6 / net.8 (the Flatten parts the middle one)
+        self.net = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32), nn.Tanh(), nn.Linear(32, 16),
+                                 nn.Flatten(), nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 10, bias=False))
+        self.net[8].weight = self.embed.weight
+
+    def forward(self, x):
+        tokens = (x.flatten(1)[:, :16].sigmoid() * 10).long().clamp(max=9)  # [B, 16] ids from the pixels
+        return self.net(self.embed(tokens).mean(1))
+
+
+MODELS = {"applied-twice": AppliedTwice, "tied": Tied, "tied-to-embedding": TiedToEmbedding}
 RUNS = layouts("ddp", "fsdp", "tp2", "pp2-1f1b", "pp2-zero-bubble", "dp2xpp2-shard")
 
 
@@ -73,9 +94,9 @@ def test_tied_linear_weight_gradients_computed_into_the_buckets_add_up(reference
     torch.testing.assert_close(got, references["tied"], rtol=0, atol=1e-5)
 
 
-def _fit_tied(strategy, devices, epochs, batch, ckpt_dir=None, ckpt_path=None):
+def _fit_tied(strategy, devices, epochs, batch, ckpt_dir=None, ckpt_path=None, model_cls=Tied):
     pl.seed_everything(1)
-    model = Tied(optimizer="adam", lr=1e-3)
+    model = model_cls(optimizer="adam", lr=1e-3)
     callbacks = [ModelCheckpoint(dirpath=ckpt_dir)] if ckpt_dir else []
     t = trainer(strategy=strategy, devices=devices, max_epochs=epochs, enable_checkpointing=bool(callbacks),
                 callbacks=callbacks, precision="64-true")
@@ -83,22 +104,27 @@ def _fit_tied(strategy, devices, epochs, batch, ckpt_dir=None, ckpt_path=None):
     return flat_params(model), (callbacks[0].best_model_path if callbacks else None)
 
 
+TIED_NAMES = {Tied: ("net.3", "net.7"), TiedToEmbedding: ("embed", "net.8")}
+
+
+@pytest.mark.parametrize("model_cls", list(TIED_NAMES))
 @pytest.mark.parametrize("run", ["fsdp", "pp2-1f1b", "dp2xpp2-shard"])
-def test_tied_checkpoint_is_plain_and_resumes(tmp_path, run):
+def test_tied_checkpoint_is_plain_and_resumes(tmp_path, run, model_cls):
     """One entry per name of the tied weight (as one process saves it), one optimizer state for it, and a
     resumed run equal to an uninterrupted one."""
     strategy, devices, dp = RUNS[run]
-    whole, _ = _fit_tied(strategy(), devices, 2, 24 // dp)
-    _, path = _fit_tied(strategy(), devices, 1, 24 // dp, ckpt_dir=tmp_path)
-    resumed, _ = _fit_tied(strategy(), devices, 2, 24 // dp, ckpt_path=path)
+    whole, _ = _fit_tied(strategy(), devices, 2, 24 // dp, model_cls=model_cls)
+    _, path = _fit_tied(strategy(), devices, 1, 24 // dp, ckpt_dir=tmp_path, model_cls=model_cls)
+    resumed, _ = _fit_tied(strategy(), devices, 2, 24 // dp, ckpt_path=path, model_cls=model_cls)
     torch.testing.assert_close(resumed, whole, rtol=0, atol=1e-12)
     ckpt = torch.load(path, weights_only=False)
-    plain = Tied(optimizer="adam", lr=1e-3)
+    plain = model_cls(optimizer="adam", lr=1e-3)
     assert list(ckpt["state_dict"]) == list(plain.state_dict())
-    assert torch.equal(ckpt["state_dict"]["net.3.weight"], ckpt["state_dict"]["net.7.weight"])
+    a, b = TIED_NAMES[model_cls]
+    assert torch.equal(ckpt["state_dict"][f"{a}.weight"], ckpt["state_dict"][f"{b}.weight"])
     torch.optim.Adam(plain.parameters(), lr=1e-3).load_state_dict(ckpt["optimizer_states"][0])
-    single = Tied.load_from_checkpoint(path)
-    assert single.net[3].weight is single.net[7].weight
+    single = model_cls.load_from_checkpoint(path)
+    assert single.get_submodule(a).weight is single.get_submodule(b).weight
 
 
 def test_a_layer_applied_twice_keeps_both_positions():
@@ -129,6 +155,29 @@ def test_derived_tensor_parallel_plan_leaves_tied_layers_whole():
     seq = nn.Sequential(a, nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), b)
     plan = {n: lp.style for n, lp in derive_plan(seq, 2).items()}
     assert plan == {"2": "column", "4": "row"}
+
+
+class TiedHeadAlone(TiedToEmbedding):
+    """The tied layer and a Tanh as the last stage: under dp x pp sharded, a stage whose only parameter FSDP keeps
+    whole -- no unit to form, which is not the mistake of a unit policy selecting nothing."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.net = nn.Sequential(nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 10, bias=False))
+        self.net[2].weight = self.embed.weight
+
+
+def test_a_stage_whose_parameters_fsdp_keeps_whole_trains_as_in_one_process():
+    ref = train_mnist("auto", 1, "sgd", batch=GLOBAL_BATCH, ref=True, model_cls=TiedHeadAlone)
+    strategy = SHMModelParallel(start_method="fork", data_parallel_size=2, pipeline_parallel_size=2,
+                                data_parallel="shard", microbatches=2, split_points=[1])
+    got = train_mnist(strategy, 4, "sgd", batch=GLOBAL_BATCH // 2, model_cls=TiedHeadAlone)
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
+
+
+def test_the_derived_plan_for_a_model_leaves_a_layer_tied_to_a_module_outside_the_sequential_whole():
+    plan = {n: lp.style for n, lp in plan_for(TiedToEmbedding(), None, 2).items()}
+    assert plan == {"net.0": "column", "net.2": "row"}  # net.6 / net.8 would pair: net.8 holds the embedding
 
 
 class BatchNormTwice(MNISTClassifier):

@@ -32,7 +32,7 @@ from torch import nn
 from lightning_shm.parallel.ddp import GradReducer, sparse_grad_parameters
 from lightning_shm.parallel.ddp.sync_batchnorm import convert_sync_batchnorm
 from lightning_shm.parallel.fsdp import FSDPState, UnitPolicy, find_units
-from lightning_shm.parallel.fsdp.policy import PolicyFn
+from lightning_shm.parallel.fsdp.policy import PolicyFn, selects_nothing, tied_outside
 from lightning_shm.parallel.fsdp.unit import check_gather
 from lightning_shm.parallel.optimizers import check_optimizers
 from lightning_shm.parallel.pipeline import PipelineEngine, PipelineSchedule, PipelineStage, Schedule
@@ -162,7 +162,8 @@ def validate(module: nn.Module, config: ParallelConfig, world_size: int, batch_s
             raise ValueError(f"batch size {batch_size} is not divisible by microbatches={config.microbatches}")
     if config.shard and topo.dp > 1:  # units of the whole model: a policy's mistakes show before any stage cut
         layers = _layers(module, config)
-        if not find_units(module, config.policy, layers):
+        find_units(module, config.policy, layers)  # refuses units that would separate a shared parameter
+        if selects_nothing(module, config.policy):
             raise ValueError(f"the FSDP unit policy selected no module with parameters in {type(module).__name__}: "
                              "nothing to shard")
 
@@ -281,6 +282,8 @@ def parallelize(module: nn.Module, config: ParallelConfig, world: World, groups:
     originals = remember(module)
     plain_keys = list(module.state_dict())
     plain_params = [n for n, _ in module.named_parameters()]
+    first: dict[int, str] = {}
+    aliases = {n: first.setdefault(id(p), n) for n, p in module.named_parameters(remove_duplicate=False)}
     plan = _tp_plan(module, config, topo.tp) if topo.tp > 1 else {}
     splits = check_plan(module, plan, topo.tp) if plan else {}  # on the whole model, before any stage cut
     # after the plan, checked on the user's BatchNorm types (sliced per channel by tp, each slice synced over dp);
@@ -291,6 +294,7 @@ def parallelize(module: nn.Module, config: ParallelConfig, world: World, groups:
         kinds = (nn.modules.batchnorm._BatchNorm,) if config.sync_batchnorm else (nn.SyncBatchNorm,)
         convert_sync_batchnorm(module, groups.dp, kinds)
     stage = engine = starts = copies = None
+    tied = tied_outside(module)  # on the whole model: after the cut a stage may hold one of the holders only
     if topo.pp > 1:
         copies = SequentialCopies(module, find_sequential(module, config.sequential)[0])  # before the cut
         if copies.frozen and world.rank == 0:
@@ -306,7 +310,7 @@ def parallelize(module: nn.Module, config: ParallelConfig, world: World, groups:
     fsdp = reducer = None
     if topo.dp > 1 and config.shard:  # FSDP inside the node; several nodes: replicas of it (HSDP)
         fsdp = FSDPState(module, groups.node_dp, config.policy, config.reshard_after_forward, config.prefetch,
-                         layers=layers, across=_node_mean(groups), gather=config.gather)
+                         layers=layers, across=_node_mean(groups), gather=config.gather, tied=tied)
         placements = {**placements, **fsdp.placements(placements)}
         if groups.nodes > 1:
             placements = {n: p.replicated(groups.nodes) for n, p in placements.items()}
@@ -333,7 +337,7 @@ def parallelize(module: nn.Module, config: ParallelConfig, world: World, groups:
     state = ModelState(module, plain_keys, plain_params, placements, stages=groups.pp if topo.pp > 1 else None,
                        before_load=fsdp.before_shards_written if fsdp is not None else None,
                        after_load=fsdp.after_shards_written if fsdp is not None else None,
-                       stage_rows=stage_rows(module) if stage is not None else None)
+                       stage_rows=stage_rows(module) if stage is not None else None, aliases=aliases)
     return ParallelState(module, groups, state, stage, engine, starts, tp, fsdp, reducer, outside, originals,
                          copies if copies is not None and copies.names else None)
 

@@ -92,6 +92,14 @@ def parameter_holders(module: nn.Module, prefix: str = "") -> dict[int, list[tup
     return out
 
 
+def held_outside(module: nn.Module, part: nn.Module) -> set[int]:
+    """Ids of the parameters some module of ``module`` outside ``part`` holds -- with ``part``'s own, those
+    tied to a module outside it (GPT-2's input embedding, applied in the step, tied to the Sequential's
+    output layer)."""
+    inside = {id(m) for m in part.modules()}
+    return {id(p) for m in module.modules() if id(m) not in inside for p in m.parameters(recurse=False)}
+
+
 @dataclass(frozen=True)
 class SharedSpan:
     """Layers of a Sequential (``positions``, at least two) that hold the same parameter (``names``: its

@@ -52,14 +52,19 @@ class ModelState:
             ones before all are written.
         stage_rows: per state key, ``(first row, rows, full rows)`` when this stage holds only those rows
             of the entry (a Linear cut by rows between two stages).
+        aliases: per ``named_parameters(remove_duplicate=False)`` name of the plain module, the name
+            ``named_parameters()`` gives that parameter (its first holder's): a stage may hold a tied parameter
+            under another holder's name only (GPT-2's embedding on the first stage, tied to the last layer).
     """
 
     def __init__(self, module: nn.Module, plain_keys: Sequence[str], plain_params: Sequence[str],
                  placements: Mapping[str, Placement], stages: Optional[Group] = None,
                  before_load: Optional[Callable[[], None]] = None,
                  after_load: Optional[Callable[[], None]] = None,
-                 stage_rows: Optional[Mapping[str, tuple[int, int, int]]] = None) -> None:
+                 stage_rows: Optional[Mapping[str, tuple[int, int, int]]] = None,
+                 aliases: Optional[Mapping[str, str]] = None) -> None:
         self.module = module
+        self.aliases = dict(aliases or {})
         self.stage_rows = dict(stage_rows or {})
         if self.stage_rows and (stages is None or stages.size == 1):
             raise ValueError(f"{sorted(self.stage_rows)} hold only some rows, but there is no pipeline stage to "
@@ -82,10 +87,12 @@ class ModelState:
         return {id(p): n for n, p in self.module.named_parameters()}
 
     def _plain_ids(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-        """The id each of the optimizer's parameters has in one process's optimizer (collective over the
-        pipeline group): groups in order, each group's parameters in the plain module's order."""
+        """The id each of the optimizer's parameters (by this rank's name) has in one process's optimizer
+        (collective over the pipeline group): groups in order, each group's parameters in the plain module's
+        order."""
         names = self._names()
-        local = [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
+        plain = {n: self.aliases.get(n, n) for n in names.values()}
+        local = [[plain[names[id(p)]] for p in g["params"]] for g in optimizer.param_groups]
         unknown = [id(p) for g in optimizer.param_groups for p in g["params"] if id(p) not in names]
         if unknown:
             raise ValueError(f"the optimizer holds {len(unknown)} tensor(s) that are not parameters of the module")
@@ -100,7 +107,7 @@ class ModelState:
             for pos, n in enumerate(sorted(g, key=order.__getitem__)):
                 ids[n] = offset + pos
             offset += len(g)
-        return ids
+        return {n: ids[p] for n, p in plain.items() if p in ids}  # by this rank's names
 
     # ------------------------------------------------------------------ any state dict of this layout
     def consolidate(self, local: Mapping[str, Any]) -> dict[str, Any]:

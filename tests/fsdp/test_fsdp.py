@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 import lightning_shm  # noqa: F401
-from lightning_shm import SHMFSDPStrategy
+from lightning_shm import SHMFSDPStrategy, SHMModelParallel
 from lightning_shm.models import MNISTClassifier
 from lightning_shm.parallel.fsdp import FSDPState, UnitPolicy, find_units
 from lightning_shm.parallel.state import ModelState
@@ -408,3 +408,23 @@ def test_a_forward_changing_parameters_in_place_is_refused(gather):
     with pytest.raises(RuntimeError, match=r"the forward changed parameter\(s\) \['net.1.weight'\] in place"):
         train_mnist(SHMFSDPStrategy(start_method="fork", gather=gather), 2, "adam", batch=GLOBAL_BATCH // 2,
                     model_cls=RenormalisedEmbedding)
+
+
+@pytest.mark.parametrize("policy", [lambda name, m: name == "net.1",  # a module on the first stage only
+                                    lambda name, m: isinstance(m, nn.Linear) and m.out_features == 10],  # the last
+                         ids=["first-stage", "last-stage"])
+def test_a_unit_policy_selecting_modules_of_one_stage_shards_every_stage(policy):
+    """The stage holding none of the selected modules gives its parameters units of their own, as the whole model
+    does. Until 2026-12-04 it was refused there ("the FSDP unit policy selected no module with parameters"),
+    after the policy had passed the check on the whole model."""
+    ref = train_mnist("auto", 1, "sgd", batch=GLOBAL_BATCH, ref=True)
+    strategy = SHMModelParallel(start_method="fork", data_parallel_size=2, pipeline_parallel_size=2,
+                                data_parallel="shard", microbatches=2, unit_policy=policy, split_points=[4])
+    got = train_mnist(strategy, 4, "sgd", batch=GLOBAL_BATCH // 2)
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
+
+
+def test_a_unit_policy_selecting_nothing_is_refused(no_worker_starts):
+    with pytest.raises(ValueError, match="the FSDP unit policy selected no module with parameters in MNISTClassifier"):
+        train_mnist(SHMFSDPStrategy(start_method="fork", unit_policy=lambda name, m: False), 2, "sgd",
+                    batch=GLOBAL_BATCH // 2)

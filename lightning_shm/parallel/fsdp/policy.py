@@ -72,33 +72,52 @@ class UnitPolicy:
 CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
 
 
-def kept_whole(module: nn.Module) -> dict[str, nn.Parameter]:
+def tied_outside(module: nn.Module) -> set[int]:
+    """Ids of the parameters a module outside the Sequential shares with another module (GPT-2's input
+    embedding, applied in the step, tied to the Sequential's output layer)."""
+    try:
+        inside = {id(m) for m in find_sequential(module)[1].modules()}
+    except ValueError:
+        inside = set()
+    return {pid for pid, holders in parameter_holders(module).items()
+            if len(mods := {id(m) for _, m in holders}) > 1 and not mods <= inside}
+
+
+def kept_whole(module: nn.Module, tied: Optional[set[int]] = None) -> dict[str, nn.Parameter]:
     """Parameters no unit can gather, which FSDP keeps whole on every rank (their gradients averaged, as
     DDP does): the module's own -- a LightningModule's learned temperature, read in its step, where no
     submodule's forward hook sees the read --, those of the parameter containers it holds (an
     ``nn.ParameterDict`` of per-task prompts, an ``nn.ParameterList`` of layer-mixing weights, also inside
-    a ``ModuleDict`` / ``ModuleList``: they have no forward, so every read is direct) and 0-d ones (no rows
-    to cut). Small by nature: 1/W of them would save little."""
+    a ``ModuleDict`` / ``ModuleList``: they have no forward, so every read is direct), 0-d ones (no rows
+    to cut) and :func:`tied_outside` ones (``tied``: found on the whole model, before a pipeline cut hid
+    one of the holders from this stage): no one unit runs around both holders. Mostly small: 1/W of them
+    would save little (a tied embedding is the exception; it costs its size on every rank)."""
     read_directly, todo = [], [module]
     while todo:  # the module and the containers reachable from it through containers only
         m = todo.pop()
         read_directly.append(m)
         todo.extend(c for c in m.children() if isinstance(c, CONTAINERS))
-    own = {id(p) for m in read_directly for p in m.parameters(recurse=False)}
-    return {n: p for n, p in module.named_parameters() if id(p) in own or p.dim() == 0}
+    whole = {id(p) for m in read_directly for p in m.parameters(recurse=False)}
+    whole |= tied_outside(module) if tied is None else tied
+    return {n: p for n, p in module.named_parameters() if id(p) in whole or p.dim() == 0}
 
 
-def find_units(module: nn.Module, policy: UnitPolicy,
-               layers: Optional[list[tuple[str, nn.Module]]] = None) -> list[UnitSpec]:
+def selects_nothing(module: nn.Module, policy: UnitPolicy) -> bool:
+    """A unit policy that selects no module holding parameters: a mistake, not "shard everything per module".
+    Checked on the whole model -- a pipeline stage may well hold none of the selected modules."""
+    return policy.fn is not None and not any(
+        p.numel() for n, m in module.named_modules() if n and policy.fn(n, m) for p in m.parameters())
+
+
+def find_units(module: nn.Module, policy: UnitPolicy, layers: Optional[list[tuple[str, nn.Module]]] = None,
+               tied: Optional[set[int]] = None) -> list[UnitSpec]:
     """Units in execution order of ``layers`` (qualified name, module) -- by default the children of the
     model's Sequential -- and registration order for everything else. :func:`kept_whole` parameters
     belong to no unit."""
-    exclude = frozenset(id(p) for p in kept_whole(module).values())
+    exclude = frozenset(id(p) for p in kept_whole(module, tied).values())
     roots: list[list[tuple[str, nn.Module]]] = []
-    if policy.fn is not None:
+    if policy.fn is not None:  # the rest of the parameters: units of their own, as below
         roots = [[(n, m)] for n, m in module.named_modules() if n and policy.fn(n, m)]
-        if not any(p.numel() for mods in roots for _, m in mods for p in m.parameters()):
-            return []  # a policy that selects nothing is a mistake, not "shard everything per module"
     else:
         if layers is None:
             try:

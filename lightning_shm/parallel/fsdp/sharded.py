@@ -38,18 +38,16 @@ class FSDPState:
     def __init__(self, module: nn.Module, group: Group, policy: Union[None, int, PolicyFn, UnitPolicy] = None,
                  reshard_after_forward: bool = True, prefetch: bool = False,
                  layers: Optional[list[tuple[str, nn.Module]]] = None,
-                 across: Optional[Callable[[torch.Tensor], None]] = None, gather: str = "view") -> None:
+                 across: Optional[Callable[[torch.Tensor], None]] = None, gather: str = "view",
+                 tied: Optional[set[int]] = None) -> None:
         check_gather(gather, reshard_after_forward, prefetch)
         self.module = module
         self.group = group
         self.across = across
-        self.replicated = kept_whole(module)  # whole on every rank, gradients averaged
+        self.replicated = kept_whole(module, tied)  # whole on every rank, gradients averaged
         self._averaging: dict[int, Any] = {}  # id -> hook handle, for those requiring gradients
         self._follow_requires_grad()
-        specs = find_units(module, UnitPolicy.parse(policy), layers)
-        if not specs:
-            raise ValueError(f"the FSDP unit policy selected no module with parameters in {type(module).__name__}: "
-                             "nothing to shard")
+        specs = find_units(module, UnitPolicy.parse(policy), layers, tied)
         owners: dict[int, list[tuple[nn.Module, str]]] = {}
         for m in module.modules():
             for attr, p in m._parameters.items():

@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from lightning_shm.parallel.sequential import held_outside
 from lightning_shm.runtime import Group
 
 
@@ -35,7 +36,9 @@ class OutsideParameters:
     (the pipeline group) of the gradients of those that require one. Every stage constructs it alike."""
 
     def __init__(self, module: nn.Module, stage: nn.Module, group: Group) -> None:
-        inside = {id(p) for p in stage.parameters()}
+        # a stage layer's parameter a module outside also holds (GPT-2's input embedding tied to the last
+        # layer) is an outside one: every stage has the embedding, the last one its tied layer too
+        inside = {id(p) for p in stage.parameters()} - held_outside(module, stage)
         outside = [(n, p) for n, p in module.named_parameters() if id(p) not in inside]
         self.names = [n for n, _ in outside]
         self.params = [p for _, p in outside]

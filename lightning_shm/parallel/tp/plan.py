@@ -41,7 +41,14 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from lightning_shm.parallel.replaced import carry_over_module
-from lightning_shm.parallel.sequential import copies_of, find_sequential, layers_of, parameter_holders, shared_spans
+from lightning_shm.parallel.sequential import (
+    copies_of,
+    find_sequential,
+    held_outside,
+    layers_of,
+    parameter_holders,
+    shared_spans,
+)
 from lightning_shm.parallel.tp.hooks import whole_tensors_for_hooks
 from lightning_shm.parallel.tp.layers import (
     ColumnParallelConv2d,
@@ -117,10 +124,12 @@ def resolve_plan(module: nn.Module, plan: Mapping[str, Any]) -> dict[str, LayerP
     return {n: lp for n, (_, lp) in out.items()}
 
 
-def derive_plan(seq: nn.Sequential, tp: int, prefix: str = "") -> dict[str, LayerPlan]:
+def derive_plan(seq: nn.Sequential, tp: int, prefix: str = "", tied: frozenset[int] = frozenset()
+                ) -> dict[str, LayerPlan]:
     """Pair the Sequential's Linear (Conv2d) children column -> row; a leftover stays replicated. A child that
     is torch's ``nn.TransformerEncoderLayer`` gets its feed-forward pair split (``linear1`` column, ``linear2``
-    row); its attention's fused ``in_proj_weight`` stays whole.
+    row); its attention's fused ``in_proj_weight`` stays whole. A child holding a parameter of ``tied`` (ids:
+    shared with a module outside ``seq``) or another child's stays whole: split, they would stop sharing.
 
     Except when the second Linear of a pair holds at most ``1/tp`` of the first's weights: then the
     first is ``"column_gathered"``, and it and every later Linear that small stay replicated (a
@@ -138,7 +147,8 @@ def derive_plan(seq: nn.Sequential, tp: int, prefix: str = "") -> dict[str, Laye
     pending: Optional[tuple[str, type, nn.Module]] = None  # a layer waiting for its partner
     replicate_upto = -1  # after a gathered Linear: Linear layers with at most this many weights stay whole
     layers = layers_of(seq)
-    shared = {i for span in shared_spans(layers) for i in span.positions}  # split, they would stop sharing
+    shared = {i for span in shared_spans(layers) for i in span.positions}
+    shared |= {i for i, (_, m) in enumerate(layers) if any(id(p) in tied for p in m.parameters())}
     for i, (name, m) in enumerate(layers):
         q = _qual(prefix, name)
         if isinstance(m, nn.TransformerEncoderLayer):  # torch's own block: its feed-forward pair, attention whole
@@ -179,9 +189,9 @@ def plan_for(module: nn.Module, plan: Optional[Mapping[str, Any]], tp: int, sequ
     if isinstance(own, Mapping):
         return resolve_plan(module, own)
     prefix, seq = find_sequential(module, sequential)
-    plan = derive_plan(seq, tp, prefix)
+    plan = derive_plan(seq, tp, prefix, frozenset(held_outside(module, seq)))
     for name, copy in copies_of(module, prefix):  # an EMA teacher is split alike, so the two pair piece with piece
-        plan.update(derive_plan(copy, tp, name))
+        plan.update(derive_plan(copy, tp, name, frozenset(held_outside(module, copy))))
     return plan
 
 
