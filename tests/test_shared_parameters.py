@@ -68,7 +68,29 @@ class TiedToEmbedding(MNISTClassifier):
         return self.net(self.embed(tokens).mean(1))
 
 
-MODELS = {"applied-twice": AppliedTwice, "tied": Tied, "tied-to-embedding": TiedToEmbedding}
+class KeptUnderSecondNames(MNISTClassifier):
+    """Layers of the Sequential the module also keeps under other names -- ``self.features = self.net[:4]``
+    (a slice: a new Sequential of the same layers) and ``self.classifier = self.net[-1]`` -- called in the step
+    for an auxiliary loss, with a learned input scale registered between them. Until 2026-12-04 pipelines failed
+    with a CollectiveMismatchError: the stage holding a layer counted it as its own, the others as an outside
+    parameter (summed over the stages in a positional all-reduce, which also needs one order on every stage)."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.features = self.net[:4]
+        self.scale = nn.Parameter(torch.ones(784))
+        self.classifier = self.net[-1]
+        self.probe = nn.Parameter(torch.randn(4, self.net[-1].in_features) * 0.1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        x = x.flatten(1) * self.scale
+        loss = nn.functional.cross_entropy(self.net(x), y)
+        return loss + 0.05 * self.features(x * 0.5).pow(2).mean() + 0.1 * self.classifier(self.probe).pow(2).mean()
+
+
+MODELS = {"applied-twice": AppliedTwice, "tied": Tied, "tied-to-embedding": TiedToEmbedding,
+          "second-names": KeptUnderSecondNames}
 RUNS = layouts("ddp", "fsdp", "tp2", "pp2-1f1b", "pp2-zero-bubble", "dp2xpp2-shard")
 
 

@@ -92,12 +92,19 @@ def parameter_holders(module: nn.Module, prefix: str = "") -> dict[int, list[tup
     return out
 
 
-def held_outside(module: nn.Module, part: nn.Module) -> set[int]:
-    """Ids of the parameters some module of ``module`` outside ``part`` holds -- with ``part``'s own, those
-    tied to a module outside it (GPT-2's input embedding, applied in the step, tied to the Sequential's
-    output layer)."""
-    inside = {id(m) for m in part.modules()}
-    return {id(p) for m in module.modules() if id(m) not in inside for p in m.parameters(recurse=False)}
+def held_outside(module: nn.Module, part: nn.Module) -> dict[int, str]:
+    """Per parameter (id) that ``module`` holds under some name outside ``part``, its first such name, in
+    ``named_modules`` order: with ``part``'s own, those tied to a module outside it (GPT-2's input embedding,
+    applied in the step, tied to the Sequential's output layer) and those of its layers the module also keeps
+    under another name (``self.classifier = self.net[-1]``, ``self.features = self.net[:4]``). The names and
+    their order do not depend on what ``part`` holds -- the same on every pipeline stage."""
+    paths = [n for n, m in module.named_modules(remove_duplicate=False) if m is part]
+    out: dict[int, str] = {}
+    for n, m in module.named_modules(remove_duplicate=False):
+        if not any(n == q or n.startswith(f"{q}.") for q in paths):
+            for a, p in m.named_parameters(recurse=False):
+                out.setdefault(id(p), f"{n}.{a}" if n else a)
+    return out
 
 
 @dataclass(frozen=True)

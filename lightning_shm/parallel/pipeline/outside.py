@@ -36,10 +36,14 @@ class OutsideParameters:
     (the pipeline group) of the gradients of those that require one. Every stage constructs it alike."""
 
     def __init__(self, module: nn.Module, stage: nn.Module, group: Group) -> None:
-        # a stage layer's parameter a module outside also holds (GPT-2's input embedding tied to the last
-        # layer) is an outside one: every stage has the embedding, the last one its tied layer too
-        inside = {id(p) for p in stage.parameters()} - held_outside(module, stage)
-        outside = [(n, p) for n, p in module.named_parameters() if id(p) not in inside]
+        # also a stage layer's parameter a module outside holds (GPT-2's input embedding tied to the last layer)
+        # or the module keeps under another name (self.classifier = self.net[-1]): every stage has it then.
+        # In the order of those outside names, which every stage shares (its own names may differ: the stage
+        # holding the layer names it after the layer): the all-reduce below is positional
+        elsewhere = held_outside(module, stage)
+        order = {pid: i for i, pid in enumerate(elsewhere)}
+        outside = sorted(((n, p) for n, p in module.named_parameters() if id(p) in elsewhere),
+                         key=lambda t: order[id(t[1])])
         self.names = [n for n, _ in outside]
         self.params = [p for _, p in outside]
         self.group = group

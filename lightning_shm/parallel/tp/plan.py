@@ -128,8 +128,9 @@ def derive_plan(seq: nn.Sequential, tp: int, prefix: str = "", tied: frozenset[i
                 ) -> dict[str, LayerPlan]:
     """Pair the Sequential's Linear (Conv2d) children column -> row; a leftover stays replicated. A child that
     is torch's ``nn.TransformerEncoderLayer`` gets its feed-forward pair split (``linear1`` column, ``linear2``
-    row); its attention's fused ``in_proj_weight`` stays whole. A child holding a parameter of ``tied`` (ids:
-    shared with a module outside ``seq``) or another child's stays whole: split, they would stop sharing.
+    row); its attention's fused ``in_proj_weight`` stays whole. A child holding a parameter of ``tied`` (ids the
+    model also holds outside ``seq``: tied to another module, or the child kept under a second name) or another
+    child's stays whole: split, they would stop sharing.
 
     Except when the second Linear of a pair holds at most ``1/tp`` of the first's weights: then the
     first is ``"column_gathered"``, and it and every later Linear that small stay replicated (a
@@ -189,6 +190,7 @@ def plan_for(module: nn.Module, plan: Optional[Mapping[str, Any]], tp: int, sequ
     if isinstance(own, Mapping):
         return resolve_plan(module, own)
     prefix, seq = find_sequential(module, sequential)
+    # a layer whose parameters the module also holds under another name stays whole (check_plan refuses it split)
     plan = derive_plan(seq, tp, prefix, frozenset(held_outside(module, seq)))
     for name, copy in copies_of(module, prefix):  # an EMA teacher is split alike, so the two pair piece with piece
         plan.update(derive_plan(copy, tp, name, frozenset(held_outside(module, copy))))
