@@ -126,7 +126,8 @@ def _fit_tied(strategy, devices, epochs, batch, ckpt_dir=None, ckpt_path=None, m
     return flat_params(model), (callbacks[0].best_model_path if callbacks else None)
 
 
-TIED_NAMES = {Tied: ("net.3", "net.7"), TiedToEmbedding: ("embed", "net.8")}
+TIED_NAMES = {Tied: ("net.3", "net.7"), TiedToEmbedding: ("embed", "net.8"),
+              KeptUnderSecondNames: ("features.1", "net.1")}
 
 
 @pytest.mark.parametrize("model_cls", list(TIED_NAMES))
