@@ -361,3 +361,52 @@ def test_attention_modules_outside_the_sequential_equal_one_process(name):
     got, loss = fit(strategy(), devices, GLOBAL_BATCH // dp, False)
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-9)
     assert loss == pytest.approx(ref_loss, abs=1e-9)
+
+
+# ---------------------------------------------------------------------- a language model shaped like nanoGPT
+class TinyGPT(pl.LightningModule):
+    """Token and position embeddings before the Sequential of blocks, a final LayerNorm and a head tied to the
+    token embedding after it (both holders of the tie outside the Sequential); next-token loss, AdamW. Until
+    2026-12-04 shm_fsdp and every sharded layout refused it ("'wte.weight' and 'lm_head.weight' are one
+    parameter, but FSDP unit 'wte' holds it and 'lm_head.weight' runs in no unit")."""
+
+    tp_plan = TRANSFORMER_TP_PLAN
+    V, T, D = 32, 12, 16
+
+    def __init__(self):
+        super().__init__()
+        self.wte, self.wpe = torch.nn.Embedding(self.V, self.D), torch.nn.Embedding(self.T, self.D)
+        self.net = torch.nn.Sequential(*[Block(self.D, 4) for _ in range(4)])
+        self.ln_f = torch.nn.LayerNorm(self.D)
+        self.lm_head = torch.nn.Linear(self.D, self.V, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+    def training_step(self, batch, batch_idx):
+        (idx,) = batch
+        x, y = idx[:, :-1], idx[:, 1:]
+        logits = self.lm_head(self.ln_f(self.net(self.wte(x) + self.wpe(torch.arange(x.shape[1])))))
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, self.V), y.reshape(-1))
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=3e-3, weight_decay=0.1)
+
+
+@pytest.mark.parametrize("name", ["fsdp", "dp2xpp2-shard", "tp2xpp2"])
+def test_a_gpt_with_its_head_tied_to_the_embedding_equals_one_process(name):
+    runs = {**layouts("fsdp", "dp2xpp2-shard"),
+            "tp2xpp2": (lambda: SHMModelParallel(start_method="fork", tensor_parallel_size=2, pipeline_parallel_size=2,
+                                                 microbatches=2), 4, 1)}
+    strategy, devices, dp = runs[name]
+
+    def fit(strategy, devices, batch, ref):
+        pl.seed_everything(SEED)
+        model = TinyGPT()
+        ds = torch.utils.data.TensorDataset(torch.randint(0, TinyGPT.V, (72, TinyGPT.T + 1),
+                                                          generator=torch.Generator().manual_seed(1)))
+        trainer(strategy=strategy, devices=devices, max_epochs=1, precision="64-true").fit(
+            model, reference_loader(ds, batch, SEED) if ref else loader(ds, batch))
+        assert model.lm_head.weight is model.wte.weight
+        return flat_params(model)
+
+    ref = fit("auto", 1, 24, True)
+    torch.testing.assert_close(fit(strategy(), devices, 24 // dp, False), ref, rtol=0, atol=1e-9)
