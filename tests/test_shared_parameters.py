@@ -256,3 +256,44 @@ def test_layouts_that_would_separate_a_shared_parameter_are_refused(no_worker_st
                                                                     match):
     with pytest.raises(ValueError, match=match):
         trainer(strategy=strategy(), devices=devices, max_epochs=1).fit(model(), loader(mnist_like(8), 4))
+
+
+class _Backbone(nn.Module):
+    """A Sequential one level down with an ALBERT-style tie inside it, and an embedding beside it tied to its
+    output layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 32)
+        a, b = nn.Linear(32, 32), nn.Linear(32, 32)
+        b.weight = a.weight
+        self.layers = nn.Sequential(a, nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), b, nn.Tanh(),
+                                    nn.Linear(32, 10, bias=False))
+        self.layers[-1].weight = self.embed.weight
+
+    def forward(self, x):
+        return self.layers(self.embed((x.flatten(1)[:, :16].sigmoid() * 10).long().clamp(max=9)).mean(1))
+
+
+class NestedTies(MNISTClassifier):
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        del self.net
+        self.model = _Backbone()
+
+    def forward(self, x):
+        return self.model(x)
+
+
+@pytest.mark.parametrize("name", ["fsdp", "pp2", "dp2xpp2-shard"])
+def test_ties_inside_and_beside_a_named_sequential_train_as_in_one_process(name):
+    runs = {"fsdp": (lambda: SHMFSDPStrategy(start_method="fork", sequential="model.layers"), 2, 2),
+            "pp2": (lambda: SHMPipeline(start_method="fork", pipeline_parallel_size=2, microbatches=4,
+                                        sequential="model.layers"), 2, 1),
+            "dp2xpp2-shard": (lambda: SHMModelParallel(start_method="fork", data_parallel_size=2,
+                                                       pipeline_parallel_size=2, data_parallel="shard", microbatches=2,
+                                                       sequential="model.layers"), 4, 2)}
+    strategy, devices, dp = runs[name]
+    ref = train_mnist("auto", 1, "adam", batch=GLOBAL_BATCH, ref=True, model_cls=NestedTies)
+    got = train_mnist(strategy(), devices, "adam", batch=GLOBAL_BATCH // dp, model_cls=NestedTies)
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-9)

@@ -294,7 +294,7 @@ def parallelize(module: nn.Module, config: ParallelConfig, world: World, groups:
         kinds = (nn.modules.batchnorm._BatchNorm,) if config.sync_batchnorm else (nn.SyncBatchNorm,)
         convert_sync_batchnorm(module, groups.dp, kinds)
     stage = engine = starts = copies = None
-    tied = tied_outside(module)  # on the whole model: after the cut a stage may hold one of the holders only
+    tied = tied_outside(module, config.sequential)  # on the whole model: a stage may hold one of the holders
     if topo.pp > 1:
         copies = SequentialCopies(module, find_sequential(module, config.sequential)[0])  # before the cut
         if copies.frozen and world.rank == 0:

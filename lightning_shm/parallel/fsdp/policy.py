@@ -72,11 +72,12 @@ class UnitPolicy:
 CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
 
 
-def tied_outside(module: nn.Module) -> set[int]:
-    """Ids of the parameters a module outside the Sequential shares with another module (GPT-2's input
-    embedding, applied in the step, tied to the Sequential's output layer)."""
+def tied_outside(module: nn.Module, sequential: Optional[str] = None) -> set[int]:
+    """Ids of the parameters a module outside the Sequential (``sequential``: its path; default the first
+    top-level one) shares with another module -- GPT-2's input embedding, applied in the step, tied to the
+    Sequential's output layer. Without a Sequential, every parameter shared between modules."""
     try:
-        inside = {id(m) for m in find_sequential(module)[1].modules()}
+        inside = {id(m) for m in find_sequential(module, sequential)[1].modules()}
     except ValueError:
         inside = set()
     return {pid for pid, holders in parameter_holders(module).items()
