@@ -190,12 +190,21 @@ class TiedHeadAlone(TiedToEmbedding):
         self.net[2].weight = self.embed.weight
 
 
-def test_a_stage_whose_parameters_fsdp_keeps_whole_trains_as_in_one_process():
-    ref = train_mnist("auto", 1, "sgd", batch=GLOBAL_BATCH, ref=True, model_cls=TiedHeadAlone)
-    strategy = SHMModelParallel(start_method="fork", data_parallel_size=2, pipeline_parallel_size=2,
-                                data_parallel="shard", microbatches=2, split_points=[1])
-    got = train_mnist(strategy, 4, "sgd", batch=GLOBAL_BATCH // 2, model_cls=TiedHeadAlone)
-    torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
+@pytest.mark.parametrize("model_cls, name", [(TiedHeadAlone, "dp2xpp2-shard"), (KeptUnderSecondNames, "pp2")])
+def test_a_stage_holding_only_parameters_every_rank_holds_clips_with_the_others(model_cls, name):
+    """The last stage of TiedHeadAlone holds only the tied weight, which FSDP keeps whole (no unit to form: not
+    the mistake of a unit policy selecting nothing); every layer of KeptUnderSecondNames' first stage is also
+    kept under a second name, so every stage holds it. Such a stage's gradients are every rank's whole ones;
+    until 2026-12-04 it decided alone that clipping needed no collective, and the others waited in theirs
+    (CollectiveMismatchError)."""
+    strategy = (SHMModelParallel(start_method="fork", data_parallel_size=2, pipeline_parallel_size=2,
+                                 data_parallel="shard", microbatches=2, split_points=[1]) if name == "dp2xpp2-shard"
+                else SHMPipeline(start_method="fork", pipeline_parallel_size=2, microbatches=4, split_points=[4]))
+    dp = 2 if name == "dp2xpp2-shard" else 1
+    ref = train_mnist("auto", 1, "adam", batch=GLOBAL_BATCH, ref=True, model_cls=model_cls, gradient_clip_val=0.05)
+    got = train_mnist(strategy, 2 * dp, "adam", batch=GLOBAL_BATCH // dp, model_cls=model_cls,
+                      gradient_clip_val=0.05)
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-9)
 
 
 def test_the_derived_plan_for_a_model_leaves_a_layer_tied_to_a_module_outside_the_sequential_whole():

@@ -204,7 +204,9 @@ class SHMModelParallel(SHMStrategyBase):
                 adapt_swa(trainer, module, self.parallel.state)
         self.setup_precision_plugin()
         state, W = self.parallel.state, self.world_size
-        self._grads_split = not all(state.copies(p) == W for p in module.parameters())
+        # agreed on by every rank: clipping is collective where it is split, and a pipeline stage may hold only
+        # parameters every rank holds (layers the module also keeps under a second name, a tied embedding)
+        self._grads_split = bool(self.group.vote_max(int(not all(state.copies(p) == W for p in module.parameters()))))
         self._install_clipping()
         self.attach_metrics()
 
