@@ -13,9 +13,10 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import pytest
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import EMAWeightAveraging, ModelCheckpoint
 from torch import nn
 
+import lightning_shm
 from lightning_shm import SHMDDPStrategy, SHMFSDPStrategy, SHMModelParallel, SHMPipeline, SHMTensorParallel
 from lightning_shm.models import MNISTClassifier
 from lightning_shm.parallel.ddp import GradReducer
@@ -24,7 +25,7 @@ from lightning_shm.parallel.pipeline.stage import PipelineStage
 from lightning_shm.parallel.sequential import layers_of, shared_spans
 from lightning_shm.parallel.tp import derive_plan
 from lightning_shm.parallel.tp.plan import plan_for
-from tests.helpers import GLOBAL_BATCH, flat_params, layouts, loader, mnist_like, train_mnist, trainer
+from tests.helpers import GLOBAL_BATCH, flat_params, layouts, loader, mnist_like, reference_loader, train_mnist, trainer
 
 
 class AppliedTwice(MNISTClassifier):
@@ -306,3 +307,33 @@ def test_ties_inside_and_beside_a_named_sequential_train_as_in_one_process(name)
     ref = train_mnist("auto", 1, "adam", batch=GLOBAL_BATCH, ref=True, model_cls=NestedTies)
     got = train_mnist(strategy(), devices, "adam", batch=GLOBAL_BATCH // dp, model_cls=NestedTies)
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-9)
+
+
+def _fit_with_norms_and_ema(model_cls, strategy, devices, batch, ref):
+    class Logged(model_cls):
+        def on_before_optimizer_step(self, optimizer):
+            self.log_dict(lightning_shm.grad_norm(self, 2))
+
+    pl.seed_everything(1)
+    model = Logged(optimizer="adam", lr=0.01)
+    ds = mnist_like(GLOBAL_BATCH * 3, seed=1)
+    t = trainer(strategy=strategy, devices=devices, max_epochs=1, precision="64-true",
+                callbacks=[EMAWeightAveraging(decay=0.9)])
+    t.fit(model, reference_loader(ds, batch, 1) if ref else loader(ds, batch), loader(ds, GLOBAL_BATCH, shuffle=False))
+    return flat_params(model), {k: float(v) for k, v in t.callback_metrics.items()}
+
+
+@pytest.mark.parametrize("model_cls", [TiedToEmbedding, KeptUnderSecondNames])
+@pytest.mark.parametrize("run", ["pp2-1f1b", "dp2xpp2-shard"])
+def test_grad_norms_and_an_ema_of_tied_or_second_named_parameters_equal_one_process(model_cls, run):
+    """A stage may hold such a parameter under another name than the plain module's (the tied embedding's own,
+    a second name's): until 2026-12-04 its per-parameter gradient norm was left out (the logged total 0.55 off
+    one process) and EMAWeightAveraging averaged it in float64 where one process (and the other stage) averaged
+    in the callback's float32 copy (the final weights 9e-9 off, the validation loss on the average 2e-9)."""
+    strategy, devices, dp = RUNS[run]
+    ref, ref_logged = _fit_with_norms_and_ema(model_cls, "auto", 1, GLOBAL_BATCH, True)
+    got, logged = _fit_with_norms_and_ema(model_cls, strategy(), devices, GLOBAL_BATCH // dp, False)
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-12)
+    assert set(logged) == set(ref_logged)
+    for k, v in ref_logged.items():
+        assert logged[k] == pytest.approx(v, abs=1e-12), k
