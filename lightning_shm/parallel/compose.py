@@ -282,6 +282,8 @@ def parallelize(module: nn.Module, config: ParallelConfig, world: World, groups:
     originals = remember(module)
     plain_keys = list(module.state_dict())
     plain_params = [n for n, _ in module.named_parameters()]
+    # every name of a parameter -> the one named_parameters() gives it: a pipeline stage may know a tied or
+    # second-named parameter only under another holder's name (the optimizer state, norms, averages use this)
     first: dict[int, str] = {}
     aliases = {n: first.setdefault(id(p), n) for n, p in module.named_parameters(remove_duplicate=False)}
     plan = _tp_plan(module, config, topo.tp) if topo.tp > 1 else {}
