@@ -269,18 +269,25 @@ def test_torch_transformer_encoder_layers_equal_one_process(name):
     """Trained, then validated: in evaluation the layer takes torch's fast path, which reads every weight
     itself (FSDP's unit must hold the whole layer; tp's split linear1 / linear2 see their pieces)."""
     strategy, devices, dp = TORCH_ENCODER_RUNS[name]
+    model_cls = TorchEncoderNoPlan if name == "tp2-derived" else TorchEncoder
+    _trained_and_validated_as_one_process(model_cls, strategy(), devices, dp, GLOBAL_BATCH * STEPS)
+
+
+def _trained_and_validated_as_one_process(model_cls, strategy, devices, dp, samples):
+    """Adam in float64 on ``samples`` synthetic samples, then validation on them: weights and validation loss
+    within 1e-9 of one process's."""
 
     def fit(strategy, devices, batch, ref):
         pl.seed_everything(SEED)
-        model = (TorchEncoderNoPlan if name == "tp2-derived" else TorchEncoder)(optimizer="adam", lr=0.01)
-        ds = mnist_like(GLOBAL_BATCH * STEPS, seed=1)
+        model = model_cls(optimizer="adam", lr=0.01)
+        ds = mnist_like(samples, seed=1)
         t = trainer(strategy=strategy, devices=devices, max_epochs=1, precision="64-true")
         t.fit(model, reference_loader(ds, batch, SEED) if ref else loader(ds, batch),
               DataLoader(ds, batch_size=GLOBAL_BATCH // dp))
         return flat_params(model), float(t.callback_metrics["val_loss"])
 
     ref, ref_loss = fit("auto", 1, GLOBAL_BATCH, True)
-    got, loss = fit(strategy(), devices, GLOBAL_BATCH // dp, False)
+    got, loss = fit(strategy, devices, GLOBAL_BATCH // dp, False)
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-9)
     assert loss == pytest.approx(ref_loss, abs=1e-9)
 
@@ -347,20 +354,7 @@ class PooledByAttention(MNISTClassifier):
 def test_attention_modules_outside_the_sequential_equal_one_process(name):
     """Trained, then validated (the encoder layer's evaluation fast path reads every weight itself)."""
     strategy, devices, dp = layouts(name)[name]
-
-    def fit(strategy, devices, batch, ref):
-        pl.seed_everything(SEED)
-        model = PooledByAttention(optimizer="adam", lr=0.01)
-        ds = mnist_like(GLOBAL_BATCH * 3, seed=1)
-        t = trainer(strategy=strategy, devices=devices, max_epochs=1, precision="64-true")
-        t.fit(model, reference_loader(ds, batch, SEED) if ref else loader(ds, batch),
-              DataLoader(ds, batch_size=GLOBAL_BATCH // dp))
-        return flat_params(model), float(t.callback_metrics["val_loss"])
-
-    ref, ref_loss = fit("auto", 1, GLOBAL_BATCH, True)
-    got, loss = fit(strategy(), devices, GLOBAL_BATCH // dp, False)
-    torch.testing.assert_close(got, ref, rtol=0, atol=1e-9)
-    assert loss == pytest.approx(ref_loss, abs=1e-9)
+    _trained_and_validated_as_one_process(PooledByAttention, strategy(), devices, dp, GLOBAL_BATCH * 3)
 
 
 # ---------------------------------------------------------------------- a language model shaped like nanoGPT

@@ -76,6 +76,10 @@ class ModelState:
         self.after_load = after_load or (lambda: None)
         self._copies = {id(p): self.placement(n).copies for n, p in module.named_parameters()}
 
+    def plain_name(self, name: str) -> str:
+        """The plain module's ``named_parameters()`` name of the parameter this rank names ``name``."""
+        return self.aliases.get(name, name)
+
     def placement(self, key: str) -> Placement:
         return self.placements.get(key, WHOLE)
 
@@ -91,7 +95,7 @@ class ModelState:
         (collective over the pipeline group): groups in order, each group's parameters in the plain module's
         order."""
         names = self._names()
-        plain = {n: self.aliases.get(n, n) for n in names.values()}
+        plain = {n: self.plain_name(n) for n in names.values()}
         local = [[plain[names[id(p)]] for p in g["params"]] for g in optimizer.param_groups]
         unknown = [id(p) for g in optimizer.param_groups for p in g["params"] if id(p) not in names]
         if unknown:

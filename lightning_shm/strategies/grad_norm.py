@@ -60,8 +60,8 @@ def split_grad_norm(module: nn.Module, root: nn.Module, state: ModelState, group
     head = f"{prefix}." if prefix else ""
     names = [n for n in state.plain_params if n.startswith(head)]  # the root's names: one checksum per module
     # by the plain module's name: a stage may hold a tied parameter under another holder's name only
-    norms = grad_norms(((state.aliases.get(head + n, head + n), p) for n, p in module.named_parameters()), names,
-                       norm_type, group, state.copies)
+    norms = grad_norms(((state.plain_name(head + n), p) for n, p in module.named_parameters()), names, norm_type,
+                       group, state.copies)
     out = {f"grad_{norm_type}_norm{group_separator}{name[len(head):]}": v for name, v in norms.items()}
     if norms:
         out[f"grad_{norm_type}_norm_total"] = torch.stack(list(norms.values())).norm(norm_type)

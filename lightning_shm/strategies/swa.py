@@ -72,20 +72,20 @@ def adapt_swa(trainer: "pl.Trainer", module: nn.Module, state: ModelState) -> No
             cb.transfer_weights = _after(state.before_load, cb.transfer_weights)  # type: ignore[method-assign]
         elif isinstance(cb, WeightAveraging) and cb._average_model is not None:
             pieces = copy_pieces(module)
-            _match_dtypes(pieces, cb._average_model.module, state.aliases)
+            _match_dtypes(pieces, cb._average_model.module, state.plain_name)
             cb._average_model = _averaged_pieces(cb, pieces, state)
             for name in ("_swap_models", "_copy_average_to_current"):
                 setattr(cb, name, _between(state, getattr(cb, name)))
             cb.on_load_checkpoint = functools.partial(_load_averaging, cb, state)  # type: ignore[method-assign]
 
 
-def _match_dtypes(pieces: nn.Module, original: nn.Module, aliases: Mapping[str, str]) -> None:
+def _match_dtypes(pieces: nn.Module, original: nn.Module, plain_name: Callable[[str], str]) -> None:
     """The average keeps the dtypes of the callback's own: it copied the module in its ``setup`` hook,
     before the precision plugin converted it (float32 in a ``64-true`` run), and averages in them. By the
-    plain name (``aliases``): a pipeline stage may hold a tied parameter under another holder's name only."""
+    plain name: a pipeline stage may hold a tied parameter under another holder's name only."""
     dtypes = {n: t.dtype for n, t in [*original.named_parameters(), *original.named_buffers()]}
     for n, t in [*pieces.named_parameters(), *pieces.named_buffers()]:
-        n = aliases.get(n, n)
+        n = plain_name(n)
         if n in dtypes and t.dtype != dtypes[n] and t.is_floating_point():
             t.data = t.data.to(dtypes[n])
 
