@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 
 from lightning_shm import SHMModelParallel
 from lightning_shm.models import MNISTClassifier
-from lightning_shm.runtime import Topology, launch
+from lightning_shm.runtime import DeadlockError, Topology, launch
 from tests.helpers import (
     GLOBAL_BATCH,
     SEED,
@@ -321,3 +321,25 @@ def test_predictions_gathered_at_the_epochs_end_hold_each_sample_once(dp, tp, pp
     assert ours[0]["gathered_rows"] == one[0]["gathered_rows"] == 48
     assert ours[0]["gathered_sum"] == pytest.approx(one[0]["gathered_sum"], rel=1e-6)
 
+
+
+class _BarrierOnRankZeroOnly(MNISTClassifier):
+    """A hook that calls a collective on one rank only: rank 0 waits in the world's barrier while the other ranks
+    go on to the next step and wait there for rank 0."""
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        if self.global_rank == 0 and batch_idx == 1:
+            self.trainer.strategy.barrier("rank 0 only")
+
+
+def test_ranks_that_took_different_paths_stop_with_a_deadlock_not_at_the_timeout():
+    """Before the deadlock check this run waited for the strategy's whole timeout (30 minutes by default)."""
+    strategy = SHMModelParallel(start_method="fork", data_parallel_size=2, pipeline_parallel_size=2, microbatches=2,
+                                timeout=60)
+    said = r"deadlock: ranks \[0(, \d)+\] wait for each other \(rank 0 waits in a collective"
+    with pytest.raises(DeadlockError, match=said) as info:
+        trainer(strategy=strategy, devices=4, max_steps=3).fit(_BarrierOnRankZeroOnly(),
+                                                              loader(mnist_like(96), 8))
+    # rank 0's stack -- the worker's own traceback if it found the cycle first, else where the launcher saw it
+    said = "\n".join(info.value.__notes__) + str(info.value.__cause__)
+    assert "in on_train_batch_end" in said and "was here" in said, said

@@ -3,6 +3,7 @@
 Knows nothing of Lightning; every strategy of :mod:`lightning_shm` runs on it.
 """
 
+from lightning_shm.runtime.deadlock import DeadlockError
 from lightning_shm.runtime.errors import (
     BarrierTimeoutError,
     CollectiveMismatchError,
@@ -25,7 +26,7 @@ from lightning_shm.runtime.wait import WaitPolicy
 from lightning_shm.runtime.world import RuntimeConfig, World
 
 __all__ = [
-    "BarrierTimeoutError", "Channel", "ChannelConfig", "CollectiveMismatchError", "Coords", "Group",
+    "BarrierTimeoutError", "Channel", "ChannelConfig", "CollectiveMismatchError", "Coords", "DeadlockError", "Group",
     "GroupConfig", "LaunchConfig", "Launcher", "NodeLayout", "NodeSpanningGroup", "NodeStoppedError", "ParallelGroups",
     "PeerAbortedError", "Rail", "ReduceOp", "RuntimeConfig",
     "SHMRuntimeError", "Segment", "SharedBuffer", "SharedMemoryFullError", "Topology", "WaitPolicy",

@@ -30,6 +30,7 @@ from typing import Optional
 
 import torch
 
+from lightning_shm.runtime.deadlock import RECEIVE, SEND
 from lightning_shm.runtime.ops import DTYPE_CODE, dtype_code
 from lightning_shm.runtime.segment import Segment, align_up, normal_views
 from lightning_shm.runtime.wait import Waiter
@@ -115,7 +116,8 @@ class Channel:
             raise RuntimeError(f"rank {self.src_rank} is the sending end of channel {self.src_rank}->{self.dst_rank}")
         w, c = self._w, self._count
         if w[_HEAD] < c + 1:
-            self._waiter.wait_ge(w, _HEAD, c + 1, lambda: self._timeout("recv", c), lambda: [self.src_rank])
+            self._waiter.wait_ge(w, _HEAD, c + 1, lambda: self._timeout("recv", c), lambda: [self.src_rank],
+                                     kind=RECEIVE)
         slot = c % self.config.slots
         h = _HDR0 + slot * _HDR_WORDS
         nbytes, dtype, self._last_group = w[h], _DTYPE_OF[w[h + 1]], w[h + _GROUP]
@@ -153,7 +155,7 @@ class Channel:
         w = self._w
         if w[_TAIL] < c - self.config.slots + 1:
             self._waiter.wait_ge(w, _TAIL, c - self.config.slots + 1, lambda: self._timeout("send", c),
-                                 lambda: [self.dst_rank])
+                                 lambda: [self.dst_rank], kind=SEND)
 
     def _publish(self, c: int, slot: int, nbytes: int, t: torch.Tensor, frag: int, group: int) -> None:
         """Header first, then ``head``: a reader that sees the new head sees header and payload."""
@@ -184,7 +186,8 @@ class Channel:
         for f in range(math.ceil(nbytes / sb)):
             c = self._count
             if w[_HEAD] < c + 1:
-                self._waiter.wait_ge(w, _HEAD, c + 1, lambda: self._timeout("recv", c), lambda: [self.src_rank])
+                self._waiter.wait_ge(w, _HEAD, c + 1, lambda: self._timeout("recv", c), lambda: [self.src_rank],
+                                     kind=RECEIVE)
             L = min(sb, nbytes - f * sb)
             raw[f * sb:f * sb + L].copy_(self._payload[c % S][:L])
             w[_TAIL] = c + 1  # slot free again

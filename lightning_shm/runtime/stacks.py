@@ -108,9 +108,17 @@ def parse(text: str) -> list[tuple[str, int, str]]:
     return frames
 
 
+_RUNTIME_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
 def describe(rank: int, frames: list[tuple[str, int, str]], depth: int = 4) -> str:
-    shown = "\n".join(f'    File "{f}", line {n}, in {fn}' for f, n, fn in frames[:depth])
-    return f"rank {rank} was here (innermost frame first):\n{shown}"
+    """The ``depth`` innermost frames outside this runtime: a rank blocked in a wait is in the runtime's
+    waiter, barrier and group, which say nothing of which call of the program it waits in."""
+    outside = [f for f in frames if not os.path.abspath(f[0]).startswith(_RUNTIME_DIR)]
+    left_out = len(frames) - len(outside) if outside else 0
+    shown = "\n".join(f'    File "{f}", line {n}, in {fn}' for f, n, fn in (outside or frames)[:depth])
+    runtime = f", {left_out} of the runtime's own left out" if left_out else ""
+    return f"rank {rank} was here (innermost frame first{runtime}):\n{shown}"
 
 
 def _read(path: str) -> bytes:

@@ -13,6 +13,8 @@ every one of them
   hand-overs wait a few ms each (a microbatch's forward on the other stage);
 * raises :class:`PeerAbortedError` within one back-off period of the main process setting the
   abort flag (a worker died), and :class:`BarrierTimeoutError` after ``timeout_s``;
+* while it sleeps, says whom it waits for (:mod:`.deadlock`) and raises :class:`DeadlockError` once
+  it has waited ``deadlock_s`` in an unchanged cycle of ranks waiting for each other;
 * notices that its parent (the main process) has died, and stops instead of waiting forever.
 """
 
@@ -23,21 +25,28 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
+from lightning_shm.runtime.deadlock import COLLECTIVE, DeadlockError, WaitBoard, deadlock_message
 from lightning_shm.runtime.errors import BarrierTimeoutError, PeerAbortedError
 
 
 @dataclass(frozen=True)
 class WaitPolicy:
-    """How long to spin, yield and sleep. ``spin_iters`` ~ 50 ns each from Python."""
+    """How long to spin, yield and sleep. ``spin_iters`` ~ 50 ns each from Python. ``deadlock_s``: how long
+    ranks must have waited for each other in an unchanged cycle before it is called a deadlock
+    (``math.inf``: never; the timeout still ends the wait); checked every ``check_s`` while sleeping."""
 
     timeout_s: float = 300.0
     spin_iters: int = 4000
     yield_s: float = 0.002
     max_sleep_s: float = 0.001
+    deadlock_s: float = 5.0
+    check_s: float = 0.25
 
     def __post_init__(self) -> None:
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if not (self.deadlock_s > 0 and self.check_s > 0):
+            raise ValueError(f"deadlock_s and check_s must be > 0, got {self.deadlock_s}, {self.check_s}")
         if self.spin_iters < 0 or self.yield_s < 0 or self.max_sleep_s <= 0:
             raise ValueError(
                 f"spin_iters, yield_s must be >= 0 and max_sleep_s > 0, got "
@@ -61,6 +70,7 @@ class Waiter:
         self._abort_idx = abort_index
         self.policy = policy
         self._ppid = os.getppid()
+        self.board: Optional[WaitBoard] = None  # set by the World: where this rank says whom it waits for
 
     def aborted(self) -> bool:
         return bool(self._abort[self._abort_idx])
@@ -74,10 +84,12 @@ class Waiter:
             )
 
     def wait_ge(self, words: memoryview, index: int, target: int, describe: Callable[[], str],
-                missing: Optional[Callable[[], Sequence[int]]] = None, timeout_s: Optional[float] = None) -> None:
+                missing: Optional[Callable[[], Sequence[int]]] = None, timeout_s: Optional[float] = None,
+                kind: int = COLLECTIVE) -> None:
         """Block until ``words[index] >= target``. ``describe()`` builds the timeout message, ``missing()``
-        names the ranks waited for (carried by the error, so the main process can say where they were).
-        ``timeout_s`` overrides the policy's for this wait (``math.inf``: no deadline; an abort still ends it)."""
+        names the ranks waited for (carried by the error, so the main process can say where they were; and
+        published, with ``kind``, for the deadlock check). ``timeout_s`` overrides the policy's for this wait
+        (``math.inf``: no deadline; an abort or a deadlock still ends it)."""
         for _ in range(self.policy.spin_iters):
             if words[index] >= target:
                 return
@@ -86,16 +98,36 @@ class Waiter:
         deadline = now + (self.policy.timeout_s if timeout_s is None else timeout_s)
         yield_until = now + self.policy.yield_s
         sleep = 2e-5
-        while words[index] < target:
-            if abort[aidx]:
-                self.check_abort()
-            now = time.monotonic()
-            if now < yield_until:
-                os.sched_yield()
-                continue
-            if now > deadline:
-                raise BarrierTimeoutError(describe(), missing() if missing is not None else ())
-            if os.getppid() != self._ppid:
-                raise PeerAbortedError("the main process died; this worker stops waiting")
-            time.sleep(sleep)
-            sleep = min(sleep * 2, self.policy.max_sleep_s)
+        board = self.board if missing is not None else None
+        check_at, cycle, since, looks = 0.0, None, 0.0, 0
+        enough = max(2, int(self.policy.deadlock_s / self.policy.check_s / 2))
+        try:
+            while words[index] < target:
+                if abort[aidx]:
+                    self.check_abort()
+                now = time.monotonic()
+                if now < yield_until:
+                    os.sched_yield()
+                    continue
+                if now > deadline:
+                    raise BarrierTimeoutError(describe(), missing() if missing is not None else ())
+                if os.getppid() != self._ppid:
+                    raise PeerAbortedError("the main process died; this worker stops waiting")
+                if board is not None and now >= check_at:
+                    check_at = now + self.policy.check_s
+                    assert missing is not None
+                    board.publish(kind, missing())
+                    seen = board.cycle()
+                    looks += 1
+                    if seen is None or seen != cycle:
+                        cycle, since, looks = seen, now, 1
+                    # and seen often enough: after a stop of the whole run (SIGSTOP, a suspended VM) the first
+                    # look comes late, before a peer whose wait was already over has run again
+                    elif now - since >= self.policy.deadlock_s and looks >= enough:
+                        raise DeadlockError(deadlock_message(seen, now - since), sorted(set(seen) - {board.rank}))
+                time.sleep(sleep)
+                sleep = min(sleep * 2, self.policy.max_sleep_s)
+        finally:
+            if board is not None:
+                board.clear()
+

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Optional, Sequence
 
+from lightning_shm.runtime.deadlock import WaitBoard
 from lightning_shm.runtime.group import Group, GroupConfig
 from lightning_shm.runtime.messages import recv, send
 from lightning_shm.runtime.p2p import Channel, ChannelConfig
@@ -25,7 +26,8 @@ from lightning_shm.runtime.wait import Waiter, WaitPolicy
 
 # The control segment (created by the main process), one 128-byte row per writer, one writer per word:
 #   row 0      [abort code, stop request]   written by the main process
-#   row 1 + r  [stop request of rank r]     written by worker r (it received SIGTERM itself)
+#   row 1 + r  [stop request of rank r,     written by worker r (it received SIGTERM itself)
+#               whom rank r waits for]      (see deadlock.py)
 # A stop request is a signal number; workers agree on it at a safe point (see World.stop_requested).
 CONTROL_ROW_WORDS = 16
 ABORT_WORD = 0
@@ -81,6 +83,8 @@ class World:
         self._conn = conn
         self._segments: dict[str, Segment] = {}
         self.waiter = Waiter(control.words(), ABORT_WORD, config.wait_policy(size))
+        self.waiter.board = WaitBoard(control.words(), [(r + 1) * CONTROL_ROW_WORDS for r in range(size)], rank,
+                                      CONTROL_ROW_WORDS)
         self._groups: dict[tuple[tuple[int, ...], str], Group] = {}
         self._channels: dict[tuple[int, int, str], Channel] = {}
 
