@@ -330,3 +330,29 @@ def test_a_failing_prepare_data_stops_the_ranks_waiting_for_it(tmp_path):
         trainer(strategy=SHMDDPStrategy(start_method="fork"), devices=2, max_epochs=1).fit(
             MNISTClassifier(), datamodule=_SlowPrepare(tmp_path / "ds.pt", 0.5, fail=True))
     assert time.monotonic() - start < 30
+
+
+@pytest.mark.parametrize("name,replicas", [("ddp", 2), ("tp2", 1), ("dp2xpp2-shard", 2)])
+def test_throughput_monitor_counts_samples_once_per_replica(tmp_path, name, replicas):
+    """ThroughputMonitor's run-wide rates are a rank's times its meters' world size: the number of replicas, as
+    the ranks of one tp / pp replica train the same samples (it was the number of ranks: tp2 counted every
+    sample twice, dp2 x pp2 too). One replica: no run-wide rates, as in one process."""
+    import csv
+
+    from lightning.pytorch.callbacks import ThroughputMonitor
+    from lightning.pytorch.loggers import CSVLogger
+
+    make, devices, dp = LAYOUTS_BY_NAME[name]
+    monitor = ThroughputMonitor(batch_size_fn=lambda b: b[0].shape[0], window_size=3)
+    t = trainer(strategy=make(), devices=devices, max_steps=6, log_every_n_steps=1, callbacks=[monitor],
+                logger=CSVLogger(tmp_path, name="", version=""))
+    t.fit(MNISTClassifier(), loader(mnist_like(GLOBAL_BATCH * 6), GLOBAL_BATCH // dp))
+    rows = [r for r in csv.DictReader(open(tmp_path / "metrics.csv")) if r.get("train/device/samples_per_sec")]
+    assert len(rows) >= 3, rows
+    for r in rows:
+        assert float(r["train/samples"]) == float(r["train/batches"]) * GLOBAL_BATCH // dp  # the replica's batch
+        run_wide = r.get("train/samples_per_sec") or None
+        if replicas == 1:
+            assert run_wide is None, r
+        else:
+            assert float(run_wide) == pytest.approx(float(r["train/device/samples_per_sec"]) * replicas, rel=1e-6)

@@ -41,7 +41,7 @@ from lightning_shm.runtime import (
 from lightning_shm.runtime.launcher import START_METHODS
 from lightning_shm.runtime.segment import check_free_space
 from lightning_shm.runtime.world import control_bytes
-from lightning_shm.strategies import collectives
+from lightning_shm.strategies import collectives, throughput
 from lightning_shm.strategies.launcher import SHMLauncher
 from lightning_shm.strategies.predictions import merge_predictions
 from lightning_shm.strategies.torch_distributed import warn_on_user_checks
@@ -231,16 +231,21 @@ class SHMStrategyBase(ParallelStrategy):
         self.stop_point(batch_idx)
 
     def on_train_start(self) -> None:
-        self.attach_metrics()
+        self._loop_start()
 
     def on_validation_start(self) -> None:
-        self.attach_metrics()
+        self._loop_start()
 
     def on_test_start(self) -> None:
-        self.attach_metrics()
+        self._loop_start()
 
     def on_predict_start(self) -> None:
+        self._loop_start()
+
+    def _loop_start(self) -> None:
         self.attach_metrics()
+        if self._world is not None and self.lightning_module is not None:
+            throughput.count_replicas(self.lightning_module.trainer, self.distributed_sampler_kwargs["num_replicas"])
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         """In the main process while Lightning handles a failure or stop that happened in the workers, nothing
