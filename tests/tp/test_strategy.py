@@ -53,6 +53,10 @@ def test_derived_plan_pairs_linears_column_row_gathers_before_small_ones_and_rep
                                                                         "10": "row"}
     cnn = nn.Sequential(nn.Conv2d(1, 64, 3), nn.ReLU(), nn.Conv2d(64, 1, 1))  # Conv2d pairs are never gathered
     assert _styles(derive_plan(cnn, 2)) == {"0": "column", "2": "row"}
+    # a GroupNorm between them when every rank's channels are whole groups; an InstanceNorm (per channel) always
+    for norm, paired in [(nn.GroupNorm(8, 64), True), (nn.GroupNorm(1, 64), False), (nn.InstanceNorm2d(64), True)]:
+        cnn = nn.Sequential(nn.Conv2d(1, 64, 3), norm, nn.ReLU(), nn.Conv2d(64, 1, 1))
+        assert _styles(derive_plan(cnn, 2)) == ({"0": "column", "3": "row"} if paired else {}), norm
     # torch's encoder layer: its feed-forward pair, the attention whole; a Linear on each side stays unpaired
     encoder = nn.Sequential(nn.Linear(28, 16), nn.TransformerEncoderLayer(16, 4, 32), nn.Linear(16, 10))
     assert _styles(derive_plan(encoder, 2)) == {"1.linear1": "column", "1.linear2": "row"}
@@ -252,6 +256,9 @@ class Seq(pl.LightningModule):
         ((nn.Linear(4, 3), nn.Linear(3, 2)), None, "column layer 'net.0' has 3 output features, fewer than tp=4"),
         ((nn.Linear(4, 8), nn.Linear(8, 2)), {"net.9": "row"}, r"plan pattern 'net.9' matches no module of Seq"),
         ((nn.Linear(4, 8), nn.Linear(8, 2)), {"net.0": "diagonal"}, "must be one of"),
+        ((nn.Conv2d(1, 8, 1), nn.GroupNorm(2, 8), nn.Conv2d(8, 2, 1)), {"net.0": "column", "net.2": "row"},
+         r"GroupNorm 'net.1' \(2 groups of 4 channels\) sits between column layer 'net.0' and its row layer, which "
+         r"split the channels as \[2, 2, 2, 2\]: a group would span two ranks"),
         ((nn.Conv2d(1, 8, 1), nn.Flatten()), {"net.0": "column_gathered"},
          "'net.0' is a Conv2d; only nn.Linear can be 'column_gathered'"),
         ((nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 2)),

@@ -11,7 +11,7 @@ tensor the hook returns in their place is cut back to this rank's slice::
     column layer     hook(m, args, out)     out      [B, H_r] -> [B, H]   (its input is whole already)
     row layer        pre-hook(m, args)      args[0]  [B, H_r] -> [B, H]   hook(m, args, out): args[0] too
     norm between     both                   args[0] and out
-    (conv layers and BatchNorm: the channel dimension, 1; Linear and LayerNorm: the last)
+    (conv layers, BatchNorm, InstanceNorm, GroupNorm: the channel dimension, 1; Linear and LayerNorm: the last)
 
 The gather's backward keeps this rank's slice of the gradient (:func:`~.mappings.gather_from_tp`): every
 tp rank runs the same hooks on the same batch, so a loss on the whole tensor is the same on each. Every

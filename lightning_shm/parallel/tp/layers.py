@@ -194,9 +194,9 @@ class ShardedLayerNorm(nn.LayerNorm):
         return f"{self.sizes[self.group.index]} of {sum(self.sizes)} features, eps={self.eps}, tp={self.group.size}"
 
 
-def sliced_batchnorm(full: nn.modules.batchnorm._BatchNorm, group: Group, sizes: Sequence[int]) -> nn.Module:
-    """The same BatchNorm over this rank's channels only: exact without communication, since its
-    statistics, affine parameters and running buffers are all per channel. A data-parallel SyncBatchNorm
+def sliced_batchnorm(full: nn.modules.batchnorm._NormBase, group: Group, sizes: Sequence[int]) -> nn.Module:
+    """The same BatchNorm (or InstanceNorm) over this rank's channels only: exact without communication, since
+    its statistics, affine parameters and running buffers are all per channel. A data-parallel SyncBatchNorm
     stays one over its own group (the replicas' same channels): the copy shares that group."""
     if full.num_features != sum(sizes):
         raise ValueError(f"{type(full).__name__}({full.num_features}) follows a column layer with {sum(sizes)} "
@@ -214,6 +214,32 @@ def sliced_batchnorm(full: nn.modules.batchnorm._BatchNorm, group: Group, sizes:
     bn.split_dims = {"weight": 0, "bias": 0, "running_mean": 0, "running_var": 0}
     bn.sizes = list(sizes)
     return bn
+
+
+def sliced_groupnorm(full: nn.GroupNorm, group: Group, sizes: Sequence[int]) -> nn.Module:
+    """The same GroupNorm over this rank's channels only: exact without communication when every rank's
+    channels are whole groups (:func:`groups_fit` -- the plan checks it), since a group's statistics are
+    over its own channels and the affine parameters are per channel. ``GroupNorm(8, 32)`` at tp=2: each
+    rank runs ``GroupNorm(4, 16)`` on its 16 channels."""
+    if not groups_fit(full, sizes):
+        raise ValueError(f"GroupNorm({full.num_groups}, {full.num_channels}) cannot run on channels split as "
+                         f"{list(sizes)}: a group of {full.num_channels // max(full.num_groups, 1)} channels would "
+                         "span two ranks")
+    i, per = group.index, full.num_channels // full.num_groups
+    gn = copy.deepcopy(full)
+    gn.num_channels, gn.num_groups = sizes[i], sizes[i] // per
+    for name in ("weight", "bias"):
+        if getattr(full, name) is not None:
+            setattr(gn, name, _slice(getattr(full, name), 0, sizes, i))
+    gn.split_dims = {"weight": 0, "bias": 0}
+    gn.sizes = list(sizes)
+    return gn
+
+
+def groups_fit(gn: nn.GroupNorm, sizes: Sequence[int]) -> bool:
+    """Every rank's channels are whole groups of ``gn``."""
+    per = gn.num_channels // gn.num_groups
+    return sum(sizes) == gn.num_channels and all(n % per == 0 for n in sizes)
 
 
 def _enter(random: Optional[SplitRegionRandom]) -> None:

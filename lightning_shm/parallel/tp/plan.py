@@ -21,8 +21,9 @@ row, Conv2d layers likewise, a leftover replicated; a Linear whose successor is 
 instead, see :func:`derive_plan`).
 
 Inside an ``nn.Sequential``, the children between a column layer and the row layer after it run on
-the split features: a LayerNorm becomes a distributed LayerNorm, a BatchNorm is sliced per channel,
-elementwise modules, pooling and dropout run unchanged; anything else there is refused. Attention
+the split features: a LayerNorm becomes a distributed LayerNorm, a BatchNorm or InstanceNorm is sliced per
+channel, a GroupNorm per group (when every rank's channels are whole groups), elementwise modules, pooling and
+dropout run unchanged; anything else there is refused. Attention
 code (q/k/v column, o row inside a module with its own ``forward``) runs unchanged on the local heads
 as long as it derives the number of heads from the projection's width (``q.view(B, T, -1,
 self.head_dim)``), not from a stored ``n_heads``.
@@ -57,7 +58,9 @@ from lightning_shm.parallel.tp.layers import (
     RowParallelLinear,
     ShardedLayerNorm,
     even_split_sizes,
+    groups_fit,
     sliced_batchnorm,
+    sliced_groupnorm,
 )
 from lightning_shm.parallel.tp.rng import SplitRegionRandom
 from lightning_shm.runtime import Group
@@ -67,7 +70,9 @@ ELEMENTWISE = (nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.LeakyReLU, nn.
                nn.Mish, nn.Hardswish, nn.Hardtanh, nn.ReLU6, nn.Dropout, nn.Dropout2d)
 POOLING = (nn.MaxPool2d, nn.AvgPool2d, nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d)
 _BETWEEN = {nn.Linear: (nn.LayerNorm, nn.BatchNorm1d, nn.SyncBatchNorm, *ELEMENTWISE),  # may run on split features
-            nn.Conv2d: (nn.BatchNorm2d, nn.SyncBatchNorm, *ELEMENTWISE, *POOLING)}
+            nn.Conv2d: (nn.BatchNorm2d, nn.SyncBatchNorm, nn.GroupNorm, nn.InstanceNorm2d, *ELEMENTWISE, *POOLING)}
+# norms between a column and a row layer, run on the rank's features (LayerNorm: distributed; the others sliced)
+_NORMS = (nn.LayerNorm, nn.modules.batchnorm._NormBase, nn.GroupNorm)
 _SPLITTABLE = (nn.Linear, nn.Conv2d)
 
 
@@ -176,7 +181,7 @@ def derive_plan(seq: nn.Sequential, tp: int, prefix: str = "", tied: frozenset[i
             pending = None
         elif kind is not None:
             pending = (q, kind, m)
-        elif pending is not None and not isinstance(m, _BETWEEN[pending[1]]):
+        elif pending is not None and not (isinstance(m, _BETWEEN[pending[1]]) and _fits(m, pending[2], tp)):
             pending = None  # cannot carry split features across this module
     return plan
 
@@ -312,7 +317,12 @@ def _check_sequential(seq: nn.Sequential, prefix: str, splits: Mapping[str, Laye
             if own:
                 raise ValueError(f"'{q}' sits between column layer '{region[0]}' and its row layer, so it would "
                                  f"run split, but {own}: end the pair before it")
-            if isinstance(m, (nn.LayerNorm, nn.modules.batchnorm._BatchNorm)):
+            if isinstance(m, nn.GroupNorm) and not groups_fit(m, splits[region[0]].sizes):
+                raise ValueError(f"GroupNorm '{q}' ({m.num_groups} groups of {m.num_channels // m.num_groups} "
+                                 f"channels) sits between column layer '{region[0]}' and its row layer, which split "
+                                 f"the channels as {list(splits[region[0]].sizes)}: a group would span two ranks. "
+                                 "Give it a number of groups that tp divides, or end the pair before it")
+            if isinstance(m, _NORMS):
                 norms[q] = LayerSplit("norm", splits[region[0]].sizes)
     if region is not None:
         raise ValueError(f"column layer '{region[0]}' is not followed by a row layer in its nn.Sequential")
@@ -330,11 +340,12 @@ def apply_plan(module: nn.Module, splits: Mapping[str, LayerSplit], group: Group
         if layer is None:
             continue
         if sp.role != "column_gathered":  # the user's forward hooks see whole tensors, as in one process
-            dim = 1 if isinstance(layer, (nn.Conv2d, nn.modules.batchnorm._BatchNorm)) else -1
+            dim = 1 if isinstance(layer, (nn.Conv2d, nn.modules.batchnorm._NormBase, nn.GroupNorm)) else -1
             whole_tensors_for_hooks(layer, group, sp.sizes, dim, inputs_split=sp.role != "column",
                                     output_split=sp.role != "row")  # (before a copy of the layer takes them)
         if sp.role == "norm":
             new = (ShardedLayerNorm(layer, group, sp.sizes) if isinstance(layer, nn.LayerNorm)
+                   else sliced_groupnorm(layer, group, sp.sizes) if isinstance(layer, nn.GroupNorm)
                    else sliced_batchnorm(layer, group, sp.sizes))
         else:
             cls = {("column", nn.Linear): ColumnParallelLinear, ("row", nn.Linear): RowParallelLinear,
@@ -402,6 +413,11 @@ def own_behaviour(m: nn.Module) -> str:
         return f"its class {type(m).__name__} has a forward of its own"
     extra = sorted(set(m._parameters) - {"weight", "bias"}) + sorted(m._modules)
     return f"it holds {extra} besides weight and bias" if extra else ""
+
+
+def _fits(m: nn.Module, column: nn.Module, tp: int) -> bool:
+    """A GroupNorm after a column Conv2d of a derived plan (split evenly) keeps whole groups on every rank."""
+    return not isinstance(m, nn.GroupNorm) or groups_fit(m, even_split_sizes(column.out_channels, tp))
 
 
 def _kind(m: nn.Module) -> Optional[type]:
