@@ -169,36 +169,40 @@ def test_cnn_conv_column_row_with_sliced_batchnorm_equals_one_process(cnn_refs, 
     torch.testing.assert_close(got, one[optimizer], rtol=0, atol=1e-5)
 
 
-class GroupNormCNN(MNISTClassifier):
+class BetweenCNN(MNISTClassifier):
     """The CNN with its first BatchNorm -- between the column and the row convolution of tp's derived plan --
-    replaced: a GroupNorm of 4 groups of 2 channels (whole groups on each of 2 ranks), or an InstanceNorm with
-    running statistics. Refused as a pair's neighbour before 2026-12-04: the plan then split no layer."""
+    replaced: a GroupNorm of 4 groups of 2 channels (whole groups on each of 2 ranks), an InstanceNorm with
+    running statistics, a depthwise convolution (MobileNet's) or one of 4 groups (ResNeXt's). Before 2026-12-04
+    the norms ended the pair (a CNN normalised only by them was refused: "the plan splits no layer") and the
+    plan made the convolutions the pair's row layer, then refused them in the workers."""
 
-    norm = "group"
+    between = "group"
 
     def __init__(self, **kw):
         super().__init__(**{**dict(arch="cnn", channels=(8, 16), cnn_hidden=32), **kw})
-        self.net[1] = (torch.nn.GroupNorm(4, 8) if self.norm == "group"
-                       else torch.nn.InstanceNorm2d(8, affine=True, track_running_stats=True))
+        self.net[1] = {"group": lambda: torch.nn.GroupNorm(4, 8),
+                       "instance": lambda: torch.nn.InstanceNorm2d(8, affine=True, track_running_stats=True),
+                       "depthwise": lambda: torch.nn.Conv2d(8, 8, 3, padding=1, groups=8),
+                       "grouped": lambda: torch.nn.Conv2d(8, 8, 3, padding=1, groups=4)}[self.between]()
         self.net[1].register_forward_hook(self._sees_every_channel)
 
     @staticmethod
-    def _sees_every_channel(module, args, output):  # a hook on the norm sees the whole tensor, as in one process
+    def _sees_every_channel(module, args, output):  # a hook on it sees the whole tensor, as in one process
         assert args[0].shape[1] == output.shape[1] == 8, (args[0].shape, output.shape)
 
 
-@pytest.mark.parametrize("norm", ["group", "instance"])
+@pytest.mark.parametrize("between", ["group", "instance", "depthwise", "grouped"])
 @pytest.mark.parametrize("name, devices, dp", [("tp2", 2, 1), ("dp2xtp2", 4, 2)])
-def test_cnn_with_group_or_instance_norm_between_split_convolutions_equals_one_process(monkeypatch, norm, name,
-                                                                                         devices, dp):
-    monkeypatch.setattr(GroupNormCNN, "norm", norm)
+def test_cnn_with_group_norm_instance_norm_or_grouped_conv_between_split_convolutions_equals_one_process(
+        monkeypatch, between, name, devices, dp):
+    monkeypatch.setattr(BetweenCNN, "between", between)
     # with dp > 1 an InstanceNorm's running statistics are rank 0's, as under torch DDP (sync_batchnorm converts
     # BatchNorms only): compared where a replica holds every sample
-    buffers = dp == 1 or norm == "group"
-    ref = train_mnist("auto", 1, "adam", batch=GLOBAL_BATCH, ref=True, model_cls=GroupNormCNN, buffers=buffers)
+    buffers = dp == 1 or between != "instance"
+    ref = train_mnist("auto", 1, "adam", batch=GLOBAL_BATCH, ref=True, model_cls=BetweenCNN, buffers=buffers)
     tp2 = SHMTensorParallel(start_method="fork", tensor_parallel_size=2)
     strategy = tp2 if name == "tp2" else _cnn_dp_strategy(name)
-    got = train_mnist(strategy, devices, "adam", batch=GLOBAL_BATCH // dp, model_cls=GroupNormCNN, buffers=buffers,
+    got = train_mnist(strategy, devices, "adam", batch=GLOBAL_BATCH // dp, model_cls=BetweenCNN, buffers=buffers,
                       sync_batchnorm=dp > 1)  # the second BatchNorm: over the global batch, as in one process
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)  # parameters and running statistics
 

@@ -54,9 +54,15 @@ def test_derived_plan_pairs_linears_column_row_gathers_before_small_ones_and_rep
     cnn = nn.Sequential(nn.Conv2d(1, 64, 3), nn.ReLU(), nn.Conv2d(64, 1, 1))  # Conv2d pairs are never gathered
     assert _styles(derive_plan(cnn, 2)) == {"0": "column", "2": "row"}
     # a GroupNorm between them when every rank's channels are whole groups; an InstanceNorm (per channel) always
-    for norm, paired in [(nn.GroupNorm(8, 64), True), (nn.GroupNorm(1, 64), False), (nn.InstanceNorm2d(64), True)]:
-        cnn = nn.Sequential(nn.Conv2d(1, 64, 3), norm, nn.ReLU(), nn.Conv2d(64, 1, 1))
+    # and a grouped Conv2d keeping its channels, on whole groups (never a pair's own layer)
+    for norm, paired in [(nn.GroupNorm(8, 64), True), (nn.GroupNorm(1, 64), False), (nn.InstanceNorm2d(64), True),
+                         (nn.Conv2d(64, 64, 3, groups=64), True), (nn.Conv2d(64, 64, 3, groups=4), True),
+                         (nn.Conv2d(64, 128, 3, groups=4), False), (nn.Conv2d(64, 64, 3, groups=64, bias=False), True)]:
+        cnn = nn.Sequential(nn.Conv2d(1, 64, 3), norm, nn.ReLU(), nn.Conv2d(64 if paired else 128, 1, 1))
         assert _styles(derive_plan(cnn, 2)) == ({"0": "column", "3": "row"} if paired else {}), norm
+    # a grouped first layer is no column layer: the pair starts at the next plain one
+    cnn = nn.Sequential(nn.Conv2d(8, 8, 3, groups=8), nn.Conv2d(8, 32, 1), nn.ReLU(), nn.Conv2d(32, 8, 1))
+    assert _styles(derive_plan(cnn, 2)) == {"1": "column", "3": "row"}
     # torch's encoder layer: its feed-forward pair, the attention whole; a Linear on each side stays unpaired
     encoder = nn.Sequential(nn.Linear(28, 16), nn.TransformerEncoderLayer(16, 4, 32), nn.Linear(16, 10))
     assert _styles(derive_plan(encoder, 2)) == {"1.linear1": "column", "1.linear2": "row"}
@@ -259,6 +265,11 @@ class Seq(pl.LightningModule):
         ((nn.Conv2d(1, 8, 1), nn.GroupNorm(2, 8), nn.Conv2d(8, 2, 1)), {"net.0": "column", "net.2": "row"},
          r"GroupNorm 'net.1' \(2 groups of 4 channels\) sits between column layer 'net.0' and its row layer, which "
          r"split the channels as \[2, 2, 2, 2\]: a group would span two ranks"),
+        ((nn.Conv2d(1, 8, 1, groups=1), nn.Conv2d(8, 8, 3, groups=8), nn.Conv2d(8, 2, 1)),
+         {"net.0": "column", "net.1": "row"}, r"'net.1' \(row\) is a Conv2d with groups=8: a column or row layer"),
+        ((nn.Conv2d(1, 8, 1), nn.Conv2d(8, 8, 3, groups=2), nn.Conv2d(8, 2, 1)), {"net.0": "column", "net.2": "row"},
+         r"grouped Conv2d 'net.1' \(8 -> 8 channels, groups=2\) sits between column layer 'net.0' and its row layer, "
+         r"which split the channels as \[2, 2, 2, 2\]"),
         ((nn.Conv2d(1, 8, 1), nn.Flatten()), {"net.0": "column_gathered"},
          "'net.0' is a Conv2d; only nn.Linear can be 'column_gathered'"),
         ((nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 2)),

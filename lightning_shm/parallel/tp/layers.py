@@ -236,6 +236,34 @@ def sliced_groupnorm(full: nn.GroupNorm, group: Group, sizes: Sequence[int]) -> 
     return gn
 
 
+def sliced_grouped_conv(full: nn.Conv2d, group: Group, sizes: Sequence[int]) -> nn.Module:
+    """A grouped Conv2d with as many output as input channels (a depthwise conv, ``groups=C``; ResNeXt's
+    ``groups=32``) over this rank's channels only: each group reads and writes its own channels, so when every
+    rank's channels are whole groups (:func:`conv_groups_fit` -- the plan checks it) the rank's groups compute
+    exactly one process's channels, without communication. ``Conv2d(16, 16, 3, groups=16)`` at tp=2: each
+    rank runs ``Conv2d(8, 8, 3, groups=8)`` on its 8 channels (weight ``[16, 1, 3, 3]`` -> ``[8, 1, 3, 3]``)."""
+    if not conv_groups_fit(full, sizes):
+        raise ValueError(f"Conv2d({full.in_channels}, {full.out_channels}, groups={full.groups}) cannot run on "
+                         f"channels split as {list(sizes)}")
+    i, per = group.index, full.in_channels // full.groups
+    conv = copy.deepcopy(full)
+    conv.in_channels = conv.out_channels = sizes[i]
+    conv.groups = sizes[i] // per
+    for name in ("weight", "bias"):
+        if getattr(full, name) is not None:
+            setattr(conv, name, _slice(getattr(full, name), 0, sizes, i))
+    conv.split_dims = {"weight": 0, "bias": 0}
+    conv.sizes = list(sizes)
+    return conv
+
+
+def conv_groups_fit(conv: nn.Conv2d, sizes: Sequence[int]) -> bool:
+    """``conv`` is grouped, keeps its channel count, and every rank's channels are whole groups of it."""
+    per = conv.in_channels // conv.groups
+    return (conv.groups > 1 and conv.out_channels == conv.in_channels == sum(sizes)
+            and all(n % per == 0 for n in sizes))
+
+
 def groups_fit(gn: nn.GroupNorm, sizes: Sequence[int]) -> bool:
     """Every rank's channels are whole groups of ``gn``."""
     per = gn.num_channels // gn.num_groups

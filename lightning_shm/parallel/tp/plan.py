@@ -22,8 +22,9 @@ instead, see :func:`derive_plan`).
 
 Inside an ``nn.Sequential``, the children between a column layer and the row layer after it run on
 the split features: a LayerNorm becomes a distributed LayerNorm, a BatchNorm or InstanceNorm is sliced per
-channel, a GroupNorm per group (when every rank's channels are whole groups), elementwise modules, pooling and
-dropout run unchanged; anything else there is refused. Attention
+channel, a GroupNorm per group and a grouped Conv2d (a depthwise conv) per group of channels (when every rank's
+channels are whole groups), elementwise modules, pooling and dropout run unchanged; anything else there is
+refused. Attention
 code (q/k/v column, o row inside a module with its own ``forward``) runs unchanged on the local heads
 as long as it derives the number of heads from the projection's width (``q.view(B, T, -1,
 self.head_dim)``), not from a stored ``n_heads``.
@@ -57,9 +58,11 @@ from lightning_shm.parallel.tp.layers import (
     RowParallelConv2d,
     RowParallelLinear,
     ShardedLayerNorm,
+    conv_groups_fit,
     even_split_sizes,
     groups_fit,
     sliced_batchnorm,
+    sliced_grouped_conv,
     sliced_groupnorm,
 )
 from lightning_shm.parallel.tp.rng import SplitRegionRandom
@@ -163,6 +166,12 @@ def derive_plan(seq: nn.Sequential, tp: int, prefix: str = "", tied: frozenset[i
             pending = None
             continue
         kind = _kind(m)
+        if kind is nn.Conv2d and _odd_conv(m):  # never a pair's layer; a grouped one may run between a pair's
+            between = pending is not None and pending[1] is nn.Conv2d and i not in shared and not (
+                computed_weight(m) or own_behaviour(m))
+            if not (between and conv_groups_fit(m, even_split_sizes(pending[2].out_channels, tp))):  # type: ignore
+                pending = None
+            continue
         # split, it would stop sharing its parameters / computing its weight / running its own forward
         whole = i in shared or kind is not None and (computed_weight(m) or own_behaviour(m))
         if kind is nn.Linear and pending is None and _numel(m) <= replicate_upto:
@@ -233,7 +242,7 @@ def split_sizes(name: str, layer: nn.Module, lp: LayerPlan, tp: int, parent: Opt
 @dataclass(frozen=True)
 class LayerSplit:
     """How one module is split: ``role`` "column" / "row" / "column_gathered" (a planned layer) or
-    "norm" (a LayerNorm or BatchNorm running on split features between a column and a row layer);
+    "between" (a norm, or a grouped Conv2d, running on split features between a column and a row layer);
     features per rank."""
 
     role: str
@@ -268,6 +277,11 @@ def check_plan(module: nn.Module, plan: Mapping[str, LayerPlan], tp: int) -> dic
             raise ValueError(f"'{name}' ({lp.style}): {own}, and a tensor-parallel layer computes the plain "
                              f"{_plain(mods[name]).__name__}'s forward over a piece of weight and bias only. "
                              "Leave the layer replicated.")
+        odd = _odd_conv(mods[name])
+        if odd:
+            raise ValueError(f"'{name}' ({lp.style}) is a Conv2d with {odd}: a column or row layer splits a plain "
+                             "convolution's channels. Leave it replicated (a grouped one with as many output as input "
+                             "channels runs split between a column and a row layer, on whole groups)")
         how = computed_weight(mods[name]) if isinstance(mods[name], _SPLITTABLE) else None
         if how:
             raise ValueError(f"'{name}' ({lp.style}) computes its weight from other parameters ({how}): the "
@@ -306,6 +320,19 @@ def _check_sequential(seq: nn.Sequential, prefix: str, splits: Mapping[str, Laye
             raise ValueError(f"'column_gathered' layer '{q}' sits between column layer '{region[0]}' and its row "
                              "layer: it needs the whole input features")
         elif region is not None:
+            sizes = splits[region[0]].sizes
+            if isinstance(m, nn.Conv2d) and m.groups > 1 and region[1] is nn.Conv2d:
+                own = computed_weight(m) or own_behaviour(m)
+                if own:
+                    raise ValueError(f"grouped Conv2d '{q}' sits between column layer '{region[0]}' and its row "
+                                     f"layer, so it would run sliced, but {own}: end the pair before it")
+                if not conv_groups_fit(m, sizes):
+                    raise ValueError(f"grouped Conv2d '{q}' ({m.in_channels} -> {m.out_channels} channels, groups="
+                                     f"{m.groups}) sits between column layer '{region[0]}' and its row layer, which "
+                                     f"split the channels as {list(sizes)}: it runs there only on whole groups and "
+                                     "as many output as input channels. End the pair before it")
+                norms[q] = LayerSplit("between", sizes)
+                continue
             if _kind(m) is not None:
                 raise ValueError(f"{type(m).__name__} '{q}' sits between column layer '{region[0]}' and its row "
                                  "layer: mark it 'row' or end the pair before it")
@@ -317,13 +344,13 @@ def _check_sequential(seq: nn.Sequential, prefix: str, splits: Mapping[str, Laye
             if own:
                 raise ValueError(f"'{q}' sits between column layer '{region[0]}' and its row layer, so it would "
                                  f"run split, but {own}: end the pair before it")
-            if isinstance(m, nn.GroupNorm) and not groups_fit(m, splits[region[0]].sizes):
+            if isinstance(m, nn.GroupNorm) and not groups_fit(m, sizes):
                 raise ValueError(f"GroupNorm '{q}' ({m.num_groups} groups of {m.num_channels // m.num_groups} "
                                  f"channels) sits between column layer '{region[0]}' and its row layer, which split "
-                                 f"the channels as {list(splits[region[0]].sizes)}: a group would span two ranks. "
+                                 f"the channels as {list(sizes)}: a group would span two ranks. "
                                  "Give it a number of groups that tp divides, or end the pair before it")
             if isinstance(m, _NORMS):
-                norms[q] = LayerSplit("norm", splits[region[0]].sizes)
+                norms[q] = LayerSplit("between", sizes)
     if region is not None:
         raise ValueError(f"column layer '{region[0]}' is not followed by a row layer in its nn.Sequential")
     return norms
@@ -343,9 +370,10 @@ def apply_plan(module: nn.Module, splits: Mapping[str, LayerSplit], group: Group
             dim = 1 if isinstance(layer, (nn.Conv2d, nn.modules.batchnorm._NormBase, nn.GroupNorm)) else -1
             whole_tensors_for_hooks(layer, group, sp.sizes, dim, inputs_split=sp.role != "column",
                                     output_split=sp.role != "row")  # (before a copy of the layer takes them)
-        if sp.role == "norm":
+        if sp.role == "between":
             new = (ShardedLayerNorm(layer, group, sp.sizes) if isinstance(layer, nn.LayerNorm)
                    else sliced_groupnorm(layer, group, sp.sizes) if isinstance(layer, nn.GroupNorm)
+                   else sliced_grouped_conv(layer, group, sp.sizes) if isinstance(layer, nn.Conv2d)
                    else sliced_batchnorm(layer, group, sp.sizes))
         else:
             cls = {("column", nn.Linear): ColumnParallelLinear, ("row", nn.Linear): RowParallelLinear,
@@ -413,6 +441,15 @@ def own_behaviour(m: nn.Module) -> str:
         return f"its class {type(m).__name__} has a forward of its own"
     extra = sorted(set(m._parameters) - {"weight", "bias"}) + sorted(m._modules)
     return f"it holds {extra} besides weight and bias" if extra else ""
+
+
+def _odd_conv(m: nn.Module) -> str:
+    """Why a Conv2d cannot be a column or row layer ('' if it can): groups, or a padding other than zeros."""
+    if not isinstance(m, nn.Conv2d):
+        return ""
+    if m.groups != 1:
+        return f"groups={m.groups}"
+    return "" if m.padding_mode == "zeros" else f"padding_mode={m.padding_mode!r}"
 
 
 def _fits(m: nn.Module, column: nn.Module, tp: int) -> bool:
