@@ -16,10 +16,12 @@ rank writes that into its row of the control segment, which every worker maps::
 and every ``check_s`` it follows those edges from itself. For these waits a cycle is a deadlock: a rank in a
 barrier goes on only once every missing rank arrives, a receive only once its sender sends, and each rank on
 the cycle is blocked behind the next one. A cycle is reported only after it has stood unchanged -- the same
-version on every rank of it -- for ``deadlock_s``: a rank whose peer has just satisfied its wait may not have
-woken up yet (at most one back-off sleep, ~1 ms, plus the scheduler), and for that instant the cycle is only
-apparent. Ranks that wait outside the runtime (user code, another node's gloo) publish nothing, so they never
-make a cycle: the check can miss a deadlock (the timeout then reports it), never invent one.
+version on every rank of it -- for ``deadlock_s``, seen at checks all along: a rank whose peer has just
+satisfied its wait may not have woken up yet (at most one back-off sleep, ~1 ms, plus the scheduler), and for
+that instant the cycle is only apparent; after the whole run was stopped (SIGSTOP, a suspended VM), one late
+check must not count for the time stopped. Ranks that wait outside the runtime (user code, another node's
+gloo) publish nothing, so they never make a cycle: the check can miss a deadlock (the timeout then reports
+it), never invent one.
 """
 
 from __future__ import annotations

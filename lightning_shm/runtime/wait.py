@@ -100,7 +100,7 @@ class Waiter:
         sleep = 2e-5
         board = self.board if missing is not None else None
         check_at, cycle, since, looks = 0.0, None, 0.0, 0
-        enough = max(2, int(self.policy.deadlock_s / self.policy.check_s / 2))
+        enough = max(2, int(min(self.policy.deadlock_s, 3600.0) / self.policy.check_s / 2))  # looks in deadlock_s
         try:
             while words[index] < target:
                 if abort[aidx]:
@@ -130,4 +130,3 @@ class Waiter:
         finally:
             if board is not None:
                 board.clear()
-

@@ -7,6 +7,7 @@ cycle is reported only once it has stood unchanged for ``deadlock_s``, never whi
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 from types import SimpleNamespace
@@ -125,11 +126,12 @@ class _FakeTime:
         self.on_tick(self.now)
 
 
-def _wait_for_rank_1(monkeypatch, on_tick, words) -> tuple[Waiter, _FakeTime]:
+def _wait_for_rank_1(monkeypatch, on_tick, words, deadlock_s: float = 5.0) -> tuple[Waiter, _FakeTime]:
     fake = _FakeTime(on_tick)
     monkeypatch.setattr(wait_mod, "time", SimpleNamespace(monotonic=fake.monotonic, sleep=fake.sleep))
     monkeypatch.setattr(wait_mod, "os", SimpleNamespace(sched_yield=fake.sched_yield, getppid=os.getppid))
-    waiter = Waiter(words, 8, WaitPolicy(timeout_s=60, spin_iters=10, yield_s=0.002, deadlock_s=5.0, check_s=0.25))
+    waiter = Waiter(words, 8, WaitPolicy(timeout_s=60, spin_iters=10, yield_s=0.002, deadlock_s=deadlock_s,
+                                         check_s=0.25))
     waiter.board = _board(words, 0, 2)
     return waiter, fake
 
@@ -189,3 +191,16 @@ def test_a_stop_of_the_whole_run_longer_than_deadlock_s_is_no_deadlock(monkeypat
     waiter, fake = _wait_for_rank_1(monkeypatch, tick, words)
     waiter.wait_ge(words, 0, 1, lambda: "timed out", lambda: [1])
     assert stopped[0] and words[0] == 1
+
+
+def test_deadlock_s_inf_turns_the_check_off(monkeypatch):
+    words = memoryview(mmap.mmap(-1, 4096)).cast("q")
+    _board(words, 1, 2).publish(RECEIVE, [0])  # a standing cycle
+
+    def tick(now: float) -> None:
+        if now >= 12.0:
+            words[0] = 1
+
+    waiter, fake = _wait_for_rank_1(monkeypatch, tick, words, deadlock_s=math.inf)
+    waiter.wait_ge(words, 0, 1, lambda: "timed out", lambda: [1])
+    assert fake.now >= 12.0

@@ -6,6 +6,7 @@ from lightning_shm.parallel.tp.layers import (
     RowParallelLinear,
     ShardedLayerNorm,
     sliced_batchnorm,
+    sliced_grouped_conv,
     sliced_groupnorm,
 )
 from lightning_shm.parallel.tp.mappings import copy_to_tp, reduce_from_tp
@@ -25,6 +26,5 @@ __all__ = [
     "ColumnParallelConv2d", "ColumnParallelLinear", "LayerPlan", "LayerSplit", "RowParallelConv2d",
     "RowParallelLinear", "STYLES", "ShardedLayerNorm", "TensorParallelState", "apply_plan", "check_plan",
     "copy_to_tp", "derive_plan", "distributed_layer_norm", "plan_for", "reduce_from_tp", "resolve_plan",
-    "sliced_batchnorm",
-    "sliced_groupnorm",
+    "sliced_batchnorm", "sliced_grouped_conv", "sliced_groupnorm",
 ]
