@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
+from lightning_shm.runtime.deadlock import collective
 from lightning_shm.runtime.errors import CollectiveMismatchError
 from lightning_shm.runtime.ops import arg_name, dtype_name, op_name
 from lightning_shm.runtime.wait import Waiter
@@ -79,7 +80,7 @@ class Barrier:
         for j, row in self._peers:
             if w[row] < g:
                 self._waiter.wait_ge(w, row, g, lambda: self._timeout_message(g, seq, coll, timeout_s),
-                                     lambda: self.missing(g), timeout_s)
+                                     lambda: self.missing(g), timeout_s, collective(coll))
         if check:
             base = _DESC_BASE[g & 1]
             for j, row in self._peers:

@@ -10,7 +10,7 @@ rank writes that into its row of the control segment, which every worker maps::
 
     control row 1 + r (rank r; word 0 is its stop request, see world.py):
         [1] version  -- +1 whenever what follows changes: a rank that waits on and on keeps it
-        [2] kind     -- 0 not waiting, 1 a collective, 2 a receive, 3 a send
+        [2] kind     -- 0 not waiting, 1 a collective (+ 16 x its op code), 2 a receive, 3 a send
         [3..15]      -- the ranks it waits for, a bit each (62 per word)
 
 and every ``check_s`` it follows those edges from itself. For these waits a cycle is a deadlock: a rank in a
@@ -29,11 +29,23 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 from lightning_shm.runtime.errors import BarrierTimeoutError
+from lightning_shm.runtime.ops import op_name
 
 VERSION, KIND, MASK0 = 1, 2, 3  # words of a rank's control row
 BITS = 62  # per mask word (signed int64 words: stay clear of the sign bit)
 COLLECTIVE, RECEIVE, SEND = 1, 2, 3
 KIND_NAMES = {COLLECTIVE: "a collective", RECEIVE: "a receive", SEND: "a send"}
+
+
+def collective(coll: int) -> int:
+    """The kind word of a wait in collective ``coll`` (an op code of :mod:`.ops`)."""
+    return COLLECTIVE | coll << 4
+
+
+def kind_name(kind: int) -> str:
+    if kind & 15 == COLLECTIVE and kind >> 4:
+        return f"a collective ({op_name(kind >> 4)})"
+    return KIND_NAMES.get(kind & 15, "a wait")
 
 Snapshot = dict[int, tuple[int, int, frozenset[int]]]  # rank -> (version, kind, ranks it waits for)
 
@@ -109,8 +121,7 @@ class WaitBoard:
 
 def deadlock_message(cycle: Snapshot, waited_s: float) -> str:
     ranks = sorted(cycle)
-    parts = [f"rank {r} waits in {KIND_NAMES.get(k, 'a wait')} for rank(s) {sorted(w)}" for r, (_, k, w) in
-             sorted(cycle.items())]
+    parts = [f"rank {r} waits in {kind_name(k)} for rank(s) {sorted(w)}" for r, (_, k, w) in sorted(cycle.items())]
     return (f"deadlock: ranks {ranks} wait for each other ({'; '.join(parts)}) and have for {waited_s:.1f} s: none "
             "of them can go on. The ranks took different paths -- a collective, or a send or receive, that some "
             "ranks call and the others do not reach (e.g. a collective in a branch taken on some ranks only, or a "

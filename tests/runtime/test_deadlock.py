@@ -48,10 +48,10 @@ def _three_ranks_in_a_ring(world):
 
 
 @pytest.mark.parametrize("body,size,said", [
-    (_collective_against_receive, 2, ["rank 0 waits in a collective for rank(s) [1]",
+    (_collective_against_receive, 2, ["rank 0 waits in a collective (all_reduce) for rank(s) [1]",
                                       "rank 1 waits in a receive for rank(s) [0]"]),
     (_three_ranks_in_a_ring, 3, ["rank 0 waits in a send for rank(s) [1]",
-                                 "rank 1 waits in a collective for rank(s) [2]",
+                                 "rank 1 waits in a collective (barrier) for rank(s) [2]",
                                  "rank 2 waits in a receive for rank(s) [0]"]),
 ])
 def test_ranks_waiting_for_each_other_raise_a_deadlock_naming_each_wait_and_where_the_others_were(body, size, said):
