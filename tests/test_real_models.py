@@ -207,6 +207,51 @@ def test_cnn_with_group_norm_instance_norm_or_grouped_conv_between_split_convolu
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)  # parameters and running statistics
 
 
+class ResBlock(torch.nn.Module):
+    """conv1 -> norm -> relu -> conv2, plus the input: a ResNet block in its own forward, not a Sequential."""
+
+    def __init__(self, c: int, norm: str) -> None:
+        super().__init__()
+        self.conv1, self.conv2 = torch.nn.Conv2d(c, 2 * c, 3, padding=1), torch.nn.Conv2d(2 * c, c, 3, padding=1)
+        self.bn1 = torch.nn.BatchNorm2d(2 * c) if norm == "batch" else torch.nn.GroupNorm(4, 2 * c)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.conv2(torch.relu(self.bn1(self.conv1(x))))
+
+
+class ResNetLike(MNISTClassifier):
+    """Two ResBlocks between a strided stem and a head; the plan splits each block's convolutions."""
+
+    norm, between = "group", True
+
+    def __init__(self, **kw):
+        super().__init__(**{**dict(arch="cnn", channels=(8, 16), cnn_hidden=32), **kw})
+        self.net = torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3, padding=1, stride=2), ResBlock(4, self.norm),
+                                       ResBlock(4, self.norm), torch.nn.Flatten(), torch.nn.Linear(4 * 14 * 14, 10))
+        self.tp_plan = {"net.*.conv1": "column", "net.*.conv2": "row", **({"net.*.bn1": "between"} if self.between
+                                                                          else {})}
+
+
+@pytest.mark.parametrize("norm", ["group", "batch"])
+def test_a_norm_a_blocks_own_forward_runs_between_split_convolutions_equals_one_process(monkeypatch, norm):
+    """Planned 'between', the block's norm runs on the rank's channels (since 2026-12-04; before, no plan could say
+    so, and it failed in the workers with torch's "running_mean should contain 16 elements not 8")."""
+    monkeypatch.setattr(ResNetLike, "norm", norm)
+    ref = train_mnist("auto", 1, "adam", batch=GLOBAL_BATCH, ref=True, model_cls=ResNetLike, buffers=True)
+    got = train_mnist(SHMTensorParallel(start_method="fork", tensor_parallel_size=2), 2, "adam", batch=GLOBAL_BATCH,
+                      model_cls=ResNetLike, buffers=True)
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
+
+
+def test_a_norm_the_plan_leaves_out_says_to_plan_it_between(monkeypatch):
+    monkeypatch.setattr(ResNetLike, "between", False)
+    with pytest.raises(ValueError, match=r"GroupNorm 'net.1.bn1' got 4 of its 8 features: its block's forward runs "
+                                         r"it on the output of column layer 'net.1.conv1'.*Plan it "
+                                         r"\{'net.1.bn1': 'between'\}"):
+        train_mnist(SHMTensorParallel(start_method="fork", tensor_parallel_size=2), 2, "adam", batch=GLOBAL_BATCH,
+                    model_cls=ResNetLike)
+
+
 def test_cnn_pipeline_equals_one_process_over_the_same_microbatches():
     M = 4
     samples = GLOBAL_BATCH * STEPS

@@ -270,6 +270,10 @@ class Seq(pl.LightningModule):
         ((nn.Conv2d(1, 8, 1), nn.Conv2d(8, 8, 3, groups=2), nn.Conv2d(8, 2, 1)), {"net.0": "column", "net.2": "row"},
          r"grouped Conv2d 'net.1' \(8 -> 8 channels, groups=2\) sits between column layer 'net.0' and its row layer, "
          r"which split the channels as \[2, 2, 2, 2\]"),
+        ((nn.Linear(4, 8), nn.LayerNorm(8)), {"net.1": "between"},
+         r"'net.1' \(LayerNorm, 8 features\) is planned 'between'.*must hold exactly one column layer with 8 output "
+         r"features, found none"),
+        ((nn.Linear(4, 8), nn.ReLU()), {"net.1": "between"}, r"'net.1' \(ReLU\) is planned 'between', which only"),
         ((nn.Conv2d(1, 8, 1), nn.Flatten()), {"net.0": "column_gathered"},
          "'net.0' is a Conv2d; only nn.Linear can be 'column_gathered'"),
         ((nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 2)),

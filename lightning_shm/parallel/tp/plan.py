@@ -12,6 +12,10 @@ component, as Hugging Face models declare their ``tp_plan`` -- to a style::
   Face's ``"colwise_rep"``). One collective forward, none backward, no row layer needed.
 * ``"row"``: input features (channels) split; partial outputs all-reduced; bias added once.
 * ``"replicate"``: every rank holds the whole layer (the default for anything not planned).
+* ``"between"``: a norm (LayerNorm, BatchNorm, InstanceNorm, GroupNorm) or a grouped Conv2d that a block's own
+  ``forward`` runs on a column layer's output before the row layer -- a ResNet block's ``bn1`` between ``conv1``
+  and ``conv2``. It runs on the rank's features, as between a pair inside a Sequential (found there without
+  being planned); its column layer is the sibling column layer with as many output features.
 * ``{"style": "column", "head_dim": 16}``: split on whole attention heads (multiples of 16). Without
   it, a layer whose parent module has an int ``head_dim`` attribute is split on that.
 
@@ -68,7 +72,7 @@ from lightning_shm.parallel.tp.layers import (
 from lightning_shm.parallel.tp.rng import SplitRegionRandom
 from lightning_shm.runtime import Group
 
-STYLES = ("column", "row", "replicate", "column_gathered")
+STYLES = ("column", "row", "replicate", "column_gathered", "between")
 ELEMENTWISE = (nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.LeakyReLU, nn.ELU, nn.Identity, nn.Softplus,
                nn.Mish, nn.Hardswish, nn.Hardtanh, nn.ReLU6, nn.Dropout, nn.Dropout2d)
 POOLING = (nn.MaxPool2d, nn.AvgPool2d, nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d)
@@ -258,7 +262,7 @@ def check_plan(module: nn.Module, plan: Mapping[str, LayerPlan], tp: int) -> dic
     holders = parameter_holders(module)
     out: dict[str, LayerSplit] = {}
     for name, lp in plan.items():
-        if lp.style == "replicate":
+        if lp.style in ("replicate", "between"):  # "between": once the column layers' sizes are known
             continue
         for pname, p in mods[name].named_parameters(prefix=name):
             others = [h for h, _ in holders[id(p)] if h != pname and not h.startswith(f"{name}.")]
@@ -289,9 +293,53 @@ def check_plan(module: nn.Module, plan: Mapping[str, LayerPlan], tp: int) -> dic
                              "layer replicated.")
         parent = mods.get(name.rpartition(".")[0]) if "." in name else module
         out[name] = LayerSplit(lp.style, tuple(split_sizes(name, mods[name], lp, tp, parent)))
+    for name in [n for n, lp in plan.items() if lp.style == "between"]:
+        out[name] = _between(name, mods, out)
     for prefix, seq in [(n, m) for n, m in module.named_modules() if isinstance(m, nn.Sequential)]:
         out.update(_check_sequential(seq, prefix, out))
     return out
+
+
+def _features(m: nn.Module) -> Optional[tuple[int, type]]:
+    """(features it runs on, the layer kind whose split output it can take) of a module that may run between a
+    column and a row layer; None for any other."""
+    if isinstance(m, nn.LayerNorm) and len(m.normalized_shape) == 1:
+        return m.normalized_shape[0], nn.Linear
+    if isinstance(m, (nn.BatchNorm1d, nn.InstanceNorm1d)):
+        return m.num_features, nn.Linear
+    if isinstance(m, nn.modules.batchnorm._NormBase):
+        return m.num_features, nn.Conv2d
+    if isinstance(m, nn.GroupNorm):
+        return m.num_channels, nn.Conv2d
+    if isinstance(m, nn.Conv2d) and m.groups > 1:
+        return m.in_channels, nn.Conv2d
+    return None
+
+
+def _between(name: str, mods: Mapping[str, nn.Module], splits: Mapping[str, LayerSplit]) -> LayerSplit:
+    """A module planned "between": split like its sibling column layer of as many output features."""
+    m = mods[name]
+    found = _features(m)
+    if found is None:
+        raise ValueError(f"'{name}' ({type(m).__name__}) is planned 'between', which only a LayerNorm over one "
+                         "dimension, a BatchNorm, InstanceNorm, GroupNorm or grouped Conv2d can be")
+    n, kind = found
+    parent = name.rpartition(".")[0]
+    columns = [c for c, sp in splits.items() if sp.role == "column" and c.rpartition(".")[0] == parent
+               and sum(sp.sizes) == n and _kind(mods[c]) is kind]
+    if len(columns) != 1:
+        raise ValueError(f"'{name}' ({type(m).__name__}, {n} features) is planned 'between', so it runs on a column "
+                         f"layer's split output: its module '{parent or '<root>'}' must hold exactly one column layer "
+                         f"with {n} output features, found {columns or 'none'}")
+    sizes = splits[columns[0]].sizes
+    if isinstance(m, nn.GroupNorm) and not groups_fit(m, sizes) or \
+            isinstance(m, nn.Conv2d) and not conv_groups_fit(m, sizes):
+        raise ValueError(f"'{name}' ({type(m).__name__}) cannot run on the channels of column layer '{columns[0]}', "
+                         f"split as {list(sizes)}: a group would span two ranks")
+    own = computed_weight(m) or own_behaviour(m) if isinstance(m, (nn.LayerNorm, nn.Conv2d)) else ""
+    if own:
+        raise ValueError(f"'{name}' is planned 'between', so it would run split, but {own}")
+    return LayerSplit("between", sizes)
 
 
 def _check_sequential(seq: nn.Sequential, prefix: str, splits: Mapping[str, LayerSplit]) -> dict[str, LayerSplit]:
@@ -384,6 +432,7 @@ def apply_plan(module: nn.Module, splits: Mapping[str, LayerSplit], group: Group
                 new = cls[(sp.role, _kind(layer))](layer, group, sp.sizes, random=random)
         carry_over_module(layer, new)  # the user's hooks on the layer run on its tensor-parallel version
         replaced[name] = new
+    _say_when_split_features_reach(local, splits)
     for name, new in replaced.items():
         parent, _, attr = name.rpartition(".")
         setattr(module.get_submodule(parent) if parent else module, attr, new)
@@ -398,6 +447,34 @@ def apply_plan(module: nn.Module, splits: Mapping[str, LayerSplit], group: Group
 
 def _no_fast_path(module: nn.Module, args: Any) -> None:
     return None
+
+
+def _say_when_split_features_reach(local: Mapping[str, nn.Module], splits: Mapping[str, LayerSplit]) -> None:
+    """A norm beside a column layer in a block's own forward, not planned 'between': if the forward runs it on
+    the column layer's output, it gets this rank's features, and torch fails with "running_mean should contain
+    16 elements not 8". A pre-hook on each such module raises instead, saying what to plan -- only when the
+    input has the rank's share of the features, so a norm that runs elsewhere (before the column layer, on as
+    many features) is left alone."""
+    for col, sp in splits.items():
+        parent = col.rpartition(".")[0]
+        if sp.role != "column" or isinstance(local.get(parent), nn.Sequential):
+            continue  # inside a Sequential the order is known: _check_sequential splits or refuses
+        n = sum(sp.sizes)
+        for name, m in local.items():
+            found = _features(m)
+            if name.rpartition(".")[0] != parent or name in splits or found is None or found[0] != n:
+                continue
+
+            def check(module: nn.Module, args: Any, name: str = name, col: str = col, n: int = n,
+                      sizes: tuple[int, ...] = sp.sizes, dim: int = -1 if isinstance(m, nn.LayerNorm) else 1) -> None:
+                x = args[0] if args and hasattr(args[0], "shape") else None
+                if x is not None and x.dim() > 1 and x.shape[dim] < n:
+                    raise ValueError(f"{type(module).__name__} '{name}' got {x.shape[dim]} of its {n} features: its "
+                                     f"block's forward runs it on the output of column layer '{col}', which tensor "
+                                     f"parallelism splits {list(sizes)}. Plan it {{'{name}': 'between'}} (it then "
+                                     f"runs on the rank's features), or leave '{col}' replicated")
+
+            m.register_forward_pre_hook(check)
 
 
 def _ancestors(name: str) -> list[str]:
