@@ -326,7 +326,7 @@ def _between(name: str, mods: Mapping[str, nn.Module], splits: Mapping[str, Laye
     n, kind = found
     parent = name.rpartition(".")[0]
     columns = [c for c, sp in splits.items() if sp.role == "column" and c.rpartition(".")[0] == parent
-               and sum(sp.sizes) == n and _kind(mods[c]) is kind]
+               and sum(sp.sizes) == n and (_kind(mods[c]) is kind or isinstance(m, nn.SyncBatchNorm))]
     if len(columns) != 1:
         raise ValueError(f"'{name}' ({type(m).__name__}, {n} features) is planned 'between', so it runs on a column "
                          f"layer's split output: its module '{parent or '<root>'}' must hold exactly one column layer "
@@ -464,6 +464,8 @@ def _say_when_split_features_reach(local: Mapping[str, nn.Module], splits: Mappi
             found = _features(m)
             if name.rpartition(".")[0] != parent or name in splits or found is None or found[0] != n:
                 continue
+            if isinstance(m, nn.modules.instancenorm._InstanceNorm) and not (m.affine or m.track_running_stats):
+                continue  # holds nothing per channel: runs on any share of the channels, as one process would
 
             def check(module: nn.Module, args: Any, name: str = name, col: str = col, n: int = n,
                       sizes: tuple[int, ...] = sp.sizes, dim: int = -1 if isinstance(m, nn.LayerNorm) else 1) -> None:
