@@ -249,6 +249,17 @@ class Seq(pl.LightningModule):
         self.net = nn.Sequential(*layers)
 
 
+class _GroupNormBlock(nn.Module):
+    """conv1 -> GroupNorm(2, 8) -> conv2 in its own forward (the plan must say where the norm runs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1, self.gn, self.conv2 = nn.Conv2d(1, 8, 1), nn.GroupNorm(2, 8), nn.Conv2d(8, 2, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv2(self.gn(self.conv1(x)))
+
+
 @pytest.mark.parametrize(
     "layers, plan, match",
     [
@@ -274,6 +285,9 @@ class Seq(pl.LightningModule):
          r"'net.1' \(LayerNorm, 8 features\) is planned 'between'.*must hold exactly one column layer with 8 output "
          r"features, found none"),
         ((nn.Linear(4, 8), nn.ReLU()), {"net.1": "between"}, r"'net.1' \(ReLU\) is planned 'between', which only"),
+        ((_GroupNormBlock(),), {"net.0.conv1": "column", "net.0.gn": "between", "net.0.conv2": "row"},
+         r"GroupNorm 'net.0.gn' \(2 groups of 4 channels\) sits between column layer 'net.0.conv1' and its row layer, "
+         r"which split the channels as \[2, 2, 2, 2\]"),
         ((nn.Conv2d(1, 8, 1), nn.Flatten()), {"net.0": "column_gathered"},
          "'net.0' is a Conv2d; only nn.Linear can be 'column_gathered'"),
         ((nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 2)),

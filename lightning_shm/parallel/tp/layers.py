@@ -201,19 +201,27 @@ def sliced_batchnorm(full: nn.modules.batchnorm._NormBase, group: Group, sizes: 
     if full.num_features != sum(sizes):
         raise ValueError(f"{type(full).__name__}({full.num_features}) follows a column layer with {sum(sizes)} "
                          "output channels")
-    i, lo, n = group.index, sum(sizes[:group.index]), sizes[group.index]
+    lo, n = sum(sizes[:group.index]), sizes[group.index]
     dp = getattr(full, "group", None)
-    bn = copy.deepcopy(full, {id(dp): dp} if dp is not None else None)
+    bn = _channel_slice(full, group, sizes, {id(dp): dp} if dp is not None else None)
     bn.num_features = n
-    for name in ("weight", "bias"):
-        if getattr(full, name) is not None:
-            setattr(bn, name, _slice(getattr(full, name), 0, sizes, i))
     for name in ("running_mean", "running_var"):
         if getattr(full, name) is not None:
             setattr(bn, name, getattr(full, name).detach().narrow(0, lo, n).clone())
-    bn.split_dims = {"weight": 0, "bias": 0, "running_mean": 0, "running_var": 0}
-    bn.sizes = list(sizes)
+    bn.split_dims = {**bn.split_dims, "running_mean": 0, "running_var": 0}
     return bn
+
+
+def _channel_slice(full: nn.Module, group: Group, sizes: Sequence[int], memo: Optional[dict] = None) -> nn.Module:
+    """A copy of ``full`` holding this rank's rows of its ``weight`` and ``bias`` (per-channel parameters, or a
+    grouped conv's per-output-channel kernels); the caller sets its channel counts."""
+    part = copy.deepcopy(full, memo)
+    for name in ("weight", "bias"):
+        if getattr(full, name) is not None:
+            setattr(part, name, _slice(getattr(full, name), 0, sizes, group.index))
+    part.split_dims = {"weight": 0, "bias": 0}
+    part.sizes = list(sizes)
+    return part
 
 
 def sliced_groupnorm(full: nn.GroupNorm, group: Group, sizes: Sequence[int]) -> nn.Module:
@@ -225,14 +233,9 @@ def sliced_groupnorm(full: nn.GroupNorm, group: Group, sizes: Sequence[int]) -> 
         raise ValueError(f"GroupNorm({full.num_groups}, {full.num_channels}) cannot run on channels split as "
                          f"{list(sizes)}: a group of {full.num_channels // max(full.num_groups, 1)} channels would "
                          "span two ranks")
-    i, per = group.index, full.num_channels // full.num_groups
-    gn = copy.deepcopy(full)
-    gn.num_channels, gn.num_groups = sizes[i], sizes[i] // per
-    for name in ("weight", "bias"):
-        if getattr(full, name) is not None:
-            setattr(gn, name, _slice(getattr(full, name), 0, sizes, i))
-    gn.split_dims = {"weight": 0, "bias": 0}
-    gn.sizes = list(sizes)
+    n = sizes[group.index]
+    gn = _channel_slice(full, group, sizes)
+    gn.num_channels, gn.num_groups = n, n // (full.num_channels // full.num_groups)
     return gn
 
 
@@ -245,29 +248,26 @@ def sliced_grouped_conv(full: nn.Conv2d, group: Group, sizes: Sequence[int]) -> 
     if not conv_groups_fit(full, sizes):
         raise ValueError(f"Conv2d({full.in_channels}, {full.out_channels}, groups={full.groups}) cannot run on "
                          f"channels split as {list(sizes)}")
-    i, per = group.index, full.in_channels // full.groups
-    conv = copy.deepcopy(full)
-    conv.in_channels = conv.out_channels = sizes[i]
-    conv.groups = sizes[i] // per
-    for name in ("weight", "bias"):
-        if getattr(full, name) is not None:
-            setattr(conv, name, _slice(getattr(full, name), 0, sizes, i))
-    conv.split_dims = {"weight": 0, "bias": 0}
-    conv.sizes = list(sizes)
+    n = sizes[group.index]
+    conv = _channel_slice(full, group, sizes)
+    conv.in_channels = conv.out_channels = n
+    conv.groups = n // (full.in_channels // full.groups)
     return conv
 
 
 def conv_groups_fit(conv: nn.Conv2d, sizes: Sequence[int]) -> bool:
     """``conv`` is grouped, keeps its channel count, and every rank's channels are whole groups of it."""
-    per = conv.in_channels // conv.groups
-    return (conv.groups > 1 and conv.out_channels == conv.in_channels == sum(sizes)
-            and all(n % per == 0 for n in sizes))
+    return conv.groups > 1 and conv.out_channels == conv.in_channels and _whole_groups(conv.in_channels,
+                                                                                        conv.groups, sizes)
 
 
 def groups_fit(gn: nn.GroupNorm, sizes: Sequence[int]) -> bool:
     """Every rank's channels are whole groups of ``gn``."""
-    per = gn.num_channels // gn.num_groups
-    return sum(sizes) == gn.num_channels and all(n % per == 0 for n in sizes)
+    return _whole_groups(gn.num_channels, gn.num_groups, sizes)
+
+
+def _whole_groups(channels: int, groups: int, sizes: Sequence[int]) -> bool:
+    return sum(sizes) == channels and all(n % (channels // groups) == 0 for n in sizes)
 
 
 def _enter(random: Optional[SplitRegionRandom]) -> None:

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Sequence
 
 from torch import nn
 from torch.nn.utils import parametrize
@@ -332,14 +332,26 @@ def _between(name: str, mods: Mapping[str, nn.Module], splits: Mapping[str, Laye
                          f"layer's split output: its module '{parent or '<root>'}' must hold exactly one column layer "
                          f"with {n} output features, found {columns or 'none'}")
     sizes = splits[columns[0]].sizes
-    if isinstance(m, nn.GroupNorm) and not groups_fit(m, sizes) or \
-            isinstance(m, nn.Conv2d) and not conv_groups_fit(m, sizes):
-        raise ValueError(f"'{name}' ({type(m).__name__}) cannot run on the channels of column layer '{columns[0]}', "
-                         f"split as {list(sizes)}: a group would span two ranks")
+    _check_runs_split(name, m, columns[0], sizes)
+    return LayerSplit("between", sizes)
+
+
+def _check_runs_split(q: str, m: nn.Module, column: str, sizes: Sequence[int]) -> None:
+    """A norm or grouped Conv2d running on ``column``'s output split as ``sizes``: ValueError if it cannot --
+    a behaviour of its own a split copy would drop, a GroupNorm's group or a grouped conv's group across two
+    ranks, a grouped conv changing its channel count."""
+    where = f"sits between column layer '{column}' and its row layer"
     own = computed_weight(m) or own_behaviour(m) if isinstance(m, (nn.LayerNorm, nn.Conv2d)) else ""
     if own:
-        raise ValueError(f"'{name}' is planned 'between', so it would run split, but {own}")
-    return LayerSplit("between", sizes)
+        raise ValueError(f"'{q}' {where}, so it would run split, but {own}: end the pair before it")
+    if isinstance(m, nn.GroupNorm) and not groups_fit(m, sizes):
+        raise ValueError(f"GroupNorm '{q}' ({m.num_groups} groups of {m.num_channels // m.num_groups} channels) "
+                         f"{where}, which split the channels as {list(sizes)}: a group would span two ranks. Give it "
+                         "a number of groups that tp divides, or end the pair before it")
+    if isinstance(m, nn.Conv2d) and not conv_groups_fit(m, sizes):
+        raise ValueError(f"grouped Conv2d '{q}' ({m.in_channels} -> {m.out_channels} channels, groups={m.groups}) "
+                         f"{where}, which split the channels as {list(sizes)}: it runs there only on whole groups "
+                         "and as many output as input channels. End the pair before it")
 
 
 def _check_sequential(seq: nn.Sequential, prefix: str, splits: Mapping[str, LayerSplit]) -> dict[str, LayerSplit]:
@@ -370,15 +382,7 @@ def _check_sequential(seq: nn.Sequential, prefix: str, splits: Mapping[str, Laye
         elif region is not None:
             sizes = splits[region[0]].sizes
             if isinstance(m, nn.Conv2d) and m.groups > 1 and region[1] is nn.Conv2d:
-                own = computed_weight(m) or own_behaviour(m)
-                if own:
-                    raise ValueError(f"grouped Conv2d '{q}' sits between column layer '{region[0]}' and its row "
-                                     f"layer, so it would run sliced, but {own}: end the pair before it")
-                if not conv_groups_fit(m, sizes):
-                    raise ValueError(f"grouped Conv2d '{q}' ({m.in_channels} -> {m.out_channels} channels, groups="
-                                     f"{m.groups}) sits between column layer '{region[0]}' and its row layer, which "
-                                     f"split the channels as {list(sizes)}: it runs there only on whole groups and "
-                                     "as many output as input channels. End the pair before it")
+                _check_runs_split(q, m, region[0], sizes)
                 norms[q] = LayerSplit("between", sizes)
                 continue
             if _kind(m) is not None:
@@ -388,15 +392,7 @@ def _check_sequential(seq: nn.Sequential, prefix: str, splits: Mapping[str, Laye
                 raise ValueError(f"'{q}' ({type(m).__name__}) cannot run on features split by column layer "
                                  f"'{region[0]}'; only {', '.join(t.__name__ for t in _BETWEEN[region[1]][:3])}, "
                                  "elementwise and pooling modules can")
-            own = own_behaviour(m) if isinstance(m, nn.LayerNorm) else ""
-            if own:
-                raise ValueError(f"'{q}' sits between column layer '{region[0]}' and its row layer, so it would "
-                                 f"run split, but {own}: end the pair before it")
-            if isinstance(m, nn.GroupNorm) and not groups_fit(m, sizes):
-                raise ValueError(f"GroupNorm '{q}' ({m.num_groups} groups of {m.num_channels // m.num_groups} "
-                                 f"channels) sits between column layer '{region[0]}' and its row layer, which split "
-                                 f"the channels as {list(sizes)}: a group would span two ranks. "
-                                 "Give it a number of groups that tp divides, or end the pair before it")
+            _check_runs_split(q, m, region[0], sizes)
             if isinstance(m, _NORMS):
                 norms[q] = LayerSplit("between", sizes)
     if region is not None:
