@@ -375,23 +375,29 @@ def _trained_and_validated_as_one_process(model_cls, strategy, devices, dp, samp
     assert loss == pytest.approx(ref_loss, abs=1e-9)
 
 
+@pytest.mark.parametrize("model, policy", [
+    ("encoder", lambda name, m: isinstance(m, torch.nn.Linear)),
+    ("attention", lambda name, m: isinstance(m, (torch.nn.Linear, torch.nn.MultiheadAttention)))])
+@pytest.mark.parametrize("gather", ["view", "copy"])
+def test_units_of_layers_torch_attention_reads_itself_are_gathered_around_it(model, policy, gather):
+    """nn.MultiheadAttention never calls out_proj (nor the encoder layer's fast path its Linear layers): a unit
+    of such a layer is also gathered around the module that reads it (a placement). Until 2026-12-04 such a
+    policy was refused ("TransformerEncoderLayer 'net.1' reads 'net.1.self_attn.out_proj.weight' in its own
+    forward ...")."""
+    model_cls = {"encoder": TorchEncoder, "attention": TorchAttention}[model]
+    strategy = SHMFSDPStrategy(start_method="fork", unit_policy=policy, gather=gather)
+    _trained_and_validated_as_one_process(model_cls, strategy, 2, 2, GLOBAL_BATCH * STEPS)
+
+
 @pytest.mark.parametrize("model, strategy, match", [
-    ("encoder", lambda: SHMFSDPStrategy(start_method="fork",
-                                        unit_policy=lambda name, m: isinstance(m, torch.nn.Linear)),
-     r"TransformerEncoderLayer 'net.1' reads 'net.1.self_attn.out_proj.weight' in its own forward .* FSDP unit "
-     r"'net.1.self_attn.out_proj' holds it and 'net.1' runs in unit 'net.1'"),  # the leftovers' unit
-    ("attention", lambda: SHMFSDPStrategy(start_method="fork", unit_policy=lambda name, m: isinstance(
-        m, (torch.nn.Linear, torch.nn.MultiheadAttention))),
-     r"MultiheadAttention 'net.1.attn' reads 'net.1.attn.out_proj.weight' in its own forward .* FSDP unit "
-     r"'net.1.attn.out_proj' holds it and 'net.1.attn' runs in unit 'net.1.attn'"),
     ("encoder", lambda: SHMTensorParallel(start_method="fork", tensor_parallel_size=2,
                                           plan={"net.*.self_attn.out_proj": "column_gathered"}),
      r"'net.1.self_attn.out_proj' \(column_gathered\) is part of nn.MultiheadAttention 'net.1.self_attn', whose "
      r"forward reads its weights itself"),
 ])
 def test_layers_that_torch_attention_reads_itself_are_not_split_apart(no_worker_starts, model, strategy, match):
-    """nn.MultiheadAttention never calls out_proj (nor the encoder layer's fast path its Linear layers): a unit
-    or a split of their own would not see the read."""
+    """nn.MultiheadAttention never calls out_proj (nor the encoder layer's fast path its Linear layers): a split of
+    their own would not see the read."""
     module = {"encoder": TorchEncoder, "attention": TorchAttention}[model]()
     with pytest.raises(ValueError, match=match):
         trainer(strategy=strategy(), devices=2, max_epochs=1).fit(module, loader(mnist_like(8), 4))
@@ -445,7 +451,8 @@ class TinyGPT(pl.LightningModule):
     """Token and position embeddings before the Sequential of blocks, a final LayerNorm and a head tied to the
     token embedding after it (both holders of the tie outside the Sequential); next-token loss, AdamW. Until
     2026-12-04 shm_fsdp and every sharded layout refused it ("'wte.weight' and 'lm_head.weight' are one
-    parameter, but FSDP unit 'wte' holds it and 'lm_head.weight' runs in no unit")."""
+    parameter, but FSDP unit 'wte' holds it and 'lm_head.weight' runs in no unit"); then FSDP kept the tied
+    embedding whole on every rank. It logs how many rows of it the rank holds."""
 
     tp_plan = TRANSFORMER_TP_PLAN
     V, T, D = 32, 12, 16
@@ -462,15 +469,18 @@ class TinyGPT(pl.LightningModule):
         (idx,) = batch
         x, y = idx[:, :-1], idx[:, 1:]
         logits = self.lm_head(self.ln_f(self.net(self.wte(x) + self.wpe(torch.arange(x.shape[1])))))
+        self.log("wte_rows", float(self.wte.weight.shape[0]))
         return torch.nn.functional.cross_entropy(logits.reshape(-1, self.V), y.reshape(-1))
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=3e-3, weight_decay=0.1)
 
 
-@pytest.mark.parametrize("name", ["fsdp", "dp2xpp2-shard", "tp2xpp2"])
+@pytest.mark.parametrize("name", ["fsdp", "fsdp-copy", "dp2xpp2-shard", "tp2xpp2"])
 def test_a_gpt_with_its_head_tied_to_the_embedding_equals_one_process(name):
-    runs = {**layouts("fsdp", "dp2xpp2-shard"),
+    """shm_fsdp shards the tied embedding like any parameter (a unit gathered at both holders); a pipeline keeps
+    it whole on its stages, which sum its gradients."""
+    runs = {**layouts("fsdp", "fsdp-copy", "dp2xpp2-shard"),
             "tp2xpp2": (lambda: SHMModelParallel(start_method="fork", tensor_parallel_size=2, pipeline_parallel_size=2,
                                                  microbatches=2), 4, 1)}
     strategy, devices, dp = runs[name]
@@ -480,10 +490,12 @@ def test_a_gpt_with_its_head_tied_to_the_embedding_equals_one_process(name):
         model = TinyGPT()
         ds = torch.utils.data.TensorDataset(torch.randint(0, TinyGPT.V, (72, TinyGPT.T + 1),
                                                           generator=torch.Generator().manual_seed(1)))
-        trainer(strategy=strategy, devices=devices, max_epochs=1, precision="64-true").fit(
-            model, reference_loader(ds, batch, SEED) if ref else loader(ds, batch))
+        t = trainer(strategy=strategy, devices=devices, max_epochs=1, precision="64-true")
+        t.fit(model, reference_loader(ds, batch, SEED) if ref else loader(ds, batch))
         assert model.lm_head.weight is model.wte.weight
-        return flat_params(model)
+        return flat_params(model), t.callback_metrics["wte_rows"].item()
 
-    ref = fit("auto", 1, 24, True)
-    torch.testing.assert_close(fit(strategy(), devices, 24 // dp, False), ref, rtol=0, atol=1e-9)
+    ref, _ = fit("auto", 1, 24, True)
+    got, rows = fit(strategy(), devices, 24 // dp, False)
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-9)
+    assert rows == (TinyGPT.V // 2 if name.startswith("fsdp") else TinyGPT.V)

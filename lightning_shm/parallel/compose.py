@@ -296,7 +296,9 @@ def parallelize(module: nn.Module, config: ParallelConfig, world: World, groups:
         kinds = (nn.modules.batchnorm._BatchNorm,) if config.sync_batchnorm else (nn.SyncBatchNorm,)
         convert_sync_batchnorm(module, groups.dp, kinds)
     stage = engine = starts = copies = None
-    tied = tied_outside(module, config.sequential)  # on the whole model: a stage may hold one of the holders
+    # FSDP keeps whole what a module outside the Sequential shares with another: under a pipeline the stages
+    # sum its gradients (found on the whole model: a stage may hold one of the holders); else a unit gathers it
+    tied = tied_outside(module, config.sequential) if topo.pp > 1 else set()
     if topo.pp > 1:
         copies = SequentialCopies(module, find_sequential(module, config.sequential)[0])  # before the cut
         if copies.frozen and world.rank == 0:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 
@@ -247,6 +248,62 @@ def test_no_rank_writes_shards_another_still_reads():
         expected = plain(x)
     got = launch(_forward_between_backward_and_step, 2, start_method="fork")[1]
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+
+
+class _HeadKeptAlone(nn.Module):
+    """One unit of every layer (a large ``min_unit_params``); the Linear inside its middle layer is kept under a
+    second name: the head runs inside the unit's run and alone -- a placement of the unit."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Sequential(nn.Linear(16, 16)), nn.Tanh(),
+                                 nn.Linear(16, 4))
+        self.head = self.net[2][0]
+
+    def forward(self, x):
+        return self.net(x).pow(2).mean() + self.head(x.repeat(1, 2)).pow(2).mean()
+
+
+def _placed_head(world, gather):
+    torch.manual_seed(0)
+    model = _HeadKeptAlone()
+    plain = copy.deepcopy(model)
+    sharded = FSDPState(model, world.group(), policy=10**6, gather=gather)
+    x = torch.randn(6, 8) + world.rank  # a batch per rank
+    boom = model.net[2].register_forward_pre_hook(lambda *_: (_ for _ in ()).throw(RuntimeError("boom")))
+    with pytest.raises(RuntimeError, match="boom"):
+        model(x)  # the unit's run opened and never closed
+    boom.remove()
+    sharded.begin_step()
+    sharded.stats.reset_peak()
+    gen = world.group()._barrier.gen
+    model(x).backward()
+    barriers = world.group()._barrier.gen - gen
+    grads: dict[str, torch.Tensor] = {}  # one process: the mean of every rank's batch's gradients
+    for r in range(world.size):
+        plain.zero_grad()
+        plain(x - world.rank + r).backward()
+        for n, p in plain.named_parameters():
+            grads[n] = grads.get(n, 0) + p.grad / world.size
+    unit = sharded.units[0]
+    want = {}
+    for b, (n, g) in zip(unit.blocks, grads.items()):
+        lo = b.row_start(world.rank)
+        want[n] = g[lo:lo + b.rows[world.rank]]
+    return barriers, sharded.stats.peak, unit.numel * 4, {n: p.grad for n, p in model.named_parameters()}, want
+
+
+@pytest.mark.parametrize("gather", ["view", "copy"])
+def test_a_layer_of_a_unit_called_alone_gathers_it_once_and_inside_the_run_not_again(gather):
+    """Called inside the unit's run the head finds the unit gathered (no second copy, no second reduce-scatter);
+    called alone it gathers it (one more reduce-scatter). A forward that raised inside the run leaves nothing
+    open for the next step."""
+    for barriers, peak, unit_bytes, mine, want in launch(_placed_head, 2, gather, start_method="fork"):
+        assert barriers == 2  # one reduce-scatter per application of the unit: the run, the head alone
+        assert peak == (unit_bytes if gather == "copy" else 0)
+        assert list(mine) == list(want)
+        for n in want:
+            torch.testing.assert_close(mine[n], want[n], rtol=0, atol=1e-6)
 
 
 # ---------------------------------------------------------------------- checkpoints

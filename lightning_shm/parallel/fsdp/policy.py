@@ -11,22 +11,24 @@ merges consecutive small Sequential children into one unit (fewer collectives); 
 A unit is a list of consecutive modules executed one after the other; its parameters are those of
 the modules' subtrees not claimed by a nested unit.
 
-Shared parameters (a layer placed twice, weights tied between two layers): a unit gathers its
-parameters around its own modules' forward only, so every module holding a parameter must run inside
-the unit that holds it. A layer placed several times needs nothing: its unit's hooks run at every
-placement. Units of different layers that share a parameter are joined into one unit (with the layers
-between them, as torch FSDP asks its users to wrap the common parent); a unit policy that separates
-them is refused, naming the parameter.
+Shared parameters (a layer placed twice, weights tied between two modules -- GPT-2's head and input
+embedding): one unit holds the parameter -- the first to claim it -- and every other module holding it
+becomes a *placement* of that unit: the unit's gather/free hooks run around it too, so each holder
+computes with the full parameter, and each application's gradient is reduce-scattered into the one
+shard (autograd sums them, as in one process). No unit has to span the layers between the holders (as
+torch FSDP asks of its users: wrap the common parent), and a tied embedding is sharded like any other
+parameter. A layer placed several times needs nothing: its unit's hooks run at every placement.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Union
 
 from torch import nn
 
-from lightning_shm.parallel.sequential import find_sequential, layers_of, parameter_holders, shared_spans
+from lightning_shm.parallel.sequential import find_sequential, layers_of, parameter_holders
 
 PolicyFn = Callable[[str, nn.Module], bool]
 
@@ -36,6 +38,8 @@ class UnitSpec:
     name: str
     modules: list[tuple[str, nn.Module]]
     params: list[tuple[str, nn.Module, str, nn.Parameter]] = field(default_factory=list)  # (full, owner, attr, p)
+    # other modules whose forward reads some of ``params`` (a tied weight's other holders): gathered there too
+    placements: list[tuple[str, nn.Module]] = field(default_factory=list)
 
     @property
     def numel(self) -> int:
@@ -90,16 +94,15 @@ def kept_whole(module: nn.Module, tied: Optional[set[int]] = None) -> dict[str, 
     submodule's forward hook sees the read --, those of the parameter containers it holds (an
     ``nn.ParameterDict`` of per-task prompts, an ``nn.ParameterList`` of layer-mixing weights, also inside
     a ``ModuleDict`` / ``ModuleList``: they have no forward, so every read is direct), 0-d ones (no rows
-    to cut) and :func:`tied_outside` ones (``tied``: found on the whole model, before a pipeline cut hid
-    one of the holders from this stage): no one unit runs around both holders. Mostly small: 1/W of them
-    would save little (a tied embedding is the exception; it costs its size on every rank)."""
+    to cut) and ``tied`` ones (ids: a pipeline stage's parameters tied to a module another stage runs --
+    GPT-2's embedding and head -- whose gradients the stages sum whole). Mostly small: 1/W of them would
+    save little."""
     read_directly, todo = [], [module]
     while todo:  # the module and the containers reachable from it through containers only
         m = todo.pop()
         read_directly.append(m)
         todo.extend(c for c in m.children() if isinstance(c, CONTAINERS))
-    whole = {id(p) for m in read_directly for p in m.parameters(recurse=False)}
-    whole |= tied_outside(module) if tied is None else tied
+    whole = {id(p) for m in read_directly for p in m.parameters(recurse=False)} | (tied or set())
     return {n: p for n, p in module.named_parameters() if id(p) in whole or p.dim() == 0}
 
 
@@ -127,10 +130,21 @@ def find_units(module: nn.Module, policy: UnitPolicy, layers: Optional[list[tupl
             except ValueError:
                 layers = []
         if layers:
+            # a layer reachable under another name too (kept as ``self.classifier``, placed twice) may run alone:
+            # it gets a unit of its own, whose hooks open and close around each call
+            names = Counter(id(m) for _, m in module.named_modules(remove_duplicate=False))
             group: list[tuple[str, nn.Module]] = []
             size = 0
             for qname, child in layers:
                 n = sum(p.numel() for p in child.parameters())
+                if n and names[id(child)] > 1:
+                    if size:
+                        roots.append(group)
+                    elif group and roots:
+                        roots[-1].extend(group)
+                    roots.append([(qname, child)])
+                    group, size = [], 0
+                    continue
                 if n == 0 and not group:
                     continue  # Flatten, ReLU before any parameters: run outside units
                 group.append((qname, child))
@@ -142,7 +156,6 @@ def find_units(module: nn.Module, policy: UnitPolicy, layers: Optional[list[tupl
                 roots.append(group)
             elif group and roots:  # trailing parameter-free modules belong to the last unit
                 roots[-1].extend(group)
-            roots = _join_shared(roots, layers)
     claimed: set[int] = set(exclude)
     units: list[UnitSpec] = []
     for mods in roots:  # nested roots first would claim their own params: process deepest names first
@@ -163,76 +176,53 @@ def find_units(module: nn.Module, policy: UnitPolicy, layers: Optional[list[tupl
         for a, p in owner.named_parameters(recurse=False):
             if id(p) in claimed:
                 continue
-            caller = owner_name
-            while caller and isinstance(modules[caller], CONTAINERS):
-                caller = caller.rpartition(".")[0]
-            path = caller.split(".")
-            caller = next((n for n in (".".join(path[:k]) for k in range(1, len(path) + 1))
-                           if isinstance(modules.get(n), READ_BY_PARENT)), caller)
+            caller = _caller(modules, owner_name)
             u = outside.setdefault(caller, UnitSpec(name=caller or "<root>", modules=[(caller, modules[caller])]))
             claimed.add(id(p))
             u.params.append((f"{owner_name}.{a}" if owner_name else a, owner, a, p))
     units.extend(outside.values())
     units = [u for u in units if u.params]
-    _check_shared(module, units)
+    _place_shared(module, units)
     for u in units:  # execution order within a unit = parameter registration order
         order = {id(p): i for i, (_, p) in enumerate(module.named_parameters())}
         u.params.sort(key=lambda t: order[id(t[3])])
     return units
 
 
-def _join_shared(roots: list[list[tuple[str, nn.Module]]],
-                 layers: list[tuple[str, nn.Module]]) -> list[list[tuple[str, nn.Module]]]:
-    """Consecutive layer groups -> the same, with the groups from the first to the last holder of each
-    shared parameter (and the layers between them) joined into one."""
-    position = {name: i for i, (name, _) in enumerate(layers)}
-    ranges = [[position[r[0][0]], position[r[-1][0]]] for r in roots]
-    for span in shared_spans(layers):
-        if len({id(layers[i][1]) for i in span.positions}) == 1:
-            continue  # one layer placed several times: its unit's hooks run at every placement
-        a = next(k for k, (lo, hi) in enumerate(ranges) if lo <= span.first <= hi)
-        b = next(k for k, (lo, hi) in enumerate(ranges) if lo <= span.last <= hi)
-        if a != b:
-            ranges[a:b + 1] = [[ranges[a][0], ranges[b][1]]]
-    return [layers[lo:hi + 1] for lo, hi in ranges]
+def _caller(modules: dict[str, nn.Module], owner: str) -> str:
+    """The module whose forward reads the parameters ``owner`` holds: itself; for a container (a head's
+    ``nn.ParameterList``) the nearest enclosing module that is not one; under a READ_BY_PARENT module (an
+    attention-pooling head, an encoder layer) the outermost such module."""
+    caller = owner
+    while caller and isinstance(modules[caller], CONTAINERS):
+        caller = caller.rpartition(".")[0]
+    path = caller.split(".")
+    return next((n for n in (".".join(path[:k]) for k in range(1, len(path) + 1))
+                 if isinstance(modules.get(n), READ_BY_PARENT)), caller)
+
+
+def _place_shared(module: nn.Module, units: list[UnitSpec]) -> None:
+    """Every module that reads one of a unit's parameters under a name outside the unit's modules becomes a
+    placement of that unit: the other holder of a tied weight (in another unit or in none), a layer inside one
+    of the unit's layers that the model also keeps under a second name (``self.head = self.net[4][0]``), which
+    the step may call alone, and a :data:`READ_BY_PARENT` module around a unit's layer (an attention reading its
+    ``out_proj`` unit's weight itself). Called inside the unit, such a module finds it gathered (the hooks count
+    how deep the unit's forwards are open)."""
+    holders = parameter_holders(module)
+    modules = dict(module.named_modules(remove_duplicate=False))  # a layer placed twice: under both names
+    for unit in units:
+        runs = [n for n, _ in unit.modules]
+        hooked = {id(m) for n, m in unit.modules if len(unit.modules) == 1}  # gathers alone already
+        for *_, p in unit.params:
+            for hname, _ in holders[id(p)]:
+                name = _caller(modules, hname.rpartition(".")[0])
+                if not any(name == r or name.startswith(f"{r}.") for r in runs) and id(modules[name]) not in hooked:
+                    unit.placements.append((name, modules[name]))
+                    runs.append(name)
+                    hooked.add(id(modules[name]))
 
 
 # torch modules whose forward reads their children's parameters itself, not through the children's
 # forward: MultiheadAttention (``out_proj.weight`` in F.multi_head_attention_forward), TransformerEncoderLayer
 # (its inference fast path reads every weight)
 READ_BY_PARENT = (nn.MultiheadAttention, nn.TransformerEncoderLayer)
-
-
-def _check_shared(module: nn.Module, units: list[UnitSpec]) -> None:
-    """Every module holding -- or, for :data:`READ_BY_PARENT`, reading -- a unit's parameter must run
-    inside that unit (deepest unit wins), else ValueError naming the parameter and both units."""
-    inside: dict[int, UnitSpec] = {}
-    for unit in sorted(units, key=lambda u: min((n.count(".") if n else -1) for n, _ in u.modules)):
-        for _, m in unit.modules:
-            for sub in m.modules():
-                inside[id(sub)] = unit
-    holders = parameter_holders(module)
-    readers: dict[int, list[tuple[str, nn.Module]]] = {}
-    for name, m in module.named_modules():
-        if isinstance(m, READ_BY_PARENT):
-            for p in m.parameters():
-                readers.setdefault(id(p), []).append((name, m))
-    for unit in units:
-        for pname, *_, p in unit.params:
-            for hname, m in holders[id(p)]:
-                other = inside.get(id(m))
-                if other is not unit:
-                    raise ValueError(
-                        f"'{pname}' and '{hname}' are one parameter, but FSDP unit '{unit.name}' holds it and "
-                        f"'{hname}' runs in {f'unit {other.name!r}' if other else 'no unit'}: a unit gathers its "
-                        "parameters only around its own modules. Choose units that put every module holding it "
-                        "in one unit (e.g. a policy that selects their common parent).")
-            for rname, reader in readers.get(id(p), []):
-                other = inside.get(id(reader))
-                if other is not unit:
-                    raise ValueError(
-                        f"{type(reader).__name__} '{rname}' reads '{pname}' in its own forward (not through the "
-                        f"child's forward), but FSDP unit '{unit.name}' holds it and '{rname}' runs in "
-                        f"{f'unit {other.name!r}' if other else 'no unit'}, which would find this rank's rows "
-                        "only. Leave the children of such a module in its unit (a policy that does not select "
-                        "them).")

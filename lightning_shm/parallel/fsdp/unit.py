@@ -194,10 +194,14 @@ class FSDPUnit:
         self.held: Optional[torch.Tensor] = None  # gathered for a whole pipeline step (see hold())
         self._held_grad: Optional[torch.Tensor] = None
         self._held_used: list[bool] = []  # blocks that got a gradient in some microbatch of the held step
+        self._depth = 0  # forwards of the unit's runs now open: one nested in another finds it gathered
         # gather before the module's own pre-hooks, free after its own hooks: they see the full parameters
-        # (torch.nn.utils.weight_norm / spectral_norm compute ``weight`` in a pre-hook)
-        self._handles = [spec.modules[0][1].register_forward_pre_hook(self._pre_forward, prepend=True),
-                         spec.modules[-1][1].register_forward_hook(self._post_forward)]
+        # (torch.nn.utils.weight_norm / spectral_norm compute ``weight`` in a pre-hook). A run: the unit's
+        # modules, first to last; and each placement (another holder of a tied weight) alone.
+        runs = [(spec.modules[0][1], spec.modules[-1][1])] + [(m, m) for _, m in spec.placements]
+        self._handles = [h for first, last in runs
+                         for h in (first.register_forward_pre_hook(self._pre_forward, prepend=True),
+                                   last.register_forward_hook(self._post_forward))]
 
     @property
     def trainable(self) -> list[Block]:
@@ -424,6 +428,9 @@ class FSDPUnit:
 
     # ------------------------------------------------------------------ hooks
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
+        self._depth += 1
+        if self._depth > 1:  # a holder called inside another of the unit's runs: its parameters are the full ones
+            return
         full = self.held if self.held is not None else self.gather_new()
         grad = torch.is_grad_enabled()
         self._live_grad = grad and bool(self.trainable)
@@ -457,6 +464,9 @@ class FSDPUnit:
                                "(the optimizer step, a hook after it), as torch's FSDP requires, or use shm_ddp.")
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
+        self._depth -= 1
+        if self._depth > 0:
+            return output
         full, params = self._live, self._live_params
         if full is not None:
             self._check_not_modified(params)
@@ -510,6 +520,7 @@ class FSDPUnit:
         for full in self.pending.values():
             self.free(full)
         self.pending.clear()
+        self._depth = 0  # a forward that raised never closed its run
         self.drop_prefetched()
         self._held_grad = None
         if self.held is not None:
