@@ -22,11 +22,13 @@ differentiates by itself, see :func:`differentiations`).
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
+import torch.utils._pytree
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 
 def read_outside(loss: torch.Tensor, pieces: Mapping[int, str], boundary: set[Any]) -> list[str]:
@@ -86,6 +88,63 @@ def differentiations() -> Iterator[list[bool]]:
         yield called
     finally:
         autograd.grad, autograd.backward = originals
+
+
+class _PieceReads(TorchFunctionMode):
+    """Records every piece (id in ``pieces``) a torch function takes while gradients are on, outside the forward of
+    every module owning one (``depth``: how many such forwards are open) -- a layer's own forward, and FSDP's
+    gather in its pre-hook, read them legitimately. Tensor properties (``.shape``) are not reads."""
+
+    def __init__(self, pieces: Mapping[int, str], depth: list[int]) -> None:
+        super().__init__()
+        self.pieces, self.depth, self.found = pieces, depth, dict[str, None]()
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if not self.depth[0] and torch.is_grad_enabled() and getattr(func, "__name__", "") != "__get__":
+            for t in torch.utils._pytree.tree_leaves((args, kwargs)):
+                if isinstance(t, torch.Tensor) and id(t) in self.pieces:
+                    self.found[self.pieces[id(t)]] = None
+        return func(*args, **kwargs)
+
+
+def pieces_read_by(step: Callable[[], Any], pieces: Mapping[int, str], owners: Iterable[nn.Module]) -> list[str]:
+    """Run ``step`` again (it failed; its side effects no longer matter) and name the pieces it computed with
+    outside the layers that own them, up to where it fails. Why a second run: a read of a piece usually fails
+    with some shape error deep in the step (``Expected input batch_size (72) to match target batch_size
+    (144)``: a tied head's ``F.linear(h, self.wte.weight)`` on half the vocabulary) before the loss exists for
+    :func:`read_outside` to walk, and watching every torch function of every first step would cost it (and a
+    compiled model's tracing) for nothing."""
+    depth = [0]
+
+    def enter(*_: Any) -> None:
+        depth[0] += 1
+
+    def leave(*_: Any) -> None:
+        depth[0] -= 1
+
+    handles = [h for m in owners for h in (m.register_forward_pre_hook(enter, prepend=True),
+                                           m.register_forward_hook(leave))]
+    mode = _PieceReads(pieces, depth)
+    try:
+        with mode:
+            step()
+    except Exception:  # noqa: BLE001 -- the failure already being reported; only the reads matter here
+        pass
+    finally:
+        for h in handles:
+            h.remove()
+    return list(mode.found)
+
+
+def explain_failure(error: BaseException, names: list[str], held: str) -> ValueError:
+    """The error of a step that failed after reading pieces outside their layers, saying so."""
+    return ValueError(
+        f"{type(error).__name__}: {error}\n-- training_step computed with {names[:4]}"
+        f"{' ...' if len(names) > 4 else ''} outside the forward of the modules holding them; here each rank holds "
+        f"{held} of them, which is most likely why it failed. Read a parameter through a module's forward -- "
+        "for an output layer tied to the input embedding, an nn.Linear holding its weight (self.lm_head.weight = "
+        "self.wte.weight), which shm_fsdp gathers around both -- or use shm_ddp.")
 
 
 def refuse_outside_reads(names: list[str], held: str) -> None:

@@ -44,7 +44,14 @@ from lightning_shm.parallel.compose import ParallelConfig, ParallelState, parall
 from lightning_shm.parallel.ddp import broadcast_module_state, broadcast_tensors
 from lightning_shm.parallel.fsdp import UnitPolicy
 from lightning_shm.parallel.fsdp.policy import PolicyFn
-from lightning_shm.parallel.outside_reads import differentiations, output_nodes, read_outside, refuse_outside_reads
+from lightning_shm.parallel.outside_reads import (
+    differentiations,
+    explain_failure,
+    output_nodes,
+    pieces_read_by,
+    read_outside,
+    refuse_outside_reads,
+)
 from lightning_shm.parallel.pipeline import PipelineEngine
 from lightning_shm.parallel.pipeline.split import attributes_kept, why_sample_fails
 from lightning_shm.parallel.state_copies import consolidate_copies, localize_copies
@@ -370,12 +377,18 @@ class SHMModelParallel(SHMStrategyBase):
         module, state, W = self.lightning_module, self.parallel.state, self.world_size
         pieces = {id(p): n for n, p in module.named_parameters() if state.copies(p) < W}
         owners = [m for m in module.modules() if any(id(p) in pieces for p in m._parameters.values() if p is not None)]
-        with output_nodes(owners) as boundary, differentiations() as differentiated:
-            out = super().training_step(*args, **kwargs)
+        held = "only a piece (a row block under FSDP, a slice under tensor parallelism)"
+        try:
+            with output_nodes(owners) as boundary, differentiations() as differentiated:
+                out = super().training_step(*args, **kwargs)
+        except Exception as e:
+            names = pieces_read_by(lambda: super(SHMModelParallel, self).training_step(*args, **kwargs), pieces, owners)
+            if names:
+                raise explain_failure(e, names, held) from e
+            raise
         loss = out.get("loss") if isinstance(out, Mapping) else out
         if isinstance(loss, Tensor) and loss.grad_fn is not None and not differentiated:
-            refuse_outside_reads(read_outside(loss, pieces, boundary),
-                                 "only a piece (a row block under FSDP, a slice under tensor parallelism)")
+            refuse_outside_reads(read_outside(loss, pieces, boundary), held)
         return out
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
