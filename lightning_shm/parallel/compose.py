@@ -31,7 +31,7 @@ from torch import nn
 
 from lightning_shm.parallel.ddp import GradReducer, sparse_grad_parameters
 from lightning_shm.parallel.ddp.sync_batchnorm import convert_sync_batchnorm
-from lightning_shm.parallel.fsdp import FSDPState, UnitPolicy, find_units
+from lightning_shm.parallel.fsdp import FSDPState, UnitPolicy
 from lightning_shm.parallel.fsdp.policy import PolicyFn, selects_nothing, tied_outside
 from lightning_shm.parallel.fsdp.unit import check_gather
 from lightning_shm.parallel.optimizers import check_optimizers
@@ -160,9 +160,7 @@ def validate(module: nn.Module, config: ParallelConfig, world_size: int, batch_s
             plan_chunks(seq, V, stages=config.pipeline.stages, forbidden=no_cut)
         if batch_size is not None and batch_size % config.microbatches:
             raise ValueError(f"batch size {batch_size} is not divisible by microbatches={config.microbatches}")
-    if config.shard and topo.dp > 1:  # units of the whole model: a policy's mistakes show before any stage cut
-        layers = _layers(module, config)
-        find_units(module, config.policy, layers)  # refuses units that would separate a shared parameter
+    if config.shard and topo.dp > 1:  # on the whole model: a policy's mistake shows before any stage cut
         if selects_nothing(module, config.policy):
             raise ValueError(f"the FSDP unit policy selected no module with parameters in {type(module).__name__}: "
                              "nothing to shard")
