@@ -6,8 +6,9 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_shm import SHMModelParallel
 from lightning_shm.models import MNISTClassifier
-from tests.helpers import GLOBAL_BATCH, LAYOUTS, train_mnist
+from tests.helpers import GLOBAL_BATCH, LAYOUTS, fit_seeded, flat_params, train_mnist
 
 
 class MeanSquarePenalty(MNISTClassifier):
@@ -22,12 +23,20 @@ class OneWeightNorm(MNISTClassifier):
         return super().training_step(batch, batch_idx) + 1e-2 * self.net[1].weight.abs().mean()
 
 
-@pytest.mark.parametrize("layout", ["fsdp", "fsdp-copy", "tp2"])
-@pytest.mark.parametrize("model_cls", [MeanSquarePenalty, OneWeightNorm])
+DP2XTP2_SHARD = (lambda: SHMModelParallel(start_method="fork", data_parallel_size=2, tensor_parallel_size=2,
+                                          data_parallel="shard"), 4, 2)
+RUNS = {**LAYOUTS, "dp2xtp2-shard": DP2XTP2_SHARD}
+
+
+@pytest.mark.parametrize("layout, model_cls", [
+    ("fsdp", MeanSquarePenalty), ("fsdp-copy", MeanSquarePenalty), ("tp2", MeanSquarePenalty),
+    ("fsdp-copy", OneWeightNorm), ("tp2", OneWeightNorm), ("dp2xtp2-shard", OneWeightNorm)])
 def test_a_loss_reading_pieces_of_parameters_is_refused(layout, model_cls):
     """It was computed on the rank's row block or slice, another loss on every rank: 0.029 off one process after
-    4 Adam steps under shm_fsdp (the penalty), 0.015 under shm_fsdp and tp2 (one weight's norm)."""
-    strategy, devices, dp = LAYOUTS[layout]
+    4 Adam steps under shm_fsdp (the penalty), 0.015 under shm_fsdp and tp2 (one weight's norm). ``parameters()``
+    gives the rank's rows under every FSDP gather; by attribute the step reads them under "copy", a tp slice
+    under tp (net.1 is split by the derived plan, then cut into rows by FSDP under dp x tp sharded)."""
+    strategy, devices, dp = RUNS[layout]
     with pytest.raises(ValueError, match=r"training_step's loss reads parameters itself \(\[.*'net.1.weight'"):
         train_mnist(strategy(), devices, "adam", batch=GLOBAL_BATCH // dp, model_cls=model_cls)
 
@@ -67,12 +76,28 @@ def test_a_read_inside_the_forward_of_the_unit_that_gathers_it_is_not_refused():
 
 class HeadReadInTheStep(MNISTClassifier):
     """The output layer applied by the step as ``F.linear(h, self.net[7].weight)`` (a head tied to an embedding,
-    written the way many GPT implementations write it): on a rank's 5 of 10 rows the loss fails inside torch."""
+    written the way many GPT implementations write it), in training and in validation."""
+
+    def _loss(self, batch):
+        x, y = batch
+        head = self.net[7]
+        return nn.functional.cross_entropy(nn.functional.linear(self.net[:7](x), head.weight, head.bias), y)
+
+    def training_step(self, batch, batch_idx):
+        return self._loss(batch)
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self._loss(batch), sync_dist=True)
+
+
+class FirstLayerReadInTheStep(MNISTClassifier):
+    """The first Linear applied by the step as ``F.linear``: on a rank's rows (FSDP "copy") or tp's slice (the
+    derived plan splits net.1) its output is too narrow for the LayerNorm after it -- torch fails inside."""
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        h = self.net[:7](x)
-        return nn.functional.cross_entropy(nn.functional.linear(h, self.net[7].weight, self.net[7].bias), y)
+        h = nn.functional.linear(x.flatten(1), self.net[1].weight, self.net[1].bias)
+        return nn.functional.cross_entropy(self.net[2:](h), y)
 
 
 class FailsAfterItsForward(MNISTClassifier):
@@ -82,14 +107,32 @@ class FailsAfterItsForward(MNISTClassifier):
         raise RuntimeError("boom after a forward")
 
 
-@pytest.mark.parametrize("layout", ["fsdp", "fsdp-copy"])
+@pytest.mark.parametrize("layout, model_cls", [("fsdp", HeadReadInTheStep), ("fsdp", OneWeightNorm),
+                                               ("fsdp", FirstLayerReadInTheStep), ("dp2xtp2-shard", HeadReadInTheStep)])
+def test_under_view_fsdp_the_step_reads_whole_parameters_by_attribute(layout, model_cls):
+    """Every unit is open for the whole step (``FSDPState.step_scope``): ``self.net[7].weight`` is the full
+    parameter there as in its layer's forward, and its gradient goes back through the unit's reduce-scatter --
+    a tied head's ``F.linear(h, self.wte.weight)`` trains as in one process (before 2026-12-04 it failed: "Target 9
+    is out of bounds" on a rank's 5 of 10 rows), a weight's norm in the loss too (was refused), validation as well.
+    Under dp x tp sharded the same holds for a layer tp leaves whole (net.7)."""
+    strategy, devices, dp = RUNS[layout]
+    ref = fit_seeded(model_cls, "auto", 1, GLOBAL_BATCH, ref=True, validate=True)
+    got = fit_seeded(model_cls, strategy(), devices, GLOBAL_BATCH // dp, validate=True)
+    torch.testing.assert_close(flat_params(got[1]), flat_params(ref[1]), rtol=0, atol=1e-9)
+    if model_cls is HeadReadInTheStep:
+        assert float(got[0].callback_metrics["val_loss"]) == pytest.approx(float(ref[0].callback_metrics["val_loss"]),
+                                                                           abs=1e-9)
+
+
+@pytest.mark.parametrize("layout", ["fsdp-copy", "tp2", "dp2xtp2-shard"])
 def test_a_step_failing_after_computing_with_pieces_says_which_and_why(layout):
-    """Such a failure used to end in torch's "Target 9 is out of bounds" alone (a GPT's F.linear(h,
-    self.wte.weight): "Expected input batch_size (72) to match target batch_size (144)")."""
-    strategy, devices, dp = LAYOUTS[layout]
-    with pytest.raises(ValueError, match=r"(?s)IndexError: Target \d is out of bounds.*training_step computed with "
-                                         r"\['net.7.weight', 'net.7.bias'\] outside the forward of the modules"):
-        train_mnist(strategy(), devices, "adam", batch=GLOBAL_BATCH // dp, model_cls=HeadReadInTheStep)
+    """Such a failure used to end in torch's error alone (here "Given normalized_shape=[256], expected input with
+    shape [*, 256], but got input of size[24, 128]"; a GPT's F.linear(h, self.wte.weight) under gather="copy":
+    "Expected input batch_size (72) to match target batch_size (144)")."""
+    strategy, devices, dp = RUNS[layout]
+    with pytest.raises(ValueError, match=r"(?s)RuntimeError: Given normalized_shape.*training_step computed with "
+                                         r"\['net.1.weight', 'net.1.bias'\] outside the forward of the modules"):
+        train_mnist(strategy(), devices, "adam", batch=GLOBAL_BATCH // dp, model_cls=FirstLayerReadInTheStep)
 
 
 @pytest.mark.parametrize("layout", ["fsdp", "tp2"])

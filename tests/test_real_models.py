@@ -452,7 +452,8 @@ class TinyGPT(pl.LightningModule):
     token embedding after it (both holders of the tie outside the Sequential); next-token loss, AdamW. Until
     2026-12-04 shm_fsdp and every sharded layout refused it ("'wte.weight' and 'lm_head.weight' are one
     parameter, but FSDP unit 'wte' holds it and 'lm_head.weight' runs in no unit"); then FSDP kept the tied
-    embedding whole on every rank. It logs how many rows of it the rank holds."""
+    embedding whole on every rank. It logs how many rows of it the rank holds (``self.wte.weight`` in the step is
+    the full parameter under shm_fsdp's "view": see FSDPState.step_scope)."""
 
     tp_plan = TRANSFORMER_TP_PLAN
     V, T, D = 32, 12, 16
@@ -469,7 +470,7 @@ class TinyGPT(pl.LightningModule):
         (idx,) = batch
         x, y = idx[:, :-1], idx[:, 1:]
         logits = self.lm_head(self.ln_f(self.net(self.wte(x) + self.wpe(torch.arange(x.shape[1])))))
-        self.log("wte_rows", float(self.wte.weight.shape[0]))
+        self.log("wte_rows", float(dict(self.named_parameters())["wte.weight"].shape[0]))  # the registered one
         return torch.nn.functional.cross_entropy(logits.reshape(-1, self.V), y.reshape(-1))
 
     def configure_optimizers(self):

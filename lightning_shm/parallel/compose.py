@@ -22,9 +22,10 @@ model, called by the main process before any worker starts and by :func:`paralle
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional, Union
+from typing import Any, Callable, ContextManager, Mapping, Optional, Union
 
 import torch
 from torch import nn
@@ -239,6 +240,7 @@ class ParallelState:
     outside: Optional[OutsideParameters] = None  # a pipeline's parameters outside its Sequential
     originals: Originals = field(default_factory=dict)  # the model's parameters before any was replaced
     copies: Optional[SequentialCopies] = None  # copies of a pipeline's Sequential kept outside it (EMA teachers)
+    tp_slices: Optional[frozenset[str]] = None  # names of the tensor-parallel slices (found at the first step)
 
     def begin_step(self) -> None:
         """Before a training step: drop what a forward without backward left gathered; average the
@@ -249,6 +251,17 @@ class ParallelState:
             self.reducer.follow_requires_grad()
         if self.copies is not None:
             self.copies.check()
+
+    def step_scope(self) -> ContextManager[None]:
+        """Around a step (not a pipeline's): FSDP keeps its units open (:meth:`FSDPState.step_scope`) -- those
+        whose full parameters are whole ones: a tensor-parallel slice read in the step must stay visible to the
+        check that refuses such reads."""
+        if self.fsdp is None or self.stage is not None:
+            return contextlib.nullcontext()
+        if self.tp_slices is None:
+            split = self.tp.placements() if self.tp is not None else {}
+            self.tp_slices = frozenset(n for n, pl in split.items() if pl.splits)
+        return self.fsdp.step_scope(self.tp_slices)
 
     def watch(self, optimizers: list[torch.optim.Optimizer]) -> None:
         """The optimizers of the run: refused if they cannot update this layout's pieces as one process

@@ -365,10 +365,12 @@ class SHMModelParallel(SHMStrategyBase):
             with self._stage_step():
                 return self.pipeline.training_step(args[0], args[1], trainer.accumulate_grad_batches,
                                                    trainer.fit_loop._skip_backward)
-        if self._reads_checked or not self._grads_split or not self.lightning_module.automatic_optimization:
-            return super().training_step(*args, **kwargs)
-        self._reads_checked = True
-        return self._step_checking_reads(*args, **kwargs)
+        assert self.parallel is not None
+        with self.parallel.step_scope():
+            if self._reads_checked or not self._grads_split or not self.lightning_module.automatic_optimization:
+                return super().training_step(*args, **kwargs)
+            self._reads_checked = True
+            return self._step_checking_reads(*args, **kwargs)
 
     def _step_checking_reads(self, *args: Any, **kwargs: Any) -> Any:
         """The first training step, whose loss's graph shows what it reads: parameters this rank holds pieces of,
@@ -396,20 +398,26 @@ class SHMModelParallel(SHMStrategyBase):
         if self.pipeline is not None:
             with self._stage_step():
                 return self.pipeline.eval_step("validation_step", *args)
-        return super().validation_step(*args, **kwargs)
+        assert self.parallel is not None
+        with self.parallel.step_scope():
+            return super().validation_step(*args, **kwargs)
 
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         self.stop_point(args[1])
         if self.pipeline is not None:
             with self._stage_step():
                 return self.pipeline.eval_step("test_step", *args)
-        return super().test_step(*args, **kwargs)
+        assert self.parallel is not None
+        with self.parallel.step_scope():
+            return super().test_step(*args, **kwargs)
 
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         if self.pipeline is not None:
             with self._stage_step():
                 return self.pipeline.eval_step("predict_step", *args)
-        return super().predict_step(*args, **kwargs)
+        assert self.parallel is not None
+        with self.parallel.step_scope():
+            return super().predict_step(*args, **kwargs)
 
     @contextlib.contextmanager
     def _stage_step(self) -> Iterator[None]:

@@ -306,6 +306,33 @@ def test_a_layer_of_a_unit_called_alone_gathers_it_once_and_inside_the_run_not_a
             torch.testing.assert_close(mine[n], want[n], rtol=0, atol=1e-6)
 
 
+def _step_scope(world):
+    torch.manual_seed(0)
+    model = MNISTClassifier()
+    plain = copy.deepcopy(model)
+    sharded = FSDPState(model, world.group())
+    x = torch.randn(4, 1, 28, 28)
+    with sharded.step_scope():
+        inside = tuple(model.net[7].weight.shape)  # read by attribute in the step: the full parameter
+        head = nn.functional.linear(model.net[:7](x), model.net[7].weight, model.net[7].bias)
+    outside = tuple(model.net[7].weight.shape)  # between steps: the rank's rows
+    with pytest.raises(RuntimeError, match="boom"), sharded.step_scope():
+        raise RuntimeError("boom")
+    after_failure = [n for n in ("weight", "bias") if n in model.net[7].__dict__]  # nothing left shown
+    head.pow(2).mean().backward()
+    plain_head = nn.functional.linear(plain.net[:7](x), plain.net[7].weight, plain.net[7].bias)
+    plain_head.pow(2).mean().backward()
+    rows = sharded.units[-1].blocks[0].rows
+    lo = sum(rows[:world.rank])
+    return inside, outside, after_failure, model.net[7].weight.grad, plain.net[7].weight.grad[lo:lo + rows[world.rank]]
+
+
+def test_the_step_scope_shows_full_parameters_and_sends_their_gradients_to_the_rows():
+    for inside, outside, after_failure, grad, want in launch(_step_scope, 2, start_method="fork"):
+        assert inside == (10, 64) and outside == (5, 64) and after_failure == []
+        torch.testing.assert_close(grad, want, rtol=0, atol=1e-6)  # the same batch on both ranks: the mean is it
+
+
 # ---------------------------------------------------------------------- checkpoints
 def test_checkpoint_is_plain_and_resumes_on_ddp_and_other_world_size(tmp_path):
     ds = mnist_like(GLOBAL_BATCH * 4)

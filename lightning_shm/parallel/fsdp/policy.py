@@ -17,7 +17,10 @@ becomes a *placement* of that unit: the unit's gather/free hooks run around it t
 computes with the full parameter, and each application's gradient is reduce-scattered into the one
 shard (autograd sums them, as in one process). No unit has to span the layers between the holders (as
 torch FSDP asks of its users: wrap the common parent), and a tied embedding is sharded like any other
-parameter. A layer placed several times needs nothing: its unit's hooks run at every placement.
+parameter. A layer placed several times needs nothing: its unit's hooks run at every placement. A
+layer of the Sequential the model also reaches by another name (``self.classifier = self.net[-1]``, a
+layer placed twice) may run alone, so it is a unit of its own even where ``min_unit_params`` merges
+layers: a merged run's hooks open at its first layer and close at its last.
 """
 
 from __future__ import annotations

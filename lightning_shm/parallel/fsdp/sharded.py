@@ -12,7 +12,8 @@ every ``optimizer.step()`` (fused optimizers included); :meth:`before_shards_wri
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, Optional, Union
+import contextlib
+from typing import Any, Callable, Collection, Iterator, Optional, Union
 
 import torch
 from torch import nn
@@ -41,6 +42,7 @@ class FSDPState:
                  across: Optional[Callable[[torch.Tensor], None]] = None, gather: str = "view",
                  tied: Optional[set[int]] = None) -> None:
         check_gather(gather, reshard_after_forward, prefetch)
+        self.gather = gather
         self.module = module
         self.group = group
         self.across = across
@@ -140,6 +142,29 @@ class FSDPState:
             u.drop_pending()
         self._follow_requires_grad()
         self.sync_if_written()
+
+    @contextlib.contextmanager
+    def step_scope(self, pieces: Collection[str] = ()) -> Iterator[None]:
+        """Around a step (``gather="view"``): every unit open, as if its forward ran the whole step, so what the
+        step reads by attribute itself -- a tied head's ``F.linear(h, self.wte.weight)``, a weight's norm in the
+        loss -- is the full parameter its layers compute with, and its gradient goes back through the unit's
+        reduce-scatter. The layers' own hooks find their unit open (one gather edge per unit and step, one
+        reduce-scatter when backward reaches it). Free under "view": the full parameters are the shared rows;
+        under "copy" it would keep the whole model's private copy for the step, so it does nothing there
+        (``parameters()`` stays the rank's rows in both: the optimizer's, and a penalty over them is refused).
+        ``pieces``: names whose full parameters are themselves pieces (a tensor-parallel slice): units holding one
+        keep to their own hooks."""
+        units = [u for u in self.units if not any(b.name in pieces for b in u.blocks)] if self.gather == "view" else []
+        for u in units:
+            u.open()
+        try:
+            yield
+        except BaseException:
+            for u in units:
+                u.close(check=False)
+            raise
+        for u in reversed(units):
+            u.close()
 
     def hold(self) -> None:
         """Pipelines: from now on each unit, once gathered, stays gathered for every microbatch of the step."""

@@ -283,8 +283,8 @@ class FSDPUnit:
             if storage.nbytes():
                 self.stats.release(full)
                 storage.resize_(0)
-        if self._live is full:
-            self._live, self._live_params = None, ()
+        if self._live is full and not self._depth:  # a backward inside an open step (manual optimization)
+            self._live, self._live_params = None, ()  # leaves the step's views shown
             self._set_views(None)
 
     def params_of(self, full: torch.Tensor) -> list[torch.Tensor]:
@@ -345,6 +345,20 @@ class FSDPUnit:
                 "unit that some ranks' samples skip -- a unit per expert of a mixture of experts -- breaks it. Keep "
                 "such modules in one unit (the default policy takes each child of the Sequential whole), or use "
                 "shm_ddp with find_unused_parameters=True.")
+
+    # ------------------------------------------------------------------ a whole step (FSDPState.step_scope)
+    def open(self) -> None:
+        """Gather and show the full parameters as a forward of the unit would, until :meth:`close`."""
+        self._pre_forward(None, ())
+
+    def close(self, check: bool = True) -> None:
+        """End what :meth:`open` began (``check``: that the step changed no full parameter in place)."""
+        if check:
+            self._post_forward(None, (), None)
+        else:  # the step failed: no backward will come
+            self._depth = 0
+            self._live, self._live_params = None, ()
+            self._set_views(None)
 
     # ------------------------------------------------------------------ a whole pipeline step
     def hold(self) -> None:
@@ -427,7 +441,7 @@ class FSDPUnit:
             self.free(full)
 
     # ------------------------------------------------------------------ hooks
-    def _pre_forward(self, module: nn.Module, args: Any) -> None:
+    def _pre_forward(self, module: Optional[nn.Module], args: Any) -> None:
         self._depth += 1
         if self._depth > 1:  # a holder called inside another of the unit's runs: its parameters are the full ones
             return
@@ -463,11 +477,13 @@ class FSDPUnit:
                                "is lost), so the model would not be one process's. Change parameters outside forward "
                                "(the optimizer step, a hook after it), as torch's FSDP requires, or use shm_ddp.")
 
-    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
+    def _post_forward(self, module: Optional[nn.Module], args: Any, output: Any) -> Any:
         self._depth -= 1
-        if self._depth > 0:
-            return output
         full, params = self._live, self._live_params
+        if self._depth > 0:  # inside an open run (a step's scope): its backward needs the views shown again
+            if full is not None and torch.is_grad_enabled() and self.held is None:
+                self._show_in_backward(output, full, params)
+            return output
         if full is not None:
             self._check_not_modified(params)
         if full is None or self.held is not None:  # held: stays gathered for the next microbatch
@@ -476,23 +492,7 @@ class FSDPUnit:
         # gradient (its input does, or a nested unit's parameters): y = x @ W^T -> dx = dy @ W needs W
         through = not self._live_grad and torch.is_grad_enabled() and any(t.requires_grad for t in _tensors(output))
         if self._live_grad or through:
-            fired = [False]
-
-            def pre_backward(grad: torch.Tensor) -> torch.Tensor:
-                if not fired[0]:
-                    fired[0] = True
-                    self.regather(full)
-                    # the modules see this forward's full parameters again until the unit's backward
-                    # ends (free): activation checkpointing runs their forward once more inside it
-                    self._live, self._live_params = full, params
-                    self._set_views(params)
-                    if self.prev_unit is not None:
-                        self.prev_unit.prefetch_regather()
-                return grad
-
-            for t in _tensors(output):
-                if t.requires_grad:
-                    t.register_hook(pre_backward)
+            self._show_in_backward(output, full, params)
             if through:  # no _GatherUnit backward to free it: the input's gradient, computed after this
                 self._free_after_backward(full)  # unit's backward, does (else the next step's drop_pending)
             if self.reshard_after_forward:
@@ -500,6 +500,26 @@ class FSDPUnit:
         else:  # no backward will come (validation, predict): free now
             self.free(full)
         return output
+
+    def _show_in_backward(self, output: Any, full: torch.Tensor, params: Sequence[torch.Tensor]) -> None:
+        """Just before backward reaches ``output``: the full parameters back (re-gathered if freed) and shown to
+        the modules until the unit's backward ends (free) -- activation checkpointing runs their forward once more
+        inside it, calling the inner module rather than the one the hooks sit on."""
+        fired = [False]
+
+        def pre_backward(grad: torch.Tensor) -> torch.Tensor:
+            if not fired[0]:
+                fired[0] = True
+                self.regather(full)
+                self._live, self._live_params = full, params
+                self._set_views(params)
+                if self.prev_unit is not None:
+                    self.prev_unit.prefetch_regather()
+            return grad
+
+        for t in _tensors(output):
+            if t.requires_grad:
+                t.register_hook(pre_backward)
 
     def _free_after_backward(self, full: torch.Tensor) -> None:
         key, self._next_key = self._next_key, self._next_key + 1
