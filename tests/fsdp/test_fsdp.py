@@ -319,18 +319,38 @@ def _step_scope(world):
     with pytest.raises(RuntimeError, match="boom"), sharded.step_scope():
         raise RuntimeError("boom")
     after_failure = [n for n in ("weight", "bias") if n in model.net[7].__dict__]  # nothing left shown
+    # every rank scaling the shared rows in place would scale some twice: refused, once all are hidden again
+    with pytest.raises(RuntimeError, match=r"the step \(through a module's attribute\) changed parameter\(s\) "
+                                           r"\['net.7.weight'\] in place"), sharded.step_scope(), torch.no_grad():
+        model.net[7].weight.mul_(1.0)
+    after_failure += [n for n in ("weight", "bias") if n in model.net[1].__dict__]
     head.pow(2).mean().backward()
     plain_head = nn.functional.linear(plain.net[:7](x), plain.net[7].weight, plain.net[7].bias)
     plain_head.pow(2).mean().backward()
     rows = sharded.units[-1].blocks[0].rows
     lo = sum(rows[:world.rank])
-    return inside, outside, after_failure, model.net[7].weight.grad, plain.net[7].weight.grad[lo:lo + rows[world.rank]]
+    grad, want = model.net[7].weight.grad.clone(), plain.net[7].weight.grad[lo:lo + rows[world.rank]]
+    # a whole step's backward: each unit's reduce-scatter as soon as backward has passed its layer
+    events = []
+    for u in sharded.units:
+        u.reduce_scatter = (lambda f, name: lambda *a, **k: (events.append(f"reduce {name}"), f(*a, **k))[1])(
+            u.reduce_scatter, u.name)
+    model.net[1].register_full_backward_hook(lambda *_: events.append("backward net.1"))
+    sharded.begin_step()
+    with sharded.step_scope():
+        loss = nn.functional.cross_entropy(model(x), torch.zeros(4, dtype=torch.long))
+    loss.backward()
+    return inside, outside, after_failure, grad, want, events
 
 
 def test_the_step_scope_shows_full_parameters_and_sends_their_gradients_to_the_rows():
-    for inside, outside, after_failure, grad, want in launch(_step_scope, 2, start_method="fork"):
+    for inside, outside, after_failure, grad, want, events in launch(_step_scope, 2, start_method="fork"):
         assert inside == (10, 64) and outside == (5, 64) and after_failure == []
         torch.testing.assert_close(grad, want, rtol=0, atol=1e-6)  # the same batch on both ranks: the mean is it
+        # the layers' own gathers: net.7's gradient left before backward reached net.1 (an edge made when the
+        # step began would run after every other node: every unit's full gradient alive at once)
+        assert events == ["reduce net.7", "reduce net.5", "reduce net.4", "reduce net.2", "backward net.1",
+                          "reduce net.1"]
 
 
 # ---------------------------------------------------------------------- checkpoints

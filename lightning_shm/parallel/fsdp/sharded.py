@@ -145,13 +145,13 @@ class FSDPState:
 
     @contextlib.contextmanager
     def step_scope(self, pieces: Collection[str] = ()) -> Iterator[None]:
-        """Around a step (``gather="view"``): every unit open, as if its forward ran the whole step, so what the
+        """Around a step (``gather="view"``): every unit shows its full parameters for the whole step, so what the
         step reads by attribute itself -- a tied head's ``F.linear(h, self.wte.weight)``, a weight's norm in the
         loss -- is the full parameter its layers compute with, and its gradient goes back through the unit's
-        reduce-scatter. The layers' own hooks find their unit open (one gather edge per unit and step, one
-        reduce-scatter when backward reaches it). Free under "view": the full parameters are the shared rows;
-        under "copy" it would keep the whole model's private copy for the step, so it does nothing there
-        (``parameters()`` stays the rank's rows in both: the optimizer's, and a penalty over them is refused).
+        reduce-scatter (:meth:`FSDPUnit.open`; the layers' forwards gather and reduce-scatter as before). Free
+        under "view": the full parameters are the shared rows; under "copy" it would keep the whole model's
+        private copy for the step, so it does nothing there (``parameters()`` stays the rank's rows in both:
+        the optimizer's, and a penalty over them is refused).
         ``pieces``: names whose full parameters are themselves pieces (a tensor-parallel slice): units holding one
         keep to their own hooks."""
         units = [u for u in self.units if not any(b.name in pieces for b in u.blocks)] if self.gather == "view" else []
@@ -159,12 +159,11 @@ class FSDPState:
             u.open()
         try:
             yield
-        except BaseException:
+        finally:
             for u in units:
-                u.close(check=False)
-            raise
-        for u in reversed(units):
-            u.close()
+                u.close()
+        for u in units:  # once every unit shows its rows again (not after a failed step: its error stands)
+            u.check_step()
 
     def hold(self) -> None:
         """Pipelines: from now on each unit, once gathered, stays gathered for every microbatch of the step."""

@@ -195,6 +195,8 @@ class FSDPUnit:
         self._held_grad: Optional[torch.Tensor] = None
         self._held_used: list[bool] = []  # blocks that got a gradient in some microbatch of the held step
         self._depth = 0  # forwards of the unit's runs now open: one nested in another finds it gathered
+        self._step: Optional[tuple[Sequence[torch.Tensor], list[int]]] = None  # an open step's views, versions
+        self._closed: Optional[tuple[Sequence[torch.Tensor], list[int]]] = None  # ... of the step just closed
         # gather before the module's own pre-hooks, free after its own hooks: they see the full parameters
         # (torch.nn.utils.weight_norm / spectral_norm compute ``weight`` in a pre-hook). A run: the unit's
         # modules, first to last; and each placement (another holder of a tied weight) alone.
@@ -283,8 +285,8 @@ class FSDPUnit:
             if storage.nbytes():
                 self.stats.release(full)
                 storage.resize_(0)
-        if self._live is full and not self._depth:  # a backward inside an open step (manual optimization)
-            self._live, self._live_params = None, ()  # leaves the step's views shown
+        if self._live is full:
+            self._live, self._live_params = None, ()
             self._set_views(None)
 
     def params_of(self, full: torch.Tensor) -> list[torch.Tensor]:
@@ -295,7 +297,10 @@ class FSDPUnit:
 
     def _set_views(self, params: Optional[Sequence[torch.Tensor]]) -> None:
         """During the unit's forward, each owner's attribute is the full parameter: an instance attribute
-        shadows the registered block (``named_parameters()`` keeps returning the blocks)."""
+        shadows the registered block (``named_parameters()`` keeps returning the blocks). None: the block
+        again -- or, in an open step, the step's full parameters."""
+        if params is None and self._step is not None:
+            params = self._step[0]
         for i, b in enumerate(self.blocks):
             for owner, attr in b.owners:
                 if params is None:
@@ -348,17 +353,31 @@ class FSDPUnit:
 
     # ------------------------------------------------------------------ a whole step (FSDPState.step_scope)
     def open(self) -> None:
-        """Gather and show the full parameters as a forward of the unit would, until :meth:`close`."""
-        self._pre_forward(None, ())
+        """Show the full parameters for a whole step (:meth:`FSDPState.step_scope`), until :meth:`close`: what the
+        step reads by attribute goes through a gather edge of its own. Made now, it would run its reduce-scatter
+        only after every other backward node (autograd runs the newest first), so the layers' forwards keep
+        theirs, each released as soon as backward passes the layer; between them the step's views are shown
+        again. An edge nothing reads never runs."""
+        full = self.gather_new()
+        if torch.is_grad_enabled() and self.trainable:
+            key, self._next_key = self._next_key, self._next_key + 1
+            params = _GatherUnit.apply(self, key, full, *self.shards)
+            self.pending[key] = full
+        else:
+            params = self.params_of(full)
+        versions = [] if torch.is_inference_mode_enabled() else [p._version for p in params]
+        self._step = (params, versions)
+        self._set_views(params)
 
-    def close(self, check: bool = True) -> None:
-        """End what :meth:`open` began (``check``: that the step changed no full parameter in place)."""
-        if check:
-            self._post_forward(None, (), None)
-        else:  # the step failed: no backward will come
-            self._depth = 0
-            self._live, self._live_params = None, ()
-            self._set_views(None)
+    def close(self) -> None:
+        """End what :meth:`open` began; :meth:`check_step` then says whether the step changed a full parameter."""
+        self._closed, self._step = self._step, None
+        self._set_views(None)
+
+    def check_step(self) -> None:
+        closed, self._closed = self._closed, None
+        if closed is not None:
+            self._check_not_modified(*closed, where="the step (through a module's attribute)")
 
     # ------------------------------------------------------------------ a whole pipeline step
     def hold(self) -> None:
@@ -464,28 +483,30 @@ class FSDPUnit:
         if self.next_unit is not None:
             self.next_unit.prefetch_gather()
 
-    def _check_not_modified(self, params: Sequence[torch.Tensor]) -> None:
+    def _check_not_modified(self, params: Sequence[torch.Tensor], versions: Sequence[int],
+                            where: str = "the forward") -> None:
         """A forward must not change the full parameters in place (``nn.Embedding(max_norm=...)`` renormalises
         the rows it looks up): under "view" they are one tensor every rank computes on, and the ranks' changes
         race -- a different model on every run (0.01 and 0.27 off one process after 5 Adam steps); under "copy"
-        they are a private copy and the change never reaches the blocks (2.9 off). Refused when seen."""
-        changed = [b.name for b, p, v in zip(self.blocks, params, self._versions) if p._version != v]
+        they are a private copy and the change never reaches the blocks (2.9 off). Nor a step through the
+        attribute (``where``), which is the full parameter there: ``w.mul_(0.5)`` by every rank on the shared
+        rows would halve some twice. Refused when seen."""
+        changed = [b.name for b, p, v in zip(self.blocks, params, versions) if p._version != v]
         if changed:
-            raise RuntimeError(f"the forward changed parameter(s) {changed} in place (nn.Embedding(max_norm=...) "
+            raise RuntimeError(f"{where} changed parameter(s) {changed} in place (nn.Embedding(max_norm=...) "
                                "renormalises the rows it looks up): under FSDP the full parameters are shared by every "
                                "rank (gather='view': their changes race) or a private copy (gather='copy': the change "
                                "is lost), so the model would not be one process's. Change parameters outside forward "
-                               "(the optimizer step, a hook after it), as torch's FSDP requires, or use shm_ddp.")
+                               "and the step (the optimizer step, a hook such as on_train_batch_start, where each "
+                               "rank's attributes are its own rows), as torch's FSDP requires, or use shm_ddp.")
 
     def _post_forward(self, module: Optional[nn.Module], args: Any, output: Any) -> Any:
         self._depth -= 1
         full, params = self._live, self._live_params
-        if self._depth > 0:  # inside an open run (a step's scope): its backward needs the views shown again
-            if full is not None and torch.is_grad_enabled() and self.held is None:
-                self._show_in_backward(output, full, params)
+        if self._depth > 0:  # a placement called inside the unit's own run: the run's hooks take care of it
             return output
         if full is not None:
-            self._check_not_modified(params)
+            self._check_not_modified(params, self._versions)
         if full is None or self.held is not None:  # held: stays gathered for the next microbatch
             return output
         # a unit without trainable parameters takes part in backward too when its output carries a
