@@ -240,7 +240,6 @@ class ParallelState:
     outside: Optional[OutsideParameters] = None  # a pipeline's parameters outside its Sequential
     originals: Originals = field(default_factory=dict)  # the model's parameters before any was replaced
     copies: Optional[SequentialCopies] = None  # copies of a pipeline's Sequential kept outside it (EMA teachers)
-    tp_slices: Optional[frozenset[str]] = None  # names of the tensor-parallel slices (found at the first step)
 
     def begin_step(self) -> None:
         """Before a training step: drop what a forward without backward left gathered; average the
@@ -253,15 +252,10 @@ class ParallelState:
             self.copies.check()
 
     def step_scope(self) -> ContextManager[None]:
-        """Around a step (not a pipeline's): FSDP keeps its units open (:meth:`FSDPState.step_scope`) -- those
-        whose full parameters are whole ones: a tensor-parallel slice read in the step must stay visible to the
-        check that refuses such reads."""
+        """Around a step (not a pipeline's): FSDP shows its full parameters (:meth:`FSDPState.step_scope`)."""
         if self.fsdp is None or self.stage is not None:
             return contextlib.nullcontext()
-        if self.tp_slices is None:
-            split = self.tp.placements() if self.tp is not None else {}
-            self.tp_slices = frozenset(n for n, pl in split.items() if pl.splits)
-        return self.fsdp.step_scope(self.tp_slices)
+        return self.fsdp.step_scope()
 
     def watch(self, optimizers: list[torch.optim.Optimizer]) -> None:
         """The optimizers of the run: refused if they cannot update this layout's pieces as one process
@@ -325,7 +319,8 @@ def parallelize(module: nn.Module, config: ParallelConfig, world: World, groups:
     fsdp = reducer = None
     if topo.dp > 1 and config.shard:  # FSDP inside the node; several nodes: replicas of it (HSDP)
         fsdp = FSDPState(module, groups.node_dp, config.policy, config.reshard_after_forward, config.prefetch,
-                         layers=layers, across=_node_mean(groups), gather=config.gather, tied=tied)
+                         layers=layers, across=_node_mean(groups), gather=config.gather, tied=tied,
+                         sliced=frozenset(n for n, pl in placements.items() if pl.splits))
         placements = {**placements, **fsdp.placements(placements)}
         if groups.nodes > 1:
             placements = {n: p.replicated(groups.nodes) for n, p in placements.items()}

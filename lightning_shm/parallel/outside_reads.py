@@ -25,7 +25,6 @@ import contextlib
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
-import torch.utils._pytree
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
 from torch.overrides import TorchFunctionMode
@@ -102,10 +101,12 @@ class _PieceReads(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if not self.depth[0] and torch.is_grad_enabled() and getattr(func, "__name__", "") != "__get__":
-            for t in torch.utils._pytree.tree_leaves((args, kwargs)):
-                if isinstance(t, torch.Tensor) and id(t) in self.pieces:
-                    self.found[self.pieces[id(t)]] = None
+            apply_to_collection((args, kwargs), torch.Tensor, self._note)
         return func(*args, **kwargs)
+
+    def _note(self, t: torch.Tensor) -> None:
+        if id(t) in self.pieces:
+            self.found[self.pieces[id(t)]] = None
 
 
 def pieces_read_by(step: Callable[[], Any], pieces: Mapping[int, str], owners: Iterable[nn.Module]) -> list[str]:

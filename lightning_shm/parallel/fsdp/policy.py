@@ -136,29 +136,7 @@ def find_units(module: nn.Module, policy: UnitPolicy, layers: Optional[list[tupl
             # a layer reachable under another name too (kept as ``self.classifier``, placed twice) may run alone:
             # it gets a unit of its own, whose hooks open and close around each call
             names = Counter(id(m) for _, m in module.named_modules(remove_duplicate=False))
-            group: list[tuple[str, nn.Module]] = []
-            size = 0
-            for qname, child in layers:
-                n = sum(p.numel() for p in child.parameters())
-                if n and names[id(child)] > 1:
-                    if size:
-                        roots.append(group)
-                    elif group and roots:
-                        roots[-1].extend(group)
-                    roots.append([(qname, child)])
-                    group, size = [], 0
-                    continue
-                if n == 0 and not group:
-                    continue  # Flatten, ReLU before any parameters: run outside units
-                group.append((qname, child))
-                size += n
-                if size >= max(policy.min_unit_params, 1):
-                    roots.append(group)
-                    group, size = [], 0
-            if group and size:
-                roots.append(group)
-            elif group and roots:  # trailing parameter-free modules belong to the last unit
-                roots[-1].extend(group)
+            roots = _runs(layers, policy.min_unit_params, {id(c) for _, c in layers if names[id(c)] > 1})
     claimed: set[int] = set(exclude)
     units: list[UnitSpec] = []
     for mods in roots:  # nested roots first would claim their own params: process deepest names first
@@ -190,6 +168,36 @@ def find_units(module: nn.Module, policy: UnitPolicy, layers: Optional[list[tupl
         order = {id(p): i for i, (_, p) in enumerate(module.named_parameters())}
         u.params.sort(key=lambda t: order[id(t[3])])
     return units
+
+
+def _runs(layers: list[tuple[str, nn.Module]], min_params: int, alone: set[int]) -> list[list[tuple[str, nn.Module]]]:
+    """Consecutive layers grouped until a run holds ``min_params`` parameters (at least one); parameter-free layers
+    before any parameters run outside units, trailing ones join the last run; a layer in ``alone`` (ids) holding
+    parameters is a run of its own."""
+    roots: list[list[tuple[str, nn.Module]]] = []
+    group: list[tuple[str, nn.Module]] = []
+    size = 0
+
+    def close() -> None:
+        nonlocal group, size
+        if size:
+            roots.append(group)
+        elif group and roots:
+            roots[-1].extend(group)
+        group, size = [], 0
+
+    for qname, child in layers:
+        n = sum(p.numel() for p in child.parameters())
+        if n and id(child) in alone:
+            close()
+            roots.append([(qname, child)])
+        elif n or group:  # Flatten, ReLU before any parameters: run outside units
+            group.append((qname, child))
+            size += n
+            if size >= max(min_params, 1):
+                close()
+    close()
+    return roots
 
 
 def _caller(modules: dict[str, nn.Module], owner: str) -> str:

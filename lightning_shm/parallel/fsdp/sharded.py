@@ -40,9 +40,8 @@ class FSDPState:
                  reshard_after_forward: bool = True, prefetch: bool = False,
                  layers: Optional[list[tuple[str, nn.Module]]] = None,
                  across: Optional[Callable[[torch.Tensor], None]] = None, gather: str = "view",
-                 tied: Optional[set[int]] = None) -> None:
+                 tied: Optional[set[int]] = None, sliced: Collection[str] = ()) -> None:
         check_gather(gather, reshard_after_forward, prefetch)
-        self.gather = gather
         self.module = module
         self.group = group
         self.across = across
@@ -65,6 +64,10 @@ class FSDPState:
             a.next_unit, b.prev_unit = b, a
         for u in self.units:
             u.unit_names = [v.name for v in self.units]
+        # what step_scope shows: every unit under "view", but those holding a tensor-parallel slice (``sliced``:
+        # names), whose read in the step must stay visible to the check that refuses such reads
+        self._step_units = [u for u in self.units if not any(b.name in sliced for b in u.blocks)] \
+            if gather == "view" else []
         self._shards = {id(b.shard) for u in self.units for b in u.blocks}
         self._watched: list[Any] = []
         self._synced_version = -1
@@ -144,26 +147,23 @@ class FSDPState:
         self.sync_if_written()
 
     @contextlib.contextmanager
-    def step_scope(self, pieces: Collection[str] = ()) -> Iterator[None]:
+    def step_scope(self) -> Iterator[None]:
         """Around a step (``gather="view"``): every unit shows its full parameters for the whole step, so what the
         step reads by attribute itself -- a tied head's ``F.linear(h, self.wte.weight)``, a weight's norm in the
         loss -- is the full parameter its layers compute with, and its gradient goes back through the unit's
         reduce-scatter (:meth:`FSDPUnit.open`; the layers' forwards gather and reduce-scatter as before). Free
         under "view": the full parameters are the shared rows; under "copy" it would keep the whole model's
         private copy for the step, so it does nothing there (``parameters()`` stays the rank's rows in both:
-        the optimizer's, and a penalty over them is refused).
-        ``pieces``: names whose full parameters are themselves pieces (a tensor-parallel slice): units holding one
-        keep to their own hooks."""
-        units = [u for u in self.units if not any(b.name in pieces for b in u.blocks)] if self.gather == "view" else []
-        for u in units:
+        the optimizer's, and a penalty over them is refused)."""
+        steps = []
+        for u in self._step_units:
             u.open()
         try:
             yield
         finally:
-            for u in units:
-                u.close()
-        for u in units:  # once every unit shows its rows again (not after a failed step: its error stands)
-            u.check_step()
+            steps = [(u, u.close()) for u in self._step_units]
+        for u, step in steps:  # once every unit shows its rows again (not after a failed step: its error stands)
+            u.check_step(step)
 
     def hold(self) -> None:
         """Pipelines: from now on each unit, once gathered, stays gathered for every microbatch of the step."""

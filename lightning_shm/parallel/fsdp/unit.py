@@ -196,7 +196,6 @@ class FSDPUnit:
         self._held_used: list[bool] = []  # blocks that got a gradient in some microbatch of the held step
         self._depth = 0  # forwards of the unit's runs now open: one nested in another finds it gathered
         self._step: Optional[tuple[Sequence[torch.Tensor], list[int]]] = None  # an open step's views, versions
-        self._closed: Optional[tuple[Sequence[torch.Tensor], list[int]]] = None  # ... of the step just closed
         # gather before the module's own pre-hooks, free after its own hooks: they see the full parameters
         # (torch.nn.utils.weight_norm / spectral_norm compute ``weight`` in a pre-hook). A run: the unit's
         # modules, first to last; and each placement (another holder of a tied weight) alone.
@@ -369,15 +368,16 @@ class FSDPUnit:
         self._step = (params, versions)
         self._set_views(params)
 
-    def close(self) -> None:
-        """End what :meth:`open` began; :meth:`check_step` then says whether the step changed a full parameter."""
-        self._closed, self._step = self._step, None
+    def close(self) -> Optional[tuple[Sequence[torch.Tensor], list[int]]]:
+        """End what :meth:`open` began; returns the step's views and their versions then, for :meth:`check_step`."""
+        step, self._step = self._step, None
         self._set_views(None)
+        return step
 
-    def check_step(self) -> None:
-        closed, self._closed = self._closed, None
-        if closed is not None:
-            self._check_not_modified(*closed, where="the step (through a module's attribute)")
+    def check_step(self, step: Optional[tuple[Sequence[torch.Tensor], list[int]]]) -> None:
+        """The step (``close``'s return) changed no full parameter in place, else RuntimeError."""
+        if step is not None:
+            self._check_not_modified(*step, where="the step (through a module's attribute)")
 
     # ------------------------------------------------------------------ a whole pipeline step
     def hold(self) -> None:
@@ -513,7 +513,23 @@ class FSDPUnit:
         # gradient (its input does, or a nested unit's parameters): y = x @ W^T -> dx = dy @ W needs W
         through = not self._live_grad and torch.is_grad_enabled() and any(t.requires_grad for t in _tensors(output))
         if self._live_grad or through:
-            self._show_in_backward(output, full, params)
+            fired = [False]
+
+            def pre_backward(grad: torch.Tensor) -> torch.Tensor:
+                if not fired[0]:
+                    fired[0] = True
+                    self.regather(full)
+                    # the modules see this forward's full parameters again until the unit's backward
+                    # ends (free): activation checkpointing runs their forward once more inside it
+                    self._live, self._live_params = full, params
+                    self._set_views(params)
+                    if self.prev_unit is not None:
+                        self.prev_unit.prefetch_regather()
+                return grad
+
+            for t in _tensors(output):
+                if t.requires_grad:
+                    t.register_hook(pre_backward)
             if through:  # no _GatherUnit backward to free it: the input's gradient, computed after this
                 self._free_after_backward(full)  # unit's backward, does (else the next step's drop_pending)
             if self.reshard_after_forward:
@@ -521,26 +537,6 @@ class FSDPUnit:
         else:  # no backward will come (validation, predict): free now
             self.free(full)
         return output
-
-    def _show_in_backward(self, output: Any, full: torch.Tensor, params: Sequence[torch.Tensor]) -> None:
-        """Just before backward reaches ``output``: the full parameters back (re-gathered if freed) and shown to
-        the modules until the unit's backward ends (free) -- activation checkpointing runs their forward once more
-        inside it, calling the inner module rather than the one the hooks sit on."""
-        fired = [False]
-
-        def pre_backward(grad: torch.Tensor) -> torch.Tensor:
-            if not fired[0]:
-                fired[0] = True
-                self.regather(full)
-                self._live, self._live_params = full, params
-                self._set_views(params)
-                if self.prev_unit is not None:
-                    self.prev_unit.prefetch_regather()
-            return grad
-
-        for t in _tensors(output):
-            if t.requires_grad:
-                t.register_hook(pre_backward)
 
     def _free_after_backward(self, full: torch.Tensor) -> None:
         key, self._next_key = self._next_key, self._next_key + 1
