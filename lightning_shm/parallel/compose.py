@@ -241,6 +241,12 @@ class ParallelState:
     originals: Originals = field(default_factory=dict)  # the model's parameters before any was replaced
     copies: Optional[SequentialCopies] = None  # copies of a pipeline's Sequential kept outside it (EMA teachers)
 
+    def begin_batch(self) -> None:
+        """Before a training batch's hooks and step: FSDP's barrier before shards are written (they may write the
+        rank's rows in place; every rank has stopped reading them by then -- see :mod:`.fsdp.sharded`)."""
+        if self.fsdp is not None:
+            self.fsdp.before_shards_written()
+
     def begin_step(self) -> None:
         """Before a training step: drop what a forward without backward left gathered; average the
         gradients of the parameters that require them now (a callback may have (un)frozen some)."""

@@ -218,11 +218,12 @@ class Group:
         return self._alloc(key, align_up(max(numel * itemsize, 1), _PAGE)).tensor(dtype, 0, numel)
 
     # ------------------------------------------------------------------ barrier
-    def barrier(self, untimed: bool = False) -> None:
+    def barrier(self, untimed: bool = False, why: int = 0) -> None:
         """Wait until every member arrives: at most the world's timeout, or with ``untimed`` as long as it takes
-        (a member that fails still aborts it)."""
+        (a member that fails still aborts it). ``why``: a code of :func:`~.ops.barrier_reason`, which a member
+        meeting this barrier in another collective names in its error (any two barriers still match)."""
         self._seq += 1
-        self._barrier.wait(self._seq, _BARRIER, 0, 0, 0, timeout_s=math.inf if untimed else None)
+        self._barrier.wait(self._seq, _BARRIER, 0, 0, why, check_arg=False, timeout_s=math.inf if untimed else None)
 
     def vote_max(self, value: int) -> int:
         """The largest of every member's ``value`` (an int >= 0), for the price of one barrier: each

@@ -57,8 +57,8 @@ class NodeSpanningGroup:
         return self.local.alloc_common(numel, dtype, tag)
 
     # ------------------------------------------------------------------ collectives
-    def barrier(self, untimed: bool = False) -> None:
-        self.local.barrier(untimed)
+    def barrier(self, untimed: bool = False, why: int = 0) -> None:
+        self.local.barrier(untimed, why)
         self.rail.barrier(untimed)
 
     def vote_max(self, value: int) -> int:

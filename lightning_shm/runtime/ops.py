@@ -8,6 +8,7 @@ drifting apart over training; with one canonical order every rank computes bit-i
 from __future__ import annotations
 
 import enum
+import zlib
 from typing import Sequence, Union
 
 import torch
@@ -95,8 +96,22 @@ def site_of(arg: int) -> int:
     return arg // SITE
 
 
+# Why a barrier waits, for the message of a rank that meets it in another collective: a code in the barrier's
+# descriptor (crc32 of the text: the same in every process) and the text registered under it where it is defined.
+_WHY: dict[int, str] = {}
+
+
+def barrier_reason(text: str) -> int:
+    """The code of ``text`` for ``Group.barrier(why=...)``; register it at import, so every process can say it."""
+    code = zlib.crc32(text.encode()) & 0x7FFFFFFF or 1
+    _WHY[code] = text
+    return code
+
+
 def arg_name(coll: int, arg: int) -> str:
-    """A collective's own argument, as its descriptor carries it (reduce op, or source member)."""
+    """A collective's own argument, as its descriptor carries it (reduce op, source member, a barrier's reason)."""
+    if coll == Coll.BARRIER and arg in _WHY:
+        return f"why: {_WHY[arg]}"
     if coll in (Coll.ALL_REDUCE, Coll.REDUCE_SCATTER):
         try:
             name = f"reduce={ReduceOp(arg % SHARED_FLAG).name.lower()}"

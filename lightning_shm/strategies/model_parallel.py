@@ -327,6 +327,9 @@ class SHMModelParallel(SHMStrategyBase):
 
     def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
         batch = super().batch_to_device(batch, device, dataloader_idx)
+        trainer = self.lightning_module._trainer if self.lightning_module is not None else None
+        if self.parallel is not None and trainer is not None and trainer.training:
+            self.parallel.begin_batch()  # the batch's hooks come next, and may write parameters
         replica = self._groups.replica if self._groups is not None else None
         if self.tp_batch == "off" or replica is None or replica.size == 1:
             return batch

@@ -30,7 +30,7 @@ from lightning_shm.runtime import (
     launch,
     stacks,
 )
-from lightning_shm.runtime.ops import site_of
+from lightning_shm.runtime.ops import Coll, barrier_reason, site_of
 from lightning_shm.runtime.segment import PREFIX, SHM_DIR, Segment, check_free_space, list_owned, sweep_stale
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -178,6 +178,27 @@ def test_reduce_scatters_from_different_sites_raise(shared):
         launch(_site_mismatch, 2, shared, start_method="fork")
     # the descriptors travel with the error to the main process, for a caller that names its sites
     assert {site_of(info.value.mine["arg"]), site_of(info.value.theirs["arg"])} == {1, 2}
+
+
+_WHY = barrier_reason("a test: member 0 waits here")
+
+
+def _barrier_and_reduce(world):
+    g = world.group()
+    g.barrier(why=_WHY)  # any two barriers match, whatever their reasons
+    g.barrier(why=0 if world.rank else _WHY)
+    if world.rank == 0:
+        g.barrier(why=_WHY)
+    else:
+        g.all_reduce(torch.ones(4))
+
+
+def test_a_member_meeting_a_barrier_in_another_collective_says_why_the_barrier_waits():
+    """Whichever member raises first, its error says why the other waits (the reason travels in the descriptor)."""
+    with pytest.raises(CollectiveMismatchError, match=r"barrier\(collective #\d+, .*why: a test: member 0 waits here"
+                       ) as info:
+        launch(_barrier_and_reduce, 2, start_method="fork")
+    assert {info.value.mine["coll"], info.value.theirs["coll"]} == {Coll.BARRIER, Coll.ALL_REDUCE}
 
 
 def _exit_silently(world):

@@ -8,6 +8,16 @@ after (nobody gathers before every rank has written). The changes are the optimi
 loading a checkpoint (or an averaged model): :meth:`FSDPState.watch` puts both barriers around
 every ``optimizer.step()`` (fused optimizers included); :meth:`before_shards_written` and
 :meth:`after_shards_written` are the barriers for everything else that writes them.
+
+A user's own write of the rank's rows in place (``named_parameters()`` gives them; SwAV normalizes its
+prototypes at the top of the step): the strategy calls :meth:`before_shards_written` before each training
+batch's hooks, and a unit about to gather blocks this rank wrote since the last barrier meets the others first
+(:meth:`FSDPUnit.written`) -- every rank writes its rows at the same point of the same program::
+
+    rank 0:  | barrier | w0 *= 0.9 | meet | forward reads w0, w1 |
+    rank 1:  | barrier | ...... w1 *= 0.9 | meet | forward reads w0, w1 |
+
+The version counters say what was written, so a batch that writes nothing pays one barrier, not one per unit.
 """
 
 from __future__ import annotations
@@ -64,13 +74,13 @@ class FSDPState:
             a.next_unit, b.prev_unit = b, a
         for u in self.units:
             u.unit_names = [v.name for v in self.units]
+            u.meet = self.after_shards_written
         # what step_scope shows: every unit under "view", but those holding a tensor-parallel slice (``sliced``:
         # names), whose read in the step must stay visible to the check that refuses such reads
         self._step_units = [u for u in self.units if not any(b.name in sliced for b in u.blocks)] \
             if gather == "view" else []
         self._shards = {id(b.shard) for u in self.units for b in u.blocks}
         self._watched: list[Any] = []
-        self._synced_version = -1
         self.after_shards_written()
 
     # ------------------------------------------------------------------ the rule
@@ -80,19 +90,11 @@ class FSDPState:
             u.drop_prefetched()  # a gather in flight reads every rank's shards
         self.group.barrier()
 
-    def after_shards_written(self) -> None:
-        """Every rank has written its shards: nobody gathers before all have (a barrier)."""
-        self.group.barrier()
-        self._synced_version = self._version()
-
-    def sync_if_written(self) -> None:
-        """The barrier, if shards were written in place since the last one (e.g. StochasticWeightAveraging
-        copying its average in). Every rank writes its shards at the same points, so all agree."""
-        if self._version() != self._synced_version:
-            self.after_shards_written()
-
-    def _version(self) -> int:
-        return sum(p._version for p in self.shards())
+    def after_shards_written(self, why: int = 0) -> None:
+        """Every rank has written its shards: nobody gathers before all have (a barrier; ``why``: its reason's code)."""
+        self.group.barrier(why=why)
+        for u in self.units:
+            u.synced_version = u.version()
 
     def watch(self, optimizers: list[torch.optim.Optimizer]) -> None:
         """Put every step of these optimizers (those updating shards) between the two barriers."""
@@ -140,11 +142,11 @@ class FSDPState:
     # ------------------------------------------------------------------ steps
     def begin_step(self) -> None:
         """Call before each forward pass of the model: releases leftovers of a forward without backward
-        (or a held step whose gradients were never taken), and meets the others if shards were written."""
+        (or a held step whose gradients were never taken). Shards written since the last barrier (a hook, a callback
+        such as StochasticWeightAveraging copying its average in) are met about at their unit's next gather."""
         for u in self.units:
             u.drop_pending()
         self._follow_requires_grad()
-        self.sync_if_written()
 
     @contextlib.contextmanager
     def step_scope(self) -> Iterator[None]:

@@ -56,9 +56,12 @@ from lightning_shm.parallel.fsdp.prefetch import Prefetcher
 from lightning_shm.parallel.replaced import accumulate_grad, carry_over
 from lightning_shm.runtime import Group, SharedBuffer, even_split
 from lightning_shm.runtime.errors import CollectiveMismatchError
-from lightning_shm.runtime.ops import site_of
+from lightning_shm.runtime.ops import barrier_reason, site_of
 
 GATHERS = ("view", "copy")
+_ROWS_WRITTEN = barrier_reason("FSDP: this rank wrote its rows of a parameter in place (not in an optimizer step) and "
+                               "waits for every rank to write theirs before reading them; every rank must write its "
+                               "rows at the same point")
 
 
 def check_gather(gather: str, reshard_after_forward: bool = True, prefetch: bool = False) -> None:
@@ -154,6 +157,10 @@ class FSDPUnit:
         self.prefetcher = prefetcher
         self.next_unit: Optional[FSDPUnit] = None  # neighbours in execution order: whose gather to start early
         self.prev_unit: Optional[FSDPUnit] = None
+        # the state's barrier after shards were written (FSDPState.after_shards_written, set by the state), and the
+        # version of this unit's blocks it last recorded: blocks written since are met about before a gather
+        self.meet: Optional[Callable[[int], None]] = None
+        self.synced_version = -1
         _check_unit(spec)
         self.dtype = spec.params[0][3].dtype
         W, r = group.size, group.index
@@ -226,8 +233,30 @@ class FSDPUnit:
         assert self.buffer is not None
         return self.buffer.region(member)[b.region_offset:b.region_offset + n]
 
-    def _version(self) -> int:
+    def version(self) -> int:
+        """Sum of the blocks' version counters: it grows with every in-place write to this rank's rows."""
         return sum(b.shard._version for b in self.blocks)
+
+    def written(self) -> bool:
+        """This rank's rows were written in place since the last barrier (``synced_version``)."""
+        return self.version() != self.synced_version
+
+    def _meet_if_written(self) -> None:
+        """Before reading every rank's blocks: if this rank wrote its own in place since the last barrier -- a hook
+        or the step scaling them, as SwAV normalizes its prototypes -- meet the others, who wrote theirs at the same
+        point of the same program, so nobody reads a block before its rank has written it."""
+        if not self.written():
+            return
+        assert self.meet is not None, "FSDPState sets meet"
+        try:
+            self.meet(_ROWS_WRITTEN)
+        except CollectiveMismatchError as e:
+            raise CollectiveMismatchError(
+                f"{e}\nThis rank wrote its rows of FSDP unit '{self.name}' in place since the last barrier and waited "
+                "for the others to write theirs before reading them; another rank went on to another collective. "
+                "Every rank must write its rows of a parameter at the same point (a change on some ranks only -- "
+                "under `if self.global_rank == 0` -- leaves the ranks' rows of one model inconsistent).",
+                e.mine, e.theirs) from e
 
     # ------------------------------------------------------------------ gather / free
     def copy_shards_into(self, flat: torch.Tensor) -> None:
@@ -240,6 +269,7 @@ class FSDPUnit:
                     flat[lo:lo + n].copy_(self._block(j, b))
 
     def gather_new(self) -> torch.Tensor:
+        self._meet_if_written()
         if self.common is not None:
             # A new tensor object on the common storage, not a view of it: autograd must not see the
             # full parameters as a view of the blocks, and gets a version counter of their own.
@@ -250,7 +280,7 @@ class FSDPUnit:
             self._prefetched = None
             assert self.prefetcher is not None
             self.prefetcher.wait(full)
-            if version == self._version():
+            if version == self.version():
                 return full
             self.free(full)  # the shards changed (optimizer step, load) since it was started
         full = torch.empty(self.numel, dtype=self.dtype)
@@ -439,9 +469,10 @@ class FSDPUnit:
         """Start this unit's forward gather on the helper thread (called from the previous unit)."""
         if self.prefetcher is None or self._prefetched is not None or self.held is not None:
             return
+        self._meet_if_written()
         full = torch.empty(self.numel, dtype=self.dtype)
         self.stats.alloc(full)
-        self._prefetched = (full, self._version())
+        self._prefetched = (full, self.version())
         self.prefetcher.submit(full, lambda: self.copy_shards_into(full))
 
     def prefetch_regather(self) -> None:

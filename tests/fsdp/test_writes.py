@@ -1,0 +1,125 @@
+"""A rank writing its own rows in place outside the optimizer step (in a batch's hook or at the top of its step),
+while the others read every rank's rows without a collective: the writes must be fenced off from the reads."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from lightning_shm import SHMFSDPStrategy
+from lightning_shm.models import MNISTClassifier
+from lightning_shm.parallel.fsdp import FSDPState
+from lightning_shm.runtime import launch
+from lightning_shm.runtime.errors import CollectiveMismatchError
+from lightning_shm.runtime.ops import Coll, arg_name
+from tests.helpers import GLOBAL_BATCH, fit_seeded, flat_params, logged_floats
+
+
+class ShrinksARowBlockEachBatch(MNISTClassifier):
+    """Scales ``net.4.weight`` by 0.9 in place, under ``no_grad``, at every batch -- in ``on_train_batch_start`` or at
+    the top of ``training_step`` (``where``) -- as SwAV normalizes its prototypes; scaling is not idempotent, so a
+    row scaled twice or read before its scaling shows. ``through``: "parameters" finds the weight in
+    ``named_parameters()`` (the rank's rows under FSDP); "attribute" reads ``self.net[4].weight`` (the rank's rows
+    under ``gather="copy"``). After each batch, a forward without gradient is logged (summed over ranks and
+    batches), as an end-of-batch metric would be.
+
+    ``slow_rank`` (the one rank the test slows down) arrives 0.2 s late at its write and at its end-of-batch read:
+    a rank whose write is not fenced off from the others' reads either reads rows another rank has already
+    scaled for the next batch, or lets the others compute with its rows before it scaled them."""
+
+    def __init__(self, where: str = "step", through: str = "parameters", slow_rank: int = -1, **kw):
+        super().__init__(optimizer="adam", lr=0.01, **kw)
+        self.where, self.through, self.slow_rank = where, through, slow_rank
+
+    def _shrink(self) -> None:
+        if self.global_rank == self.slow_rank:
+            time.sleep(0.2)
+        w = self.net[4].weight if self.through == "attribute" else dict(self.named_parameters())["net.4.weight"]
+        with torch.no_grad():
+            w.mul_(0.9)
+
+    def on_train_batch_start(self, batch, batch_idx):
+        if self.where == "hook":
+            self._shrink()
+
+    def training_step(self, batch, batch_idx):
+        if self.where == "step":
+            self._shrink()
+        return super().training_step(batch, batch_idx)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        if self.global_rank == self.slow_rank:
+            time.sleep(0.2)
+        with torch.no_grad():
+            self.log("after_batch", self(batch[0]).sum(), on_step=False, on_epoch=True, reduce_fx="sum",
+                     sync_dist=True)
+
+
+GATHERS = {"view": dict(gather="view"), "copy": dict(gather="copy"),
+           "copy-prefetch": dict(gather="copy", prefetch=True)}
+
+
+@pytest.mark.parametrize("gather, through", [("view", "parameters"), ("copy", "parameters"), ("copy", "attribute"),
+                                             ("copy-prefetch", "attribute")])
+@pytest.mark.parametrize("where, accumulate", [("step", 1), ("step", 2), ("hook", 1), ("hook", 2)])
+def test_a_rank_writing_its_rows_in_a_batch_trains_as_one_process(gather, through, where, accumulate):
+    """Before, the barriers sat only around optimizer steps and before a step whose hooks had written: rank 0
+    computed with rank 1's rows before rank 1 scaled them (a write in the step: 0.04 off one process), or scaled
+    its own while rank 1 still read them after a microbatch that stepped no optimizer or in an end-of-batch forward
+    (the logged sum: -56.54 against -56.47)."""
+    def make(slow_rank: int = -1):
+        return lambda: ShrinksARowBlockEachBatch(where, through, slow_rank)
+
+    t_ref, ref = fit_seeded(make(), "auto", 1, GLOBAL_BATCH, ref=True, accumulate_grad_batches=accumulate,
+                            samples=GLOBAL_BATCH * 2 * accumulate)
+    t, got = fit_seeded(make(slow_rank=1), SHMFSDPStrategy(start_method="fork", **GATHERS[gather]), 2,
+                        GLOBAL_BATCH // 2, accumulate_grad_batches=accumulate, samples=GLOBAL_BATCH * 2 * accumulate)
+    torch.testing.assert_close(flat_params(got), flat_params(ref), rtol=0, atol=1e-9)
+    assert logged_floats(t)["after_batch"] == pytest.approx(logged_floats(t_ref)["after_batch"], rel=1e-9)
+
+
+class OnlyRankZeroShrinks(ShrinksARowBlockEachBatch):
+    def _shrink(self) -> None:
+        if self.global_rank == 0:
+            super()._shrink()
+
+
+@pytest.mark.parametrize("gather", ["view", "copy"])
+def test_a_write_on_some_ranks_only_stops_with_the_reason(gather):
+    """Rank 0 waits for the others to write their rows before reading them; rank 1 goes on into the next collective.
+    Whichever raises first names the write (the one process's model does not exist: its rows differ by rank)."""
+    with pytest.raises(CollectiveMismatchError, match=r"wrote its rows of (FSDP unit 'net.4'|a parameter) in place"):
+        fit_seeded(lambda: OnlyRankZeroShrinks("step"), SHMFSDPStrategy(start_method="fork", gather=gather), 2,
+                   GLOBAL_BATCH // 2)
+
+
+def _barriers_before_forwards(world, gather):
+    """The barriers three forwards meet: after nothing was written, after net.4's rows were, after net.1's and
+    net.4's were (the first gather's barrier covers every unit written before it)."""
+    torch.manual_seed(0)
+    model = MNISTClassifier()
+    group = world.group()
+    sharded = FSDPState(model, group, gather=gather)
+    rows = dict(model.named_parameters())
+    met, barrier = [], group.barrier
+    group.barrier = lambda *a, **kw: (met.append(kw.get("why", 0)), barrier(*a, **kw))[1]
+    x = torch.randn(4, 1, 28, 28)
+    counts = []
+    with torch.no_grad():
+        for written in ([], ["net.4.weight"], ["net.1.weight", "net.4.weight"], []):
+            for name in written:
+                rows[name].mul_(0.9)
+            before = len(met)
+            model(x)
+            counts.append(len(met) - before)
+    sharded.close()
+    return counts, {arg_name(Coll.BARRIER, why) for why in met}
+
+
+@pytest.mark.parametrize("gather", ["view", "copy"])
+def test_a_forward_meets_the_others_once_after_a_write_and_not_without_one(gather):
+    for counts, reasons in launch(_barriers_before_forwards, 2, gather, start_method="fork"):
+        assert counts == [0, 1, 1, 0]
+        assert len(reasons) == 1 and "why: FSDP: this rank wrote its rows" in reasons.pop()  # it says why it waits
