@@ -4,11 +4,12 @@ while the others read every rank's rows without a collective: the writes must be
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pytest
 import torch
 
-from lightning_shm import SHMFSDPStrategy
+from lightning_shm import SHMFSDPStrategy, SHMModelParallel
 from lightning_shm.models import MNISTClassifier
 from lightning_shm.parallel.fsdp import FSDPState
 from lightning_shm.runtime import launch
@@ -61,8 +62,15 @@ GATHERS = {"view": dict(gather="view"), "copy": dict(gather="copy"),
            "copy-prefetch": dict(gather="copy", prefetch=True)}
 
 
+def _fsdp(gather: str) -> tuple[Any, int]:
+    if gather == "dp2xtp2-shard":  # FSDP over the dp ranks of each tp rank: rows of the tp slices
+        return SHMModelParallel(start_method="fork", data_parallel_size=2, tensor_parallel_size=2,
+                                data_parallel="shard"), 4
+    return SHMFSDPStrategy(start_method="fork", **GATHERS[gather]), 2
+
+
 @pytest.mark.parametrize("gather, through", [("view", "parameters"), ("copy", "parameters"), ("copy", "attribute"),
-                                             ("copy-prefetch", "attribute")])
+                                             ("copy-prefetch", "attribute"), ("dp2xtp2-shard", "parameters")])
 @pytest.mark.parametrize("where, accumulate", [("step", 1), ("step", 2), ("hook", 1), ("hook", 2)])
 def test_a_rank_writing_its_rows_in_a_batch_trains_as_one_process(gather, through, where, accumulate):
     """Before, the barriers sat only around optimizer steps and before a step whose hooks had written: rank 0
@@ -74,8 +82,9 @@ def test_a_rank_writing_its_rows_in_a_batch_trains_as_one_process(gather, throug
 
     t_ref, ref = fit_seeded(make(), "auto", 1, GLOBAL_BATCH, ref=True, accumulate_grad_batches=accumulate,
                             samples=GLOBAL_BATCH * 2 * accumulate)
-    t, got = fit_seeded(make(slow_rank=1), SHMFSDPStrategy(start_method="fork", **GATHERS[gather]), 2,
-                        GLOBAL_BATCH // 2, accumulate_grad_batches=accumulate, samples=GLOBAL_BATCH * 2 * accumulate)
+    strategy, devices = _fsdp(gather)
+    t, got = fit_seeded(make(slow_rank=1), strategy, devices, GLOBAL_BATCH // 2, accumulate_grad_batches=accumulate,
+                        samples=GLOBAL_BATCH * 2 * accumulate)
     torch.testing.assert_close(flat_params(got), flat_params(ref), rtol=0, atol=1e-9)
     assert logged_floats(t)["after_batch"] == pytest.approx(logged_floats(t_ref)["after_batch"], rel=1e-9)
 
