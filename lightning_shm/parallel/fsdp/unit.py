@@ -527,9 +527,10 @@ class FSDPUnit:
             raise RuntimeError(f"{where} changed parameter(s) {changed} in place (nn.Embedding(max_norm=...) "
                                "renormalises the rows it looks up): under FSDP the full parameters are shared by every "
                                "rank (gather='view': their changes race) or a private copy (gather='copy': the change "
-                               "is lost), so the model would not be one process's. Change parameters outside forward "
-                               "and the step (the optimizer step, a hook such as on_train_batch_start, where each "
-                               "rank's attributes are its own rows), as torch's FSDP requires, or use shm_ddp.")
+                               "is lost), so the model would not be one process's. Change parameters outside forward, "
+                               "each rank its own rows: in the optimizer step, a hook such as on_train_batch_start "
+                               "(where the attributes are the rank's rows) or the step through named_parameters(), "
+                               "every rank at the same point -- or use shm_ddp.")
 
     def _post_forward(self, module: Optional[nn.Module], args: Any, output: Any) -> Any:
         self._depth -= 1
