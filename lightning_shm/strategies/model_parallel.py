@@ -14,7 +14,8 @@ mechanics live in :mod:`lightning_shm.parallel.compose`; this class adapts them 
 steps
     training: drop FSDP leftovers, rank 0's buffers (BatchNorm statistics) over the dp group, then
     Lightning's step -- or the pipeline schedule (:mod:`.pipeline_steps`); validation / test /
-    predict likewise. ``sync_dist`` and torchmetrics combine over the data-parallel group only: tp and
+    predict likewise; a step taking ``dataloader_iter`` gets its batches through :mod:`.loader_iter`.
+    ``sync_dist`` and torchmetrics combine over the data-parallel group only: tp and
     pp ranks hold the same data.
 checkpoints
     plain keys and a plain single-process optimizer state, from any layout, to any layout.
@@ -67,6 +68,7 @@ from lightning_shm.runtime import Group, ParallelGroups, Topology, World
 from lightning_shm.strategies.base import SHMStrategyBase
 from lightning_shm.strategies.collectives import MetricSync
 from lightning_shm.strategies.grad_norm import GradNormLogs, split_grad_norm
+from lightning_shm.strategies.loader_iter import PreparedBatches, takes_loader_iter
 from lightning_shm.strategies.pipeline_steps import PipelineSteps
 from lightning_shm.strategies.prediction_writers import mute_writers, unmute_writers
 from lightning_shm.strategies.summary import full_model_summary
@@ -137,6 +139,7 @@ class SHMModelParallel(SHMStrategyBase):
         self._buffer_owners: Optional[list[tuple[nn.Module, str]]] = None
         self._in_stage_step = False
         self._warned_step_gather = False
+        self._eval_calls = 0  # validation and test steps so far (stop points of steps given no batch_idx)
         self._muted_writers: list[BasePredictionWriter] = []
         self._grads_split = False  # some rank holds a gradient that is not every rank's whole one (setup)
         self._reads_checked = False  # the first training step's loss was checked for reads of pieces
@@ -330,6 +333,11 @@ class SHMModelParallel(SHMStrategyBase):
         trainer = self.lightning_module._trainer if self.lightning_module is not None else None
         if self.parallel is not None and trainer is not None and trainer.training:
             self.parallel.begin_batch()  # the batch's hooks come next, and may write parameters
+        return self._same_on_replica(batch)
+
+    def _same_on_replica(self, batch: Any) -> Any:
+        """``batch`` as every rank of the model replica (tp members, pipeline stages) must compute on it:
+        member 0's (``tp_batch`` "auto" / "broadcast"), or checked to be the same ("check")."""
         replica = self._groups.replica if self._groups is not None else None
         if self.tp_batch == "off" or replica is None or replica.size == 1:
             return batch
@@ -361,13 +369,26 @@ class SHMModelParallel(SHMStrategyBase):
         if self._buffer_owners:
             broadcast_tensors([m._buffers[n] for m, n in self._buffer_owners], dp)
 
+    def _fetching(self, step: str, args: tuple) -> Optional[PreparedBatches]:
+        """A step that takes ``dataloader_iter`` (:mod:`.loader_iter`): its iterator, handing out each batch as
+        ``batch_to_device`` would (Lightning moves none in that flavor); None for a step given its batch."""
+        if len(args) != 1 or not takes_loader_iter(self.lightning_module, step):
+            return None
+        return PreparedBatches(args[0], self._same_on_replica)
+
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        fetching = self._fetching("training_step", args)
+        if fetching is not None:
+            args = (fetching,)
+            if self.parallel is not None:  # no batch_to_device: the fence before a batch's writes comes here
+                self.parallel.begin_batch()
         self._before_forward()
         if self.pipeline is not None:
             trainer = self.lightning_module.trainer
+            batch, batch_idx, fetched_from = next(fetching) if fetching is not None else (args[0], args[1], None)
             with self._stage_step():
-                return self.pipeline.training_step(args[0], args[1], trainer.accumulate_grad_batches,
-                                                   trainer.fit_loop._skip_backward)
+                return self.pipeline.training_step(batch, batch_idx, trainer.accumulate_grad_batches,
+                                                   trainer.fit_loop._skip_backward, fetched_from=fetched_from)
         assert self.parallel is not None
         with self.parallel.step_scope():
             if self._reads_checked or not self._grads_split or not self.lightning_module.automatic_optimization:
@@ -387,7 +408,9 @@ class SHMModelParallel(SHMStrategyBase):
             with output_nodes(owners) as boundary, differentiations() as differentiated:
                 out = super().training_step(*args, **kwargs)
         except Exception as e:
-            names = pieces_read_by(lambda: super(SHMModelParallel, self).training_step(*args, **kwargs), pieces, owners)
+            again = (args[0].replay(),) if isinstance(args[0], PreparedBatches) else args  # the same batches
+            names = pieces_read_by(lambda: super(SHMModelParallel, self).training_step(*again, **kwargs), pieces,
+                                   owners)
             if names:
                 raise explain_failure(e, names, held) from e
             raise
@@ -397,30 +420,29 @@ class SHMModelParallel(SHMStrategyBase):
         return out
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        self.stop_point(args[1])
-        if self.pipeline is not None:
-            with self._stage_step():
-                return self.pipeline.eval_step("validation_step", *args)
-        assert self.parallel is not None
-        with self.parallel.step_scope():
-            return super().validation_step(*args, **kwargs)
+        return self._eval_step("validation_step", args, kwargs)
 
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        self.stop_point(args[1])
-        if self.pipeline is not None:
-            with self._stage_step():
-                return self.pipeline.eval_step("test_step", *args)
-        assert self.parallel is not None
-        with self.parallel.step_scope():
-            return super().test_step(*args, **kwargs)
+        return self._eval_step("test_step", args, kwargs)
 
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._eval_step("predict_step", args, kwargs)
+
+    def _eval_step(self, step: str, args: tuple, kwargs: dict[str, Any]) -> Any:
+        fetching = self._fetching(step, args)
+        if step != "predict_step":  # never in predict: ranks may predict different numbers of batches
+            # a step fetching its batches takes no batch_idx: count the calls (every rank makes as many)
+            self.stop_point(args[1] if fetching is None else self._eval_calls)
+            self._eval_calls += 1
         if self.pipeline is not None:
             with self._stage_step():
-                return self.pipeline.eval_step("predict_step", *args)
+                if fetching is None:
+                    return self.pipeline.eval_step(step, *args)
+                batch, batch_idx, fetched_from = next(fetching)
+                return self.pipeline.eval_step(step, batch, batch_idx, fetched_from=fetched_from)
         assert self.parallel is not None
         with self.parallel.step_scope():
-            return super().predict_step(*args, **kwargs)
+            return getattr(super(), step)(*((fetching,) if fetching is not None else args), **kwargs)
 
     @contextlib.contextmanager
     def _stage_step(self) -> Iterator[None]:

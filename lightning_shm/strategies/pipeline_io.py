@@ -29,6 +29,7 @@ from lightning_shm.parallel.pipeline import CapturedInput, PipelineStage, split_
 from lightning_shm.parallel.pipeline.microbatches import batch_size as batch_size_of
 from lightning_shm.parallel.pipeline.stage import parameters_read_outside
 from lightning_shm.runtime import Group
+from lightning_shm.strategies.loader_iter import OneMicrobatch
 from lightning_shm.strategies.metric_state import export_state, import_state
 from lightning_shm.strategies.module_log import logging_through
 from lightning_shm.strategies.rank_zero_calls import Call, recording_rank_zero_calls, replay
@@ -141,15 +142,17 @@ class LightningStageIO:
             (checked once, on the first microbatch: see :func:`_refuse_reads`).
         seed: this pipeline step's seed, the same on every stage: each call of the step starts from streams
             seeded from it and the microbatch (:mod:`.step_randomness`); None leaves the streams alone.
+        fetched_from: the step takes ``dataloader_iter`` (:mod:`.loader_iter`) and ``batch`` came from this
+            loader index: each call gets an iterator of its (micro)batch instead of ``batch, batch_idx``.
     """
 
     def __init__(self, module: pl.LightningModule, stage: PipelineStage, step: str, batch: Any, batch_idx: int,
                  microbatches: int, training: bool, extra: Sequence[Any] = (), loss_scale: float = 1.0,
                  forward_context: Any = contextlib.nullcontext, check_reads: bool = False,
-                 seed: Optional[int] = None) -> None:
+                 seed: Optional[int] = None, fetched_from: Optional[int] = None) -> None:
         self.module, self.stage, self.step, self.batch_idx, self.training = module, stage, step, batch_idx, training
         self.extra, self.loss_scale, self._forward_context = extra, loss_scale, forward_context
-        self.check_reads, self.seed = check_reads, seed
+        self.check_reads, self.seed, self.fetched_from = check_reads, seed, fetched_from
         size = batch_size_of(batch) or 1
         self.parts = max(1, min(microbatches, size))
         self.batch = batch
@@ -181,8 +184,7 @@ class LightningStageIO:
         self._seed(mb)
         with recording_logs(self.module, sink, weight), recording_rank_zero_calls(self.module, calls):
             try:
-                return getattr(self.module, self.step)(self.micro[mb] if batch is None else batch, self.batch_idx,
-                                                       *self.extra)
+                return self._run_step(self.micro[mb] if batch is None else batch)
             except AttributeError as e:
                 if isinstance(getattr(e, "obj", None), nn.Module):
                     e.add_note(_NOT_SET_HERE)
@@ -191,6 +193,14 @@ class LightningStageIO:
                 if "appears to not have been used in the graph" in str(e):
                     e.add_note(_NOT_FROM_THE_INPUT)
                 raise
+
+    def _run_step(self, batch: Any) -> Any:
+        """The module's step on ``batch`` (a microbatch or the whole batch); a step that fetches its batches
+        (``dataloader_iter``) gets an iterator holding only ``batch``."""
+        if self.fetched_from is None:
+            return getattr(self.module, self.step)(batch, self.batch_idx, *self.extra)
+        one = OneMicrobatch(batch, self.batch_idx, self.fetched_from, self.step, self.parts)
+        return getattr(self.module, self.step)(one)
 
     def first_input(self, mb: int) -> Tensor:
         if not self.training:  # evaluation: the step runs once on the whole batch, on the last stage as here
@@ -292,7 +302,7 @@ class LightningStageIO:
         with self.stage.running_chunk(lambda whole: whole, joined), self.forward_context(), \
                 recording_logs(self.module, self.records, 1.0), recording_rank_zero_calls(self.module, self.calls):
             try:
-                return getattr(self.module, self.step)(self.batch, self.batch_idx, *self.extra)
+                return self._run_step(self.batch)
             except RuntimeError as e:
                 if "does not require grad and does not have a grad_fn" in str(e):
                     e.add_note(_NOT_FROM_THE_INPUT)

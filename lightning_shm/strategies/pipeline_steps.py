@@ -46,14 +46,17 @@ class PipelineSteps:
         self._steps_run = 0
 
     # ------------------------------------------------------------------ training
-    def training_step(self, batch: Any, batch_idx: int, accumulate: int, skip_backward: bool) -> Tensor:
-        """Run the schedule; return the batch loss (the same on every rank of the pipeline)."""
+    def training_step(self, batch: Any, batch_idx: int, accumulate: int, skip_backward: bool,
+                      fetched_from: Optional[int] = None) -> Tensor:
+        """Run the schedule; return the batch loss (the same on every rank of the pipeline). ``fetched_from``:
+        the step takes ``dataloader_iter`` and the strategy fetched ``batch`` from that loader index."""
         if skip_backward:  # e.g. SWA's BatchNorm pass: forward in training mode, nothing else
-            io = self._io("training_step", batch, batch_idx, training=False, context=self.precision.train_step_context)
+            io = self._io("training_step", batch, batch_idx, training=False, context=self.precision.train_step_context,
+                          fetched_from=fetched_from)
             self.engine.eval_step(io, io.parts)
             return io.finish(self.position, io.eval_output() if self.position.is_last else None)
         io = self._io("training_step", batch, batch_idx, training=True, loss_scale=1.0 / accumulate,
-                      context=self.precision.train_step_context)
+                      context=self.precision.train_step_context, fetched_from=fetched_from)
         io.check_reads, self._reads_checked = not self._reads_checked, True  # the first step's loss: once
         # Lightning zero-grads *after* training_step and before backward; the schedule computes the
         # gradients inside training_step. Run it on fresh grads, hand them over in backward().
@@ -108,16 +111,17 @@ class PipelineSteps:
         return self._warned_short
 
     # ------------------------------------------------------------------ evaluation
-    def eval_step(self, step: str, batch: Any, batch_idx: int, *extra: Any) -> Any:
+    def eval_step(self, step: str, batch: Any, batch_idx: int, *extra: Any, fetched_from: Optional[int] = None) -> Any:
         contexts = {"validation_step": self.precision.val_step_context, "test_step": self.precision.test_step_context,
                     "predict_step": self.precision.predict_step_context}
-        io = self._io(step, batch, batch_idx, training=False, extra=extra, context=contexts[step])
+        io = self._io(step, batch, batch_idx, training=False, extra=extra, context=contexts[step],
+                      fetched_from=fetched_from)
         self.engine.eval_step(io, io.parts)
         return io.finish(self.position, io.eval_output() if self.position.is_last else None)
 
     def _io(self, step: str, batch: Any, batch_idx: int, training: bool, context: Callable[[], Any],
-            extra: tuple = (), loss_scale: float = 1.0) -> LightningStageIO:
+            extra: tuple = (), loss_scale: float = 1.0, fetched_from: Optional[int] = None) -> LightningStageIO:
         self._steps_run += 1
         return LightningStageIO(self.module, self.stage, step, batch, batch_idx, self.schedule.microbatches,
                                 training=training, extra=extra, loss_scale=loss_scale, forward_context=context,
-                                seed=call_seed(self._seed_base, self._steps_run))
+                                seed=call_seed(self._seed_base, self._steps_run), fetched_from=fetched_from)

@@ -53,9 +53,10 @@ class ShrinksARowBlockEachBatch(MNISTClassifier):
     def on_train_batch_end(self, outputs, batch, batch_idx):
         if self.global_rank == self.slow_rank:
             time.sleep(0.2)
+        x = batch[0].to(self.dtype)  # (a step fetching its batches gets them unconverted: tests/test_loader_iter.py)
         with torch.no_grad():
-            self.log("after_batch", self(batch[0]).sum(), on_step=False, on_epoch=True, reduce_fx="sum",
-                     sync_dist=True)
+            self.log("after_batch", self(x).sum(), on_step=False, on_epoch=True, reduce_fx="sum", sync_dist=True,
+                     batch_size=len(x))
 
 
 GATHERS = {"view": dict(gather="view"), "copy": dict(gather="copy"),
