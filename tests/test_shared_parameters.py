@@ -3,9 +3,10 @@ two layers (GPT-2's embedding / head) -- under every strategy.
 
 Every parallelism gives layers to owners (pipeline stages, FSDP units, tensor-parallel pieces); a
 parameter held by two layers must stay with one owner, or each copy trains on its own layers' gradient
-only. What must hold: where the layout allows it the run equals one process; where it cannot (a cut
-between the holders, a split tied layer) the run is refused before any worker starts, naming the
-parameter.
+only -- unless the copies' gradients are summed, as pipeline stages do for weights tied between layers
+they hold apart (GPT-2's embedding and head at the Sequential's two ends). What must hold: where the
+layout allows it the run equals one process; where it cannot (a module placed twice on two stages, a
+split tied layer) the run is refused before any worker starts, naming the parameter.
 """
 
 from __future__ import annotations
@@ -19,13 +20,25 @@ from torch import nn
 import lightning_shm
 from lightning_shm import SHMDDPStrategy, SHMFSDPStrategy, SHMModelParallel, SHMPipeline, SHMTensorParallel
 from lightning_shm.models import MNISTClassifier
+from lightning_shm.parallel.compose import ParallelConfig, _cut_rules
 from lightning_shm.parallel.ddp import GradReducer
 from lightning_shm.parallel.fsdp import UnitPolicy, find_units
+from lightning_shm.parallel.pipeline.row_cut import plan_row_cuts
 from lightning_shm.parallel.pipeline.stage import PipelineStage
 from lightning_shm.parallel.sequential import layers_of, shared_spans
 from lightning_shm.parallel.tp import derive_plan
 from lightning_shm.parallel.tp.plan import plan_for
-from tests.helpers import GLOBAL_BATCH, flat_params, layouts, loader, mnist_like, reference_loader, train_mnist, trainer
+from tests.helpers import (
+    GLOBAL_BATCH,
+    MeanOverTokens,
+    flat_params,
+    layouts,
+    loader,
+    mnist_like,
+    reference_loader,
+    train_mnist,
+    trainer,
+)
 
 
 class AppliedTwice(MNISTClassifier):
@@ -69,6 +82,23 @@ class TiedToEmbedding(MNISTClassifier):
         return self.net(self.embed(tokens).mean(1))
 
 
+class EmbeddingAndHeadTied(MNISTClassifier):
+    """GPT-2's tie inside the Sequential: its first layer embeds token ids, its last layer's weight is that
+    embedding's -- no pipeline cut keeps the two on one stage. Until 2026-12-04 every pipeline refused it ("9
+    layers cannot be cut into 2 chunks that each hold a parameter without starting one at [1, ..., 8]"); now each
+    holding stage keeps a copy and the stages sum its gradient, as Megatron's embedding group does."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        embed, head = nn.Embedding(10, 32), nn.Linear(32, 10, bias=False)
+        head.weight = embed.weight
+        self.net = nn.Sequential(embed, nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32), nn.Tanh(), MeanOverTokens(),
+                                 nn.Linear(32, 32), nn.Tanh(), head)
+
+    def forward(self, x):
+        return self.net((x.flatten(1)[:, :16].sigmoid() * 10).long().clamp(max=9))  # [B, 16] ids from the pixels
+
+
 class KeptUnderSecondNames(MNISTClassifier):
     """Layers of the Sequential the module also keeps under other names -- ``self.features = self.net[:4]``
     (a slice: a new Sequential of the same layers) and ``self.classifier = self.net[-1]`` -- called in the step
@@ -91,7 +121,7 @@ class KeptUnderSecondNames(MNISTClassifier):
 
 
 MODELS = {"applied-twice": AppliedTwice, "tied": Tied, "tied-to-embedding": TiedToEmbedding,
-          "second-names": KeptUnderSecondNames}
+          "second-names": KeptUnderSecondNames, "tied-ends": EmbeddingAndHeadTied}
 RUNS = layouts("ddp", "fsdp", "tp2", "pp2-1f1b", "pp2-zero-bubble", "dp2xpp2-shard")
 
 
@@ -128,7 +158,7 @@ def _fit_tied(strategy, devices, epochs, batch, ckpt_dir=None, ckpt_path=None, m
 
 
 TIED_NAMES = {Tied: ("net.3", "net.7"), TiedToEmbedding: ("embed", "net.8"),
-              KeptUnderSecondNames: ("features.1", "net.1")}
+              KeptUnderSecondNames: ("features.1", "net.1"), EmbeddingAndHeadTied: ("net.0", "net.8")}
 
 
 @pytest.mark.parametrize("model_cls", list(TIED_NAMES))
@@ -277,35 +307,50 @@ def test_a_batchnorm_placed_twice_syncs_as_one_module_in_the_models_dtype(strate
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-9)
 
 
-class TiedEnds(MNISTClassifier):
-    """The first and the last Linear share one weight: every pipeline cut would separate them (refused
-    before training, so the logits' width does not matter)."""
+class AppliedAtBothEnds(MNISTClassifier):
+    """One Linear placed first and last: a module placed twice keeps one stage (its copies would keep their own
+    buffers and hooks' state), and no cut leaves it one."""
 
     def __init__(self, **kw):
         super().__init__(**kw)
-        a, b = nn.Linear(784, 32), nn.Linear(784, 32)
-        b.weight = a.weight
-        self.net = nn.Sequential(nn.Flatten(), a, nn.ReLU(), nn.Linear(32, 784), b)
+        shared = nn.Linear(32, 32)
+        self.net = nn.Sequential(shared, nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), shared)
+
+    def forward(self, x):
+        return self.net(x.flatten(1)[:, :32])
 
 
 @pytest.mark.parametrize("model, strategy, devices, match", [
-    (Tied, lambda: SHMPipeline(start_method="fork", pipeline_parallel_size=2, microbatches=2, split_points=[5]), 2,
-     r"split point 5 is refused: layers 3 and 7 share one parameter \(net.3.weight = net.7.weight\): both must sit "
-     r"on one pipeline stage"),
     (AppliedTwice, lambda: SHMPipeline(start_method="fork", pipeline_parallel_size=2, microbatches=2,
                                        split_points=[5]), 2,
-     r"split point 5 is refused: layers 3 and 7 share one parameter \(net.3.weight = net.7.weight\)"),
-    (TiedEnds, lambda: SHMPipeline(start_method="fork", pipeline_parallel_size=2, microbatches=2), 2,
-     r"5 layers cannot be cut into 2 chunks that each hold a parameter without starting one at \[2, 3, 4\], where "
-     r"layers 1 and 4 share one parameter \(net.1.weight = net.4.weight\)"),
+     r"split point 5 is refused: layers 3 and 7 share one parameter \(net.3.weight = net.7.weight\): both must sit "
+     r"on one pipeline stage"),
+    (AppliedAtBothEnds, lambda: SHMPipeline(start_method="fork", pipeline_parallel_size=2, microbatches=2), 2,
+     r"5 layers cannot be cut into 2 chunks that each hold a parameter without starting one at \[1, 2, 3, 4\], where "
+     r"layers 0 and 4 share one parameter \(net.0.weight = net.4.weight\)"),
     (Tied, lambda: SHMTensorParallel(start_method="fork", tensor_parallel_size=2,
                                      plan={"net.5": "column", "net.7": "row"}), 2,
      r"'net.7' \(row\) holds 'net.7.weight', which is also 'net.3.weight'"),
-], ids=["pipeline-cut-between-tied", "pipeline-cut-between-applications", "pipeline-no-cut-left", "tp-splits-tied"])
+], ids=["pipeline-cut-between-applications", "pipeline-no-cut-left", "tp-splits-tied"])
 def test_layouts_that_would_separate_a_shared_parameter_are_refused(no_worker_starts, model, strategy, devices,
                                                                     match):
     with pytest.raises(ValueError, match=match):
         trainer(strategy=strategy(), devices=devices, max_epochs=1).fit(model(), loader(mnist_like(8), 4))
+
+
+@pytest.mark.parametrize("model, strategy, devices", [
+    ("tied", lambda: SHMPipeline(start_method="fork", pipeline_parallel_size=2, microbatches=2, split_points=[5]), 2),
+    ("tied-ends", lambda: SHMPipeline(start_method="fork", pipeline_parallel_size=4, microbatches=4), 4),
+    ("tied-ends", lambda: SHMPipeline(start_method="fork", pipeline_parallel_size=2, microbatches=4, virtual_stages=2,
+                                      schedule="interleaved_1f1b"), 2),
+    ("tied-ends", lambda: SHMModelParallel(start_method="fork", tensor_parallel_size=2, pipeline_parallel_size=2,
+                                           microbatches=2), 4),
+], ids=["split-points-between-tied", "pp4-middle-stages-hold-none", "interleaved", "tp2xpp2"])
+def test_tied_weights_on_several_stages_train_as_in_one_process(references, model, strategy, devices):
+    """Each stage holding a layer of the tie keeps a copy; the stages sum the copies' gradients (a stage holding
+    none adds zeros). Until 2026-12-04 split points between tied layers were refused."""
+    got = train_mnist(strategy(), devices, "sgd", batch=GLOBAL_BATCH, model_cls=MODELS[model])
+    torch.testing.assert_close(got, references[model], rtol=0, atol=1e-5)
 
 
 class _Backbone(nn.Module):
@@ -377,3 +422,24 @@ def test_grad_norms_and_an_ema_of_tied_or_second_named_parameters_equal_one_proc
     assert set(logged) == set(ref_logged)
     for k, v in ref_logged.items():
         assert logged[k] == pytest.approx(v, abs=1e-12), k
+
+
+def test_tied_layers_keep_one_stage_where_a_cut_allows_it():
+    """Cutting a tie apart costs a copy per holding stage and an all-reduce of its gradient per step: the planner
+    does so only where no cut keeps its holders together, or where the split points ask for it."""
+    config = ParallelConfig(pipeline_parallel_size=2, microbatches=2)
+    assert sorted(_cut_rules(Tied(), config, {})) == [4, 5, 6, 7]
+    assert _cut_rules(EmbeddingAndHeadTied(), config, {}) == {}
+    assert _cut_rules(Tied(), ParallelConfig(pipeline_parallel_size=2, microbatches=2, split_points=[5]), {}) == {}
+    assert sorted(_cut_rules(AppliedTwice(), config, {})) == [4, 5, 6, 7]  # a module placed twice: never apart
+
+
+def test_a_row_cut_never_splits_a_tied_linear():
+    """``split_linear`` cuts the Linear holding the ideal boundary into two pieces of new parameters: a tied weight
+    cut so would lose its tie. With ties allowed apart, no forbidden cut protects it any more."""
+    a, b = nn.Linear(64, 64), nn.Linear(64, 64)
+    b.weight = a.weight
+    untied = nn.Linear(64, 64)
+    costs = [1.0, 0.0, 1.0, 0.0, 0.1]  # the ideal boundary (1.05 of 2.1) falls inside the third layer
+    assert plan_row_cuts([a, nn.ReLU(), untied, nn.ReLU(), nn.Linear(64, 10)], costs, 2) == [(0, 0), (2, 3)]
+    assert plan_row_cuts([a, nn.ReLU(), b, nn.ReLU(), nn.Linear(64, 10)], costs, 2) is None

@@ -38,7 +38,7 @@ from lightning_shm.parallel.fsdp.unit import check_gather
 from lightning_shm.parallel.optimizers import check_optimizers
 from lightning_shm.parallel.pipeline import PipelineEngine, PipelineSchedule, PipelineStage, Schedule
 from lightning_shm.parallel.pipeline.copies import SequentialCopies
-from lightning_shm.parallel.pipeline.outside import OutsideParameters
+from lightning_shm.parallel.pipeline.outside import OutsideParameters, held_apart
 from lightning_shm.parallel.pipeline.row_cut import apply_row_cuts, plan_cuts, stage_rows
 from lightning_shm.parallel.pipeline.split import attributes_kept, plan_chunks, validate_split_points
 from lightning_shm.parallel.placement import Placement
@@ -154,7 +154,7 @@ def validate(module: nn.Module, config: ParallelConfig, world_size: int, batch_s
             raise ValueError(f"{len(seq)} layers in the nn.Sequential cannot form {V} pipeline chunks "
                              f"(stages={config.pipeline.stages} x virtual_stages={config.pipeline.virtual}); use "
                              "fewer stages")
-        no_cut = _no_cut(module, config, plan)
+        no_cut = _cut_rules(module, config, plan)
         if config.split_points is not None:
             validate_split_points(config.split_points, len(seq), V, no_cut)
         elif no_cut:  # some cut must remain (the workers' planner measures costs; feasibility needs none)
@@ -190,15 +190,36 @@ def _tp_plan(module: nn.Module, config: ParallelConfig, tp: int) -> dict[str, La
     return plan_for(module, config.plan, tp, config.sequential)
 
 
-def _no_cut(module: nn.Module, config: ParallelConfig, plan: Mapping[str, LayerPlan]) -> dict[int, str]:
+def _cut_rules(module: nn.Module, config: ParallelConfig, plan: Mapping[str, LayerPlan]) -> dict[int, str]:
+    """Where no stage may start (:func:`_no_cut`). Weights tied between two layers stay on one stage where
+    some cut allows it (one copy, no gradients summed between stages). Where none does -- GPT-2's embedding
+    and head tied at the Sequential's two ends -- or where ``split_points`` fall between them, each holding
+    stage keeps a copy and the stages sum its gradient (Megatron's embedding group;
+    :class:`~lightning_shm.parallel.pipeline.outside.OutsideParameters`)."""
+    strict = _no_cut(module, config, plan)
+    apart = _no_cut(module, config, plan, cut_ties=True)
+    if strict == apart or config.split_points is not None:
+        return apart
+    _, seq = find_sequential(module, config.sequential)
+    try:
+        plan_chunks(seq, config.pipeline.chunks, stages=config.pipeline.stages, forbidden=strict)
+    except ValueError:
+        return apart
+    return strict
+
+
+def _no_cut(module: nn.Module, config: ParallelConfig, plan: Mapping[str, LayerPlan],
+            cut_ties: bool = False) -> dict[int, str]:
     """Indices of the pipelined Sequential at which no stage may start, each with why: inside a
     tensor-parallel column -> row pair (its split activation must not cross stages), or between two
-    layers that share a parameter (each stage would train its own copy; the stages do not sum their
-    gradients)."""
+    positions of a module placed twice (each stage would train its own copy, with its own buffers) --
+    and, unless ``cut_ties``, between two layers whose weights are tied."""
     prefix, seq = find_sequential(module, config.sequential)
     layers = layers_of(seq)
     out: dict[int, str] = {}
     for span in shared_spans([(f"{prefix}.{n}" if prefix else n, c) for n, c in layers]):
+        if cut_ties and span.tied:
+            continue
         for i in range(span.first + 1, span.last + 1):
             out.setdefault(i, f"{span}: both must sit on one pipeline stage (each stage would train its own "
                               "copy)")
@@ -310,11 +331,16 @@ def parallelize(module: nn.Module, config: ParallelConfig, world: World, groups:
     # FSDP keeps whole what a module outside the Sequential shares with another: under a pipeline the stages
     # sum its gradients (found on the whole model: a stage may hold one of the holders); else a unit gathers it
     tied = tied_outside(module, config.sequential) if topo.pp > 1 else set()
+    outside = None
+    apart: list[tuple[nn.Parameter, int]] = []
     if topo.pp > 1:
         copies = SequentialCopies(module, find_sequential(module, config.sequential)[0])  # before the cut
         if copies.frozen and world.rank == 0:
             warnings.warn(copies.note(), stacklevel=2)
+        ties = _tied_in_sequential(module, config)  # before the cut, which may leave their holders on two stages
         stage, starts = _split_pipeline(module, config, world, groups, plan, sample_input, log)
+        apart = held_apart(ties, stage, groups.pp)  # a copy on each holding stage: FSDP keeps them whole
+        tied |= {id(p) for p, _ in apart}
     tp = TensorParallelState(module, groups.tp, splits) if splits else None
     if stage is not None:
         stage.refresh_chunks()  # the chunks run the tensor-parallel layers that replaced the plain ones
@@ -341,10 +367,10 @@ def parallelize(module: nn.Module, config: ParallelConfig, world: World, groups:
                                   hooks=topo.pp == 1, sparse=sparse_grad_parameters(module))
             if topo.pp == 1:  # a pipeline engine takes its Linear layers' weight gradients itself
                 reducer.route_linears(module.modules())
-    outside = None
-    if stage is not None:  # a copy on every stage, the gradients summed over the stages
-        outside = OutsideParameters(module, stage, groups.pp)
-        placements = {**placements, **{n: placements.get(n, Placement()).replicated(topo.pp) for n in outside.names}}
+    if stage is not None:  # a copy on every stage (or each holding one), the gradients summed over the stages
+        outside = OutsideParameters(module, stage, groups.pp, apart)
+        placements = {**placements, **{n: placements.get(n, Placement()).replicated(outside.stages_holding[n])
+                                       for n in outside.names}}
         # last: it patches the Linear layers it runs (zero-bubble) and knows their storages
         engine = PipelineEngine(stage.chunks, config.pipeline, groups.coords.pp, list(groups.pp.ranks), world,
                                 tag=f"pp-dp{groups.coords.dp}-tp{groups.coords.tp}",
@@ -356,6 +382,16 @@ def parallelize(module: nn.Module, config: ParallelConfig, world: World, groups:
                        stage_rows=stage_rows(module) if stage is not None else None, aliases=aliases)
     return ParallelState(module, groups, state, stage, engine, starts, tp, fsdp, reducer, outside, originals,
                          copies if copies is not None and copies.names else None)
+
+
+def _tied_in_sequential(module: nn.Module, config: ParallelConfig) -> list[nn.Parameter]:
+    """The parameters tied between layers of the pipelined Sequential (holders that are different modules), in
+    the module's order -- the same list on every rank, taken before the stages are cut."""
+    prefix, seq = find_sequential(module, config.sequential)
+    named = [(f"{prefix}.{n}" if prefix else n, c) for n, c in layers_of(seq)]
+    by_name = dict(module.named_parameters(remove_duplicate=False))
+    ids = {id(by_name[span.names[0]]) for span in shared_spans(named) if span.tied}
+    return [p for _, p in module.named_parameters() if id(p) in ids]
 
 
 def _node_mean(groups: ParallelGroups) -> Optional[Callable[[torch.Tensor], None]]:
@@ -380,7 +416,7 @@ def _split_pipeline(module: nn.Module, config: ParallelConfig, world: World, gro
                     log: Callable[[str], None]) -> tuple[PipelineStage, list[int]]:
     path, seq = find_sequential(module, config.sequential)
     sched = config.pipeline
-    forbidden = _no_cut(module, config, plan)
+    forbidden = _cut_rules(module, config, plan)
     if groups.world.index == 0:  # measure once (global rank 0), everyone uses the same cut
         sample = sample if config.balance == "time" else None
         with attributes_kept(module):  # the sample runs the user's forward hooks too

@@ -110,10 +110,12 @@ def held_outside(module: nn.Module, part: nn.Module) -> dict[int, str]:
 @dataclass(frozen=True)
 class SharedSpan:
     """Layers of a Sequential (``positions``, at least two) that hold the same parameter (``names``: its
-    qualified names, one per holder): a module placed twice, or weights tied between two modules."""
+    qualified names, one per holder): a module placed twice, or weights tied between two modules (``tied``: no
+    holder module sits at two positions, so the holders share nothing else -- no buffers, no hooks' state)."""
 
     positions: tuple[int, ...]
     names: tuple[str, ...]
+    tied: bool = False
 
     @property
     def first(self) -> int:
@@ -132,13 +134,17 @@ def shared_spans(layers: Sequence[tuple[str, nn.Module]]) -> list[SharedSpan]:
     span from its first to its last holder. Parallelisms that give layers to different owners (pipeline
     stages, FSDP units, tensor-parallel pieces) must keep each span with one owner: two copies of a
     parameter would each get only their own layers' gradient and drift apart."""
-    where: dict[int, list[tuple[int, str]]] = {}
+    where: dict[int, list[tuple[int, str, nn.Module]]] = {}
     for i, (lname, layer) in enumerate(layers):
         for pid, held in parameter_holders(layer, lname).items():
-            where.setdefault(pid, []).extend((i, name) for name, _ in held)
+            where.setdefault(pid, []).extend((i, name, m) for name, m in held)
     spans = []
     for holders in where.values():
-        positions = tuple(sorted({i for i, _ in holders}))
+        positions = tuple(sorted({i for i, _, _ in holders}))
         if len(positions) > 1:
-            spans.append(SharedSpan(positions, tuple(dict.fromkeys(n for _, n in holders))))
+            at: dict[int, set[int]] = {}  # holder module -> the positions it sits at
+            for i, _, m in holders:
+                at.setdefault(id(m), set()).add(i)
+            spans.append(SharedSpan(positions, tuple(dict.fromkeys(n for _, n, _ in holders)),
+                                    tied=all(len(where_m) == 1 for where_m in at.values())))
     return sorted(spans, key=lambda s: (s.first, s.last))

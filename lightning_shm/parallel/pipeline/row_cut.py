@@ -36,6 +36,7 @@ from lightning_shm.parallel.pipeline.split import (
     plan_chunks,
 )
 from lightning_shm.parallel.replaced import carry_over, has_module_hooks
+from lightning_shm.parallel.sequential import shared_spans
 
 MIN_GAIN = 0.02  # a row cut must lower the slowest chunk's cost by this fraction to be worth a new layer kind
 
@@ -96,9 +97,11 @@ def plan_row_cuts(layers: Sequence[nn.Module], costs: Sequence[float], parts: in
     targets = [total * k / parts for k in range(1, parts)]
     pieces: list[tuple[int, int, float, bool]] = []  # (layer, first row, cost, has params)
     prefix = 0.0
+    shared = {i for span in shared_spans([(str(i), m) for i, m in enumerate(layers)]) for i in span.positions}
     for i, (m, c) in enumerate(zip(layers, costs)):
-        # a Linear with the user's forward / backward hooks stays whole: they expect its whole input and output
-        n = m.out_features if type(m) is nn.Linear and not has_module_hooks(m) else 0
+        # a Linear with the user's forward / backward hooks stays whole: they expect its whole input and output;
+        # so does one sharing a parameter with another layer (its rows would be new parameters, the tie lost)
+        n = m.out_features if type(m) is nn.Linear and not has_module_hooks(m) and i not in shared else 0
         inside = [t for t in targets if prefix < t < prefix + c]
         r = min(max(round((inside[0] - prefix) / c * n), 1), n - 1) if n >= 2 and inside else 0
         if r:
