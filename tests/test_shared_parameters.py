@@ -31,6 +31,7 @@ from lightning_shm.parallel.tp.plan import plan_for
 from tests.helpers import (
     GLOBAL_BATCH,
     MeanOverTokens,
+    fit_seeded,
     flat_params,
     layouts,
     loader,
@@ -422,6 +423,18 @@ def test_grad_norms_and_an_ema_of_tied_or_second_named_parameters_equal_one_proc
     assert set(logged) == set(ref_logged)
     for k, v in ref_logged.items():
         assert logged[k] == pytest.approx(v, abs=1e-12), k
+
+
+def test_a_tied_weight_on_two_of_four_stages_counts_once_in_the_clipped_norm():
+    """Global-norm clipping adds each stage's squared norms over the pipeline group and counts a parameter held
+    by several stages once (its placement's copies: the 2 stages holding the embedding and the head, not 4)."""
+    def make():
+        return EmbeddingAndHeadTied(optimizer="adam", lr=0.01)
+
+    _, ref = fit_seeded(make, "auto", 1, GLOBAL_BATCH, ref=True, gradient_clip_val=0.05)
+    _, got = fit_seeded(make, SHMPipeline(start_method="fork", pipeline_parallel_size=4, microbatches=4), 4,
+                        GLOBAL_BATCH, gradient_clip_val=0.05)
+    torch.testing.assert_close(flat_params(got), flat_params(ref), rtol=0, atol=1e-9)
 
 
 def test_tied_layers_keep_one_stage_where_a_cut_allows_it():
