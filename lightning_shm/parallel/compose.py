@@ -341,6 +341,9 @@ def parallelize(module: nn.Module, config: ParallelConfig, world: World, groups:
         stage, starts = _split_pipeline(module, config, world, groups, plan, sample_input, log)
         apart = held_apart(ties, stage, groups.pp)  # a copy on each holding stage: FSDP keeps them whole
         tied |= {id(p) for p, _ in apart}
+        if apart:
+            log(f"pipeline: tied weights {[first[id(p)] for p, _ in apart]} sit on several stages: each keeps a "
+                "copy, and the stages sum their gradients every step")
     tp = TensorParallelState(module, groups.tp, splits) if splits else None
     if stage is not None:
         stage.refresh_chunks()  # the chunks run the tensor-parallel layers that replaced the plain ones
