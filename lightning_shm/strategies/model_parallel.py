@@ -140,6 +140,7 @@ class SHMModelParallel(SHMStrategyBase):
         self._in_stage_step = False
         self._warned_step_gather = False
         self._eval_calls = 0  # validation and test steps so far (stop points of steps given no batch_idx)
+        self._fetches: dict[tuple[int, str], bool] = {}  # (module, step): it takes dataloader_iter
         self._muted_writers: list[BasePredictionWriter] = []
         self._grads_split = False  # some rank holds a gradient that is not every rank's whole one (setup)
         self._reads_checked = False  # the first training step's loss was checked for reads of pieces
@@ -372,7 +373,12 @@ class SHMModelParallel(SHMStrategyBase):
     def _fetching(self, step: str, args: tuple) -> Optional[PreparedBatches]:
         """A step that takes ``dataloader_iter`` (:mod:`.loader_iter`): its iterator, handing out each batch as
         ``batch_to_device`` would (Lightning moves none in that flavor); None for a step given its batch."""
-        if len(args) != 1 or not takes_loader_iter(self.lightning_module, step):
+        if len(args) != 1:  # (batch, batch_idx, ...): the usual flavor
+            return None
+        key = (id(self.lightning_module), step)
+        if key not in self._fetches:  # (a signature's inspection costs tens of us: once per module and step)
+            self._fetches[key] = takes_loader_iter(self.lightning_module, step)
+        if not self._fetches[key]:
             return None
         return PreparedBatches(args[0], self._same_on_replica)
 
