@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from lightning_shm import SHMFSDPStrategy, SHMPipeline, SHMTensorParallel
 from lightning_shm.models import MNISTClassifier
+from lightning_shm.strategies.loader_iter import OneMicrobatch, PreparedBatches
 from tests.fsdp.test_writes import ShrinksARowBlockEachBatch
 from tests.helpers import GLOBAL_BATCH, fit_seeded, flat_params, layouts, logged_floats, train_mnist
 from tests.test_outside_reads import FirstLayerReadInTheStep
@@ -126,3 +127,33 @@ def test_a_failing_step_fetching_its_batches_runs_again_on_the_same_batch_to_say
     with pytest.raises(ValueError, match=r"(?s)training_step computed with \['net.1.weight', 'net.1.bias'\]"):
         fit_seeded(FetchesAndReadsAPiece, SHMTensorParallel(start_method="fork", tensor_parallel_size=2), 2,
                    GLOBAL_BATCH, samples=GLOBAL_BATCH)
+
+
+class _LightningLike:
+    """What Lightning's ``dataloader_iter`` yields and offers: ``(batch, batch_idx, dataloader_idx)``, ``done``."""
+
+    def __init__(self, batches):
+        self.batches, self.fetched = list(batches), 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.done:
+            raise StopIteration
+        self.fetched += 1
+        return self.batches[self.fetched - 1], self.fetched - 1, 0
+
+    @property
+    def done(self):
+        return self.fetched == len(self.batches)
+
+
+def test_the_iterators_a_step_gets_offer_what_lightnings_does():
+    """A step may read ``dataloader_iter.done`` (stop fetching at the epoch's end) or ``fetched``."""
+    it = PreparedBatches(_LightningLike(["a", "b"]), str.upper)
+    assert next(it) == ("A", 0, 0) and (it.done, it.fetched) == (False, 1)
+    assert next(it) == ("B", 1, 0) and (it.done, it.fetched) == (True, 2)
+    assert list(it.replay()) == [("A", 0, 0), ("B", 1, 0)]  # the same prepared batches again
+    one = OneMicrobatch("mb", 3, 0, "validation_step", 2)
+    assert not one.done and next(one) == ("mb", 3, 0) and one.done

@@ -20,14 +20,15 @@ from torch import nn
 import lightning_shm
 from lightning_shm import SHMDDPStrategy, SHMFSDPStrategy, SHMModelParallel, SHMPipeline, SHMTensorParallel
 from lightning_shm.models import MNISTClassifier
-from lightning_shm.parallel.compose import ParallelConfig, _cut_rules
-from lightning_shm.parallel.ddp import GradReducer
+from lightning_shm.parallel.compose import ParallelConfig, _cut_rules, parallelize
+from lightning_shm.parallel.ddp import GradReducer, broadcast_module_state
 from lightning_shm.parallel.fsdp import UnitPolicy, find_units
 from lightning_shm.parallel.pipeline.row_cut import plan_row_cuts
 from lightning_shm.parallel.pipeline.stage import PipelineStage
 from lightning_shm.parallel.sequential import layers_of, shared_spans
 from lightning_shm.parallel.tp import derive_plan
 from lightning_shm.parallel.tp.plan import plan_for
+from lightning_shm.runtime import Topology, launch
 from tests.helpers import (
     GLOBAL_BATCH,
     MeanOverTokens,
@@ -352,6 +353,27 @@ def test_tied_weights_on_several_stages_train_as_in_one_process(references, mode
     none adds zeros). Until 2026-12-04 split points between tied layers were refused."""
     got = train_mnist(strategy(), devices, "sgd", batch=GLOBAL_BATCH, model_cls=MODELS[model])
     torch.testing.assert_close(got, references[model], rtol=0, atol=1e-5)
+
+
+def _stage_of_a_tie(world):
+    """What each of 2 stages holds of EmbeddingAndHeadTied's tie, and what the pipeline logged on it."""
+    torch.manual_seed(0)
+    model, logged = EmbeddingAndHeadTied(), []
+    broadcast_module_state(model, world.group())
+    groups = Topology(world.size, dp=1, tp=1, pp=2).groups(world)
+    state = parallelize(model, ParallelConfig(1, 1, 2, balance="params", microbatches=2), world, groups,
+                        training=True, log=logged.append)
+    held = sorted(n for n, _ in model.named_parameters() if n in ("net.0.weight", "net.8.weight"))
+    return held, state.outside.names, [state.state.copies(p) for n, p in model.named_parameters() if n in held], \
+        [m for m in logged if "tied" in m]
+
+
+def test_each_stage_holding_a_tied_layer_keeps_a_copy_counted_twice_and_logged():
+    first, last = launch(_stage_of_a_tie, 2, start_method="fork")
+    assert first[:3] == (["net.0.weight"], ["net.0.weight"], [2]) and last[:3] == (["net.8.weight"], ["net.8.weight"],
+                                                                                   [2])
+    assert first[3] == ["pipeline: tied weights ['net.0.weight'] sit on several stages: each keeps a copy, and the "
+                        "stages sum their gradients every step"]
 
 
 class _Backbone(nn.Module):

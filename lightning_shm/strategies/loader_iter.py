@@ -52,18 +52,8 @@ class PreparedBatches(Iterator[Fetched]):
         yield from list(self.fetched_now)
         yield from self.inner
 
-    # what Lightning's iterator also offers a step
-    @property
-    def done(self) -> bool:
-        return bool(getattr(self.inner, "done", False))
-
-    @property
-    def fetched(self) -> int:
-        return int(getattr(self.inner, "fetched", len(self.fetched_now)))
-
-    @property
-    def length(self) -> Optional[int]:
-        return getattr(self.inner, "length", None)
+    def __getattr__(self, name: str) -> Any:  # what Lightning's iterator also offers a step: done, fetched, length
+        return getattr(self.__dict__["inner"], name)
 
 
 class OneMicrobatch(Iterator[Fetched]):
