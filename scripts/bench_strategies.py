@@ -250,7 +250,8 @@ def run_one(spec: RunSpec) -> dict[str, Any]:
     n = spec.global_batch * (DATASET_SAMPLES // spec.global_batch)
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(n, 1, 28, 28, generator=g), torch.randint(0, 10, (n,), generator=g))
-    out_path = Path(tempfile.mkdtemp(prefix="bench_")) / "timing.json"
+    tmp = tempfile.TemporaryDirectory(prefix="bench_")  # removed when read back (or at exit)
+    out_path = Path(tmp.name) / "timing.json"
 
     pl.seed_everything(0)
     model = MNISTClassifier(**MODELS[spec.model], optimizer="sgd", lr=0.01)
@@ -277,6 +278,7 @@ def run_one(spec: RunSpec) -> dict[str, Any]:
     timing = json.loads(out_path.read_text())
     samples = spec.global_batch // (spec.count if spec.strategy == "ceiling" else 1) * spec.steps
     phases = [json.loads(f.read_text()) for f in sorted(out_path.parent.glob("rank*.json"))]
+    tmp.cleanup()
     return {"samples_per_s": samples / timing["seconds"], "step_ms": timing["seconds"] / spec.steps * 1e3,
             "threads": timing["threads"], "phases": phases,
             "barriers_per_step": lockstep.barriers / spec.steps if lockstep else 0.0,
@@ -322,7 +324,8 @@ def breakdown_one(model: str, microbatches: int, schedule: str, global_batch: in
     g = torch.Generator().manual_seed(0)
     n = global_batch * 20
     data = TensorDataset(torch.randn(n, 1, 28, 28, generator=g), torch.randint(0, 10, (n,), generator=g))
-    out_dir = Path(tempfile.mkdtemp(prefix="bench_"))
+    tmp = tempfile.TemporaryDirectory(prefix="bench_")
+    out_dir = Path(tmp.name)
     pl.seed_everything(0)
     trainer = pl.Trainer(accelerator="cpu", strategy=SHMPipeline(pipeline_parallel_size=2, microbatches=microbatches,
                                                                  schedule=schedule, split_linear=split_linear),
@@ -331,7 +334,9 @@ def breakdown_one(model: str, microbatches: int, schedule: str, global_batch: in
                          callbacks=[StepBreakdown(warmup, out_dir)])
     trainer.fit(MNISTClassifier(**MODELS[model], optimizer="sgd", lr=0.01),
                 DataLoader(data, batch_size=global_batch, shuffle=True, drop_last=True))
-    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(2)]
+    ranks = [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(2)]
+    tmp.cleanup()
+    return ranks
 
 
 def breakdown_table(global_batch: int) -> str:
@@ -385,14 +390,15 @@ def fixed_cost_one(strategy: str, fits: int) -> list[dict[str, float]]:
     data = TensorDataset(torch.randn(640, 1, 28, 28, generator=g), torch.randint(0, 10, (640,), generator=g))
     out = []
     for _ in range(fits):
-        path = Path(tempfile.mkdtemp(prefix="bench_")) / "edges.json"
-        trainer = pl.Trainer(accelerator="cpu", strategy=strategy, devices=2, max_steps=5, logger=False,
-                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                             callbacks=[Edges(path)], num_sanity_val_steps=0)
-        t_fit = time.time()
-        trainer.fit(MNISTClassifier(**MODELS["reference"]), DataLoader(data, batch_size=32))
-        t_ret = time.time()
-        edges = json.loads(path.read_text())
+        with tempfile.TemporaryDirectory(prefix="bench_") as tmp:
+            path = Path(tmp) / "edges.json"
+            trainer = pl.Trainer(accelerator="cpu", strategy=strategy, devices=2, max_steps=5, logger=False,
+                                 enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                                 callbacks=[Edges(path)], num_sanity_val_steps=0)
+            t_fit = time.time()
+            trainer.fit(MNISTClassifier(**MODELS["reference"]), DataLoader(data, batch_size=32))
+            t_ret = time.time()
+            edges = json.loads(path.read_text())
         out.append({"start_s": edges["first"] - t_fit, "stop_s": t_ret - edges["last"]})
     return out
 
@@ -565,6 +571,18 @@ def measure(spec: RunSpec) -> dict[str, Any]:
                 "waited_ms_per_step": [r["waited_ms_per_step"] for r in results]} if spec.lockstep else {})}
 
 
+def fast_start(specs: list[RunSpec]) -> list[RunSpec]:
+    """``specs`` with the shm strategies' workers forked where each gets one thread (cores // W <= 1).
+    Such workers are the same as those the default fork server starts (fork's hazard is an OpenMP pool
+    in the parent, which one thread per worker never starts), and start in a fraction of a second
+    instead of an interpreter importing torch and lightning. Only steady-state steps are timed, so the
+    rows measure the same thing; the fixed-cost rows, which time the start, keep their start methods."""
+    for s in specs:
+        if s.strategy.startswith("shm_") and (os.cpu_count() or 1) // s.devices <= 1:
+            s.strategy_kwargs = {"start_method": "fork", **s.strategy_kwargs}
+    return specs
+
+
 def measure_interleaved(specs: list[RunSpec], repeats: int, by: str = "samples_per_s") -> dict[str, dict[str, Any]]:
     """Each row's median run (by ``by``) over ``repeats`` rounds; every round measures every row once, so
     drift on a shared machine hits every row alike."""
@@ -668,8 +686,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         steps = STEPS[model]  # reference: windows of ~3 s
         warmup, n_steps = (steps[0], steps[1] // 3) if args.quick else steps
         n_steps = args.steps or n_steps
-        specs = [s for s in rows_for(model, args.world_size, args.global_batch, warmup, n_steps)
-                 if args.rows is None or s.row.startswith(("single", "ceiling", *args.rows))]
+        specs = fast_start([s for s in rows_for(model, args.world_size, args.global_batch, warmup, n_steps)
+                            if args.rows is None or s.row.startswith(("single", "ceiling", *args.rows))])
         res = measure_interleaved(specs, repeats)
         single, ceiling = res["single"]["samples_per_s"], res["ceiling (no comm)"]["samples_per_s"]
         gloo = res.get("ddp_spawn (gloo)", {}).get("samples_per_s", float("nan"))
@@ -961,11 +979,11 @@ def phases_table(models: list[str], world: int, global_batch: int, repeats: int,
     for model in models:
         warmup, default_steps = STEPS[model]
         common = dict(model=model, global_batch=global_batch, warmup=warmup, steps=steps or default_steps, phases=True)
-        specs = [RunSpec("ceiling (no comm)", "ceiling", world, **common),
+        specs = fast_start([RunSpec("ceiling (no comm)", "ceiling", world, **common),
                  RunSpec("shm_ddp", "shm_ddp", world, **common),
                  RunSpec("shm_fsdp", "shm_fsdp", world, **common),
                  RunSpec(f"shm_tp (tp={world})", "shm_tp", world, strategy_kwargs={"tensor_parallel_size": world},
-                         data_parallel=1, **common)]
+                         data_parallel=1, **common)])
         res = measure_interleaved(specs, repeats, by="step_ms")
         for s in specs:
             r = res[s.row]
@@ -1163,24 +1181,19 @@ SUMMARY_WANTED = {"reference": ("ddp", "tp", "ceiling", "lockstep"), "wide": ("d
 
 def summary(global_batch: int, repeats: int) -> None:
     """The rows the performance targets name, medians of ``repeats`` interleaved runs, and one line.
-    With one thread per worker (cores // 2 == 1) forked workers are the same workers as the default
-    fork server's, and start in a fraction of a second: the rows use them to stay under 5 minutes, as
-    they use preloaded children (:class:`PreloadedChild`)."""
+    The rows' workers are forked where that measures the same (:func:`fast_start`) to stay under 5
+    minutes, as they use preloaded children (:class:`PreloadedChild`)."""
     from lightning_shm.parallel.pipeline import PipelineSchedule, Schedule
 
     t_start = time.time()
     M, key, wanted = SUMMARY_M, SUMMARY_KEYS, SUMMARY_WANTED
     bubble = PipelineSchedule(Schedule.ONE_F_ONE_B, 2, M, 1).formula_bubble()
-    fork = {"start_method": "fork"} if (os.cpu_count() or 1) // 2 <= 1 else {}
     ratios: dict[str, dict[str, float]] = {}
     lines = [f"# Summary: W=2, global batch {global_batch}, {os.cpu_count()} cores, median of {repeats}\n",
              "| model | row | samples/s | vs ceiling |", "|---|---|---:|---:|"]
     for model, rows in wanted.items():
         warmup, steps = SUMMARY_STEPS[model]
-        specs = [s for s in rows_for(model, 2, global_batch, warmup, steps) if key.get(s.row) in rows]
-        for s in specs:
-            if s.strategy != "ceiling":
-                s.strategy_kwargs = {**s.strategy_kwargs, **fork}
+        specs = fast_start([s for s in rows_for(model, 2, global_batch, warmup, steps) if key.get(s.row) in rows])
         res = measure_interleaved(specs, repeats)
         ceiling = res["ceiling (no comm)"]["samples_per_s"]
         ratios[model] = {key[row]: r["samples_per_s"] / ceiling for row, r in res.items()}

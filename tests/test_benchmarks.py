@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -35,8 +36,11 @@ def test_bench_collectives_prints_table_plot_and_summary(tmp_path):
 
 
 def test_bench_strategies_runs_the_rows(tmp_path):
+    # every default table but the fixed costs (a dozen fresh interpreters: the test below runs one row of it)
+    before = set(Path(tempfile.gettempdir()).glob("bench_*"))
     out = run(["scripts/bench_strategies.py", "--quick", "--models", "reference", "--rows", "shm_ddp",
-               "--steps", "20", "--repeats", "1", "--out-dir", str(tmp_path)])
+               "--steps", "20", "--repeats", "1", "--tables", "memory", "prefetch", "tp", "pipeline",
+               "--out-dir", str(tmp_path)])
     for row in ("single", "shm_ddp", "ceiling", "ceiling, lock-step"):
         assert re.search(rf"\| {re.escape(row)}[^|]* \| [\d,]+ \|", out), out
     # the lock-step ceiling's ranks really met where shm_ddp's do: after each loss and each backward
@@ -46,6 +50,36 @@ def test_bench_strategies_runs_the_rows(tmp_path):
     assert "(no comm) [" not in out.replace("lock-step (no comm) [", ""), out  # the plain ceiling has no barriers
     assert "## shm_fsdp gather: copy, copy + prefetch, view" in out and "| reference | per layer | 2 x 1" in out
     assert (tmp_path / "strategies_w2.png").exists()
+    assert set(Path(tempfile.gettempdir()).glob("bench_*")) == before  # each run's timing files were removed
+
+
+def test_fixed_cost_rows_time_each_fit_from_a_fresh_interpreter_and_leave_no_files(monkeypatch):
+    """The table of seconds from ``fit()`` to the first step and from the last step to ``fit()`` returning,
+    for a first and a second fit of one fresh interpreter (the forked workers' row: the quickest to start)."""
+    bench = _bench_module(monkeypatch)
+    before = set(Path(tempfile.gettempdir()).glob("bench_*"))
+    res = bench.fixed_costs(1, fits=2, rows=["shm_ddp (fork)"])
+    assert list(res) == ["shm_ddp (fork)"] and len(res["shm_ddp (fork)"]) == 2
+    for fit in res["shm_ddp (fork)"]:
+        assert 0 < fit["start_s"] < 120 and 0 <= fit["stop_s"] < 120, fit
+    first, second = res["shm_ddp (fork)"]
+    row = f"| shm_ddp (fork) | {first['start_s']:.2f} | {first['stop_s']:.2f} | {second['start_s']:.2f} | "
+    assert row in bench.fixed_cost_table(res)
+    # each fit's edges file was in a directory of its own, removed once read
+    assert set(Path(tempfile.gettempdir()).glob("bench_*")) == before
+
+
+def test_measured_rows_fork_their_workers_only_where_each_gets_one_thread(monkeypatch):
+    """Forked workers start in a fraction of a second; they are the fork server's workers only when each
+    gets one thread (no OpenMP pool in the parent to inherit). Lightning's gloo row keeps its start."""
+    bench = _bench_module(monkeypatch)
+    monkeypatch.setattr(bench.os, "cpu_count", lambda: 2)
+    start = {s.row: s.strategy_kwargs.get("start_method") for s in bench.fast_start(bench.rows_for("wide", 2, 8, 1, 1))}
+    assert {row for row, how in start.items() if how == "fork"} == {
+        row for row in start if row.startswith(("shm_ddp", "shm_fsdp", "shm_tp", "shm_pipeline"))}
+    assert start["shm_ddp, 4 MB buckets"] == "fork" and start["ddp_spawn (gloo)"] is None and start["single"] is None
+    monkeypatch.setattr(bench.os, "cpu_count", lambda: 16)
+    assert not any("start_method" in s.strategy_kwargs for s in bench.fast_start(bench.rows_for("wide", 2, 8, 1, 1)))
 
 
 def test_bench_strategies_splits_steps_into_phases(tmp_path):

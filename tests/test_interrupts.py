@@ -28,22 +28,21 @@ _SCRIPT = textwrap.dedent(
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import OnExceptionCheckpoint
     import lightning_shm
-    from lightning_shm import SHMPipeline, SHMTensorParallel
+    from lightning_shm import SHMDDPStrategy, SHMFSDPStrategy, SHMPipeline, SHMTensorParallel
     from lightning_shm.models import MNISTClassifier
     from tests.helpers import loader, mnist_like
 
     STRATEGIES = {
-        "ddp": lambda fork: "shm_ddp_fork" if fork else "shm_ddp",
-        "fsdp": lambda fork: "shm_fsdp_fork" if fork else "shm_fsdp",
-        "tp": lambda fork: SHMTensorParallel(tensor_parallel_size=2, start_method="fork" if fork else "spawn"),
-        "pipeline": lambda fork: SHMPipeline(pipeline_parallel_size=2, microbatches=2,
-                                             start_method="fork" if fork else "spawn"),
+        "ddp": lambda how: SHMDDPStrategy(start_method=how),
+        "fsdp": lambda how: SHMFSDPStrategy(start_method=how),
+        "tp": lambda how: SHMTensorParallel(tensor_parallel_size=2, start_method=how),
+        "pipeline": lambda how: SHMPipeline(pipeline_parallel_size=2, microbatches=2, start_method=how),
     }
 
     class Interrupted(MNISTClassifier):
-        def __init__(self, signal_at, signum, steps_file):
+        def __init__(self, signal_at, signum, steps_file, main_pid):
             super().__init__()
-            self.signal_at, self.signum, self.steps_file = signal_at, signum, steps_file
+            self.signal_at, self.signum, self.steps_file, self.main_pid = signal_at, signum, steps_file, main_pid
 
         def training_step(self, batch, batch_idx):
             # (a pipeline calls this once per microbatch: record and signal once per step)
@@ -52,16 +51,16 @@ _SCRIPT = textwrap.dedent(
                 with open(self.steps_file, "a") as f:
                     f.write(f"{self.global_step}\\n")
                 if self.global_step == self.signal_at:
-                    os.kill(os.getppid(), self.signum)  # the main process, as Ctrl-C or kill would
+                    os.kill(self.main_pid, self.signum)  # as Ctrl-C or kill would (a fork server is the parent)
                     time.sleep(1.0)  # its stop request is in place before the next step starts
             return super().training_step(batch, batch_idx)
 
     if __name__ == "__main__":
-        name, fork, signame, ckpt_dir, steps_file, mode = sys.argv[1:]
+        name, start, signame, ckpt_dir, steps_file, mode = sys.argv[1:]
         pl.seed_everything(0)
         signum = int(getattr(signal, signame))
-        model = Interrupted(5 if mode == "interrupt" else -1, signum, steps_file)
-        trainer = pl.Trainer(strategy=STRATEGIES[name](fork == "fork"), accelerator="cpu", devices=2, max_epochs=1,
+        model = Interrupted(5 if mode == "interrupt" else -1, signum, steps_file, os.getpid())
+        trainer = pl.Trainer(strategy=STRATEGIES[name](start), accelerator="cpu", devices=2, max_epochs=1,
                              callbacks=[OnExceptionCheckpoint(ckpt_dir)], logger=False, enable_progress_bar=False,
                              enable_model_summary=False, enable_checkpointing=True, default_root_dir=ckpt_dir)
         trainer.fit(model, loader(mnist_like(24 * 24), 24), ckpt_path="last" if mode == "resume" else None)
@@ -70,15 +69,17 @@ _SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("name, fork, signame", [("ddp", "fork", "SIGINT"), ("fsdp", "fork", "SIGTERM"),
-                                                   ("pipeline", "spawn", "SIGINT"), ("tp", "spawn", "SIGTERM")])
-def test_interrupt_saves_the_real_step_and_resume_continues_from_it(tmp_path, name, fork, signame):
+@pytest.mark.parametrize("name, start, signame", [("ddp", "fork", "SIGINT"), ("fsdp", "forkserver", "SIGTERM"),
+                                                    ("pipeline", "fork", "SIGINT"), ("tp", "spawn", "SIGTERM")])
+def test_interrupt_saves_the_real_step_and_resume_continues_from_it(tmp_path, name, start, signame):
+    """Every start method (forkserver: the default). The step signals the main process by its pid: under a fork
+    server the workers' parent is the server (signalling ``os.getppid()`` there reached the server, not the run)."""
     script = tmp_path / "run.py"
     script.write_text(_SCRIPT)
     steps = tmp_path / "steps.txt"
 
     def run(mode):
-        proc = subprocess.Popen([sys.executable, str(script), name, fork, signame, str(tmp_path), str(steps), mode],
+        proc = subprocess.Popen([sys.executable, str(script), name, start, signame, str(tmp_path), str(steps), mode],
                                 cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 env={**os.environ, "PYTHONPATH": str(ROOT)})
         stdout, stderr = proc.communicate(timeout=300)
