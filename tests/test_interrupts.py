@@ -40,9 +40,10 @@ _SCRIPT = textwrap.dedent(
     }
 
     class Interrupted(MNISTClassifier):
-        def __init__(self, signal_at, signum, steps_file, main_pid):
+        def __init__(self, signal_at, signum, steps_file, main_pid, to_group):
             super().__init__()
             self.signal_at, self.signum, self.steps_file, self.main_pid = signal_at, signum, steps_file, main_pid
+            self.to_group = to_group
 
         def training_step(self, batch, batch_idx):
             # (a pipeline calls this once per microbatch: record and signal once per step)
@@ -51,15 +52,18 @@ _SCRIPT = textwrap.dedent(
                 with open(self.steps_file, "a") as f:
                     f.write(f"{self.global_step}\\n")
                 if self.global_step == self.signal_at:
-                    os.kill(self.main_pid, self.signum)  # as Ctrl-C or kill would (a fork server is the parent)
+                    if self.to_group:  # as Ctrl-C in a terminal: the main process, its workers, a fork server
+                        os.killpg(os.getpgid(self.main_pid), self.signum)
+                    else:  # as kill or a scheduler would (by pid: under a fork server the parent is the server)
+                        os.kill(self.main_pid, self.signum)
                     time.sleep(1.0)  # its stop request is in place before the next step starts
             return super().training_step(batch, batch_idx)
 
     if __name__ == "__main__":
-        name, start, signame, ckpt_dir, steps_file, mode = sys.argv[1:]
+        name, start, signame, to, ckpt_dir, steps_file, mode = sys.argv[1:]
         pl.seed_everything(0)
         signum = int(getattr(signal, signame))
-        model = Interrupted(5 if mode == "interrupt" else -1, signum, steps_file, os.getpid())
+        model = Interrupted(5 if mode == "interrupt" else -1, signum, steps_file, os.getpid(), to == "group")
         trainer = pl.Trainer(strategy=STRATEGIES[name](start), accelerator="cpu", devices=2, max_epochs=1,
                              callbacks=[OnExceptionCheckpoint(ckpt_dir)], logger=False, enable_progress_bar=False,
                              enable_model_summary=False, enable_checkpointing=True, default_root_dir=ckpt_dir)
@@ -69,18 +73,21 @@ _SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("name, start, signame", [("ddp", "fork", "SIGINT"), ("fsdp", "forkserver", "SIGTERM"),
-                                                    ("pipeline", "fork", "SIGINT"), ("tp", "spawn", "SIGTERM")])
-def test_interrupt_saves_the_real_step_and_resume_continues_from_it(tmp_path, name, start, signame):
-    """Every start method (forkserver: the default). The step signals the main process by its pid: under a fork
-    server the workers' parent is the server (signalling ``os.getppid()`` there reached the server, not the run)."""
+@pytest.mark.parametrize("name, start, signame, to", [
+    ("ddp", "forkserver", "SIGINT", "group"), ("fsdp", "forkserver", "SIGTERM", "main"),
+    ("pipeline", "fork", "SIGINT", "main"), ("tp", "spawn", "SIGTERM", "main")])
+def test_interrupt_saves_the_real_step_and_resume_continues_from_it(tmp_path, name, start, signame, to):
+    """Every start method (forkserver: the default); the signal to the main process alone (``kill``; by its pid:
+    a fork server's workers have the server as their parent) or to the whole process group (Ctrl-C)."""
     script = tmp_path / "run.py"
     script.write_text(_SCRIPT)
     steps = tmp_path / "steps.txt"
 
     def run(mode):
-        proc = subprocess.Popen([sys.executable, str(script), name, start, signame, str(tmp_path), str(steps), mode],
-                                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        args = [name, start, signame, to, str(tmp_path), str(steps), mode]
+        proc = subprocess.Popen([sys.executable, str(script), *args], cwd=ROOT, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True,
+                                start_new_session=True,  # its own process group, which a Ctrl-C reaches
                                 env={**os.environ, "PYTHONPATH": str(ROOT)})
         stdout, stderr = proc.communicate(timeout=300)
         left = [n for n in os.listdir(SHM_DIR) if n.startswith(f"{PREFIX}_{proc.pid}.")]
