@@ -979,11 +979,11 @@ def phases_table(models: list[str], world: int, global_batch: int, repeats: int,
     for model in models:
         warmup, default_steps = STEPS[model]
         common = dict(model=model, global_batch=global_batch, warmup=warmup, steps=steps or default_steps, phases=True)
-        specs = fast_start([RunSpec("ceiling (no comm)", "ceiling", world, **common),
-                 RunSpec("shm_ddp", "shm_ddp", world, **common),
-                 RunSpec("shm_fsdp", "shm_fsdp", world, **common),
-                 RunSpec(f"shm_tp (tp={world})", "shm_tp", world, strategy_kwargs={"tensor_parallel_size": world},
-                         data_parallel=1, **common)])
+        specs = fast_start([
+            RunSpec("ceiling (no comm)", "ceiling", world, **common), RunSpec("shm_ddp", "shm_ddp", world, **common),
+            RunSpec("shm_fsdp", "shm_fsdp", world, **common),
+            RunSpec(f"shm_tp (tp={world})", "shm_tp", world, strategy_kwargs={"tensor_parallel_size": world},
+                    data_parallel=1, **common)])
         res = measure_interleaved(specs, repeats, by="step_ms")
         for s in specs:
             r = res[s.row]
