@@ -40,10 +40,10 @@ _SCRIPT = textwrap.dedent(
     }
 
     class Interrupted(MNISTClassifier):
-        def __init__(self, signal_at, signum, steps_file, main_pid, to_group):
+        def __init__(self, signal_at, signum, steps_file, main_pid, to):
             super().__init__()
             self.signal_at, self.signum, self.steps_file, self.main_pid = signal_at, signum, steps_file, main_pid
-            self.to_group = to_group
+            self.signal_to = to
 
         def training_step(self, batch, batch_idx):
             # (a pipeline calls this once per microbatch: record and signal once per step)
@@ -52,9 +52,11 @@ _SCRIPT = textwrap.dedent(
                 with open(self.steps_file, "a") as f:
                     f.write(f"{self.global_step}\\n")
                 if self.global_step == self.signal_at:
-                    if self.to_group:  # as Ctrl-C in a terminal: the main process, its workers, a fork server
+                    if self.signal_to == "group":  # as Ctrl-C in a terminal: main process, workers, fork server
                         os.killpg(os.getpgid(self.main_pid), self.signum)
-                    else:  # as kill or a scheduler would (by pid: under a fork server the parent is the server)
+                    elif self.signal_to == "worker":  # as a scheduler that signals every process of the job may
+                        os.kill(os.getpid(), self.signum)
+                    else:  # as kill would (by pid: under a fork server the workers' parent is the server)
                         os.kill(self.main_pid, self.signum)
                     time.sleep(1.0)  # its stop request is in place before the next step starts
             return super().training_step(batch, batch_idx)
@@ -63,7 +65,7 @@ _SCRIPT = textwrap.dedent(
         name, start, signame, to, ckpt_dir, steps_file, mode = sys.argv[1:]
         pl.seed_everything(0)
         signum = int(getattr(signal, signame))
-        model = Interrupted(5 if mode == "interrupt" else -1, signum, steps_file, os.getpid(), to == "group")
+        model = Interrupted(5 if mode == "interrupt" else -1, signum, steps_file, os.getpid(), to)
         trainer = pl.Trainer(strategy=STRATEGIES[name](start), accelerator="cpu", devices=2, max_epochs=1,
                              callbacks=[OnExceptionCheckpoint(ckpt_dir)], logger=False, enable_progress_bar=False,
                              enable_model_summary=False, enable_checkpointing=True, default_root_dir=ckpt_dir)
@@ -75,10 +77,11 @@ _SCRIPT = textwrap.dedent(
 
 @pytest.mark.parametrize("name, start, signame, to", [
     ("ddp", "forkserver", "SIGINT", "group"), ("fsdp", "forkserver", "SIGTERM", "main"),
-    ("pipeline", "fork", "SIGINT", "main"), ("tp", "spawn", "SIGTERM", "main")])
+    ("pipeline", "fork", "SIGINT", "main"), ("tp", "spawn", "SIGTERM", "worker")])
 def test_interrupt_saves_the_real_step_and_resume_continues_from_it(tmp_path, name, start, signame, to):
     """Every start method (forkserver: the default); the signal to the main process alone (``kill``; by its pid:
-    a fork server's workers have the server as their parent) or to the whole process group (Ctrl-C)."""
+    a fork server's workers have the server as their parent), to the whole process group (Ctrl-C) or to rank 0's
+    worker alone (its SIGTERM is a stop request for the run)."""
     script = tmp_path / "run.py"
     script.write_text(_SCRIPT)
     steps = tmp_path / "steps.txt"
