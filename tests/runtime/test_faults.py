@@ -52,7 +52,7 @@ def _raise_on_rank_1(world):
     g.all_reduce(torch.ones(10))  # rank 0 waits here for a peer that will never come
 
 
-@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+@pytest.mark.parametrize("start_method", ["fork", "spawn", "forkserver"])
 def test_worker_exception_is_reraised_with_type_message_and_traceback(start_method):
     with pytest.raises(ValueError, match="boom from rank 1: bad value 42") as info:
         launch(_raise_on_rank_1, 3, start_method=start_method)
