@@ -22,6 +22,11 @@ def run(args: list[str]) -> str:
     return out.stdout
 
 
+def _bench_dirs() -> set[Path]:
+    """The directories benchmark runs make for their timing files (each must remove its own)."""
+    return set(Path(tempfile.gettempdir()).glob("bench_*"))
+
+
 def test_bench_collectives_prints_table_plot_and_summary(tmp_path):
     out = run(["scripts/bench_collectives.py", "--quick", "--sizes", "4KiB", "64KiB", "--out-dir", str(tmp_path)])
     assert "| 4KiB |" in out and "| 64KiB |" in out
@@ -37,7 +42,7 @@ def test_bench_collectives_prints_table_plot_and_summary(tmp_path):
 
 def test_bench_strategies_runs_the_rows(tmp_path):
     # every default table but the fixed costs (a dozen fresh interpreters: the test below runs one row of it)
-    before = set(Path(tempfile.gettempdir()).glob("bench_*"))
+    before = _bench_dirs()
     out = run(["scripts/bench_strategies.py", "--quick", "--models", "reference", "--rows", "shm_ddp",
                "--steps", "20", "--repeats", "1", "--tables", "memory", "prefetch", "tp", "pipeline",
                "--out-dir", str(tmp_path)])
@@ -50,14 +55,14 @@ def test_bench_strategies_runs_the_rows(tmp_path):
     assert "(no comm) [" not in out.replace("lock-step (no comm) [", ""), out  # the plain ceiling has no barriers
     assert "## shm_fsdp gather: copy, copy + prefetch, view" in out and "| reference | per layer | 2 x 1" in out
     assert (tmp_path / "strategies_w2.png").exists()
-    assert set(Path(tempfile.gettempdir()).glob("bench_*")) == before  # each run's timing files were removed
+    assert _bench_dirs() == before  # each run's timing files were removed
 
 
 def test_fixed_cost_rows_time_each_fit_from_a_fresh_interpreter_and_leave_no_files(monkeypatch):
     """The table of seconds from ``fit()`` to the first step and from the last step to ``fit()`` returning,
     for a first and a second fit of one fresh interpreter (the forked workers' row: the quickest to start)."""
     bench = _bench_module(monkeypatch)
-    before = set(Path(tempfile.gettempdir()).glob("bench_*"))
+    before = _bench_dirs()
     res = bench.fixed_costs(1, fits=2, rows=["shm_ddp (fork)"])
     assert list(res) == ["shm_ddp (fork)"] and len(res["shm_ddp (fork)"]) == 2
     for fit in res["shm_ddp (fork)"]:
@@ -66,7 +71,7 @@ def test_fixed_cost_rows_time_each_fit_from_a_fresh_interpreter_and_leave_no_fil
     row = f"| shm_ddp (fork) | {first['start_s']:.2f} | {first['stop_s']:.2f} | {second['start_s']:.2f} | "
     assert row in bench.fixed_cost_table(res)
     # each fit's edges file was in a directory of its own, removed once read
-    assert set(Path(tempfile.gettempdir()).glob("bench_*")) == before
+    assert _bench_dirs() == before
 
 
 def test_measured_rows_fork_their_workers_only_where_each_gets_one_thread(monkeypatch):

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lightning_shm import SHMFSDPStrategy, SHMPipeline, SHMTensorParallel
+from lightning_shm import SHMFSDPStrategy, SHMModelParallel, SHMPipeline, SHMTensorParallel
 from lightning_shm.models import MNISTClassifier
 from lightning_shm.strategies.loader_iter import OneMicrobatch, PreparedBatches
 from tests.fsdp.test_writes import ShrinksARowBlockEachBatch
@@ -157,3 +157,24 @@ def test_the_iterators_a_step_gets_offer_what_lightnings_does():
     assert list(it.replay()) == [("A", 0, 0), ("B", 1, 0)]  # the same prepared batches again
     one = OneMicrobatch("mb", 3, 0, "validation_step", 2)
     assert not one.done and next(one) == ("mb", 3, 0) and one.done
+
+
+def test_which_flavor_a_step_is_follows_the_step_in_use():
+    """The strategy reads a step's signature once per step function: a strategy fitting another module, or a
+    module whose step was rebound, is not given the flavor read before (a cache keyed by the module's id was)."""
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    class GivenItsBatch(BoringModel):
+        def training_step(self, batch):
+            return super().training_step(batch, 0)
+
+    class Fetching(BoringModel):
+        def training_step(self, dataloader_iter):
+            return super().training_step(next(dataloader_iter)[0], 0)
+
+    strategy, batches = SHMModelParallel(), iter([(torch.ones(2), 0, 0)])
+    for module, fetches in ((GivenItsBatch(), False), (Fetching(), True), (GivenItsBatch(), False)):
+        strategy._lightning_module = module
+        assert isinstance(strategy._fetching("training_step", (batches,)), PreparedBatches) is fetches
+    module.training_step = Fetching.training_step.__get__(module)  # the same module, its step rebound
+    assert isinstance(strategy._fetching("training_step", (batches,)), PreparedBatches)

@@ -370,8 +370,8 @@ def _stage_of_a_tie(world):
 
 def test_each_stage_holding_a_tied_layer_keeps_a_copy_counted_twice_and_logged():
     first, last = launch(_stage_of_a_tie, 2, start_method="fork")
-    assert first[:3] == (["net.0.weight"], ["net.0.weight"], [2]) and last[:3] == (["net.8.weight"], ["net.8.weight"],
-                                                                                   [2])
+    assert first[:3] == (["net.0.weight"], ["net.0.weight"], [2])
+    assert last[:3] == (["net.8.weight"], ["net.8.weight"], [2])
     assert first[3] == ["pipeline: tied weights ['net.0.weight'] sit on several stages: each keeps a copy, and the "
                         "stages sum their gradients every step"]
 

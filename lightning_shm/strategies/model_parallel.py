@@ -140,7 +140,7 @@ class SHMModelParallel(SHMStrategyBase):
         self._in_stage_step = False
         self._warned_step_gather = False
         self._eval_calls = 0  # validation and test steps so far (stop points of steps given no batch_idx)
-        self._fetches: dict[tuple[int, str], bool] = {}  # (module, step): it takes dataloader_iter
+        self._fetches: dict[Any, bool] = {}  # a step's function: it takes dataloader_iter
         self._muted_writers: list[BasePredictionWriter] = []
         self._grads_split = False  # some rank holds a gradient that is not every rank's whole one (setup)
         self._reads_checked = False  # the first training step's loss was checked for reads of pieces
@@ -375,8 +375,11 @@ class SHMModelParallel(SHMStrategyBase):
         ``batch_to_device`` would (Lightning moves none in that flavor); None for a step given its batch."""
         if len(args) != 1:  # (batch, batch_idx, ...): the usual flavor
             return None
-        key = (id(self.lightning_module), step)
-        if key not in self._fetches:  # (a signature's inspection costs tens of us: once per module and step)
+        # keyed by the function itself (held, so never another's id): a new module's or a rebound step is read anew.
+        # A signature's inspection costs tens of us: once per function
+        fn = getattr(self.lightning_module, step, None)
+        key = getattr(fn, "__func__", fn)
+        if key not in self._fetches:
             self._fetches[key] = takes_loader_iter(self.lightning_module, step)
         if not self._fetches[key]:
             return None
