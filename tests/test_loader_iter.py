@@ -4,6 +4,8 @@ microbatch with an iterator holding that microbatch."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -155,6 +157,7 @@ def test_the_iterators_a_step_gets_offer_what_lightnings_does():
     assert next(it) == ("A", 0, 0) and (it.done, it.fetched) == (False, 1)
     assert next(it) == ("B", 1, 0) and (it.done, it.fetched) == (True, 2)
     assert list(it.replay()) == [("A", 0, 0), ("B", 1, 0)]  # the same prepared batches again
+    assert copy.copy(it).fetched == 2  # copy builds the object before its attributes: no delegation to a missing inner
     one = OneMicrobatch("mb", 3, 0, "validation_step", 2)
     assert not one.done and next(one) == ("mb", 3, 0) and one.done
 

@@ -53,7 +53,9 @@ class PreparedBatches(Iterator[Fetched]):
         yield from self.inner
 
     def __getattr__(self, name: str) -> Any:  # what Lightning's iterator also offers a step: done, fetched, length
-        return getattr(self.__dict__["inner"], name)
+        if name == "inner":  # not set yet (copy and pickle build the object first): an AttributeError, as they expect
+            raise AttributeError(name)
+        return getattr(self.inner, name)
 
 
 class OneMicrobatch(Iterator[Fetched]):
