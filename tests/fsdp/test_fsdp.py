@@ -324,6 +324,10 @@ def _step_scope(world):
                                            r"\['net.7.weight'\] in place.*the step through named_parameters\(\)"
                        ), sharded.step_scope(), torch.no_grad():
         model.net[7].weight.mul_(1.0)
+    # assigning its .data (MoCo's momentum update) would give it a storage of its own, which the next gather replaces
+    with pytest.raises(RuntimeError, match=r"\['net.7.weight'\] in place or assigned their .data"), \
+            sharded.step_scope():
+        model.net[7].weight.data = model.net[7].weight.data * 1.0
     after_failure += [n for n in ("weight", "bias") if n in model.net[1].__dict__]
     head.pow(2).mean().backward()
     plain_head = nn.functional.linear(plain.net[:7](x), plain.net[7].weight, plain.net[7].bias)

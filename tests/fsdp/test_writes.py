@@ -3,15 +3,18 @@ while the others read every rank's rows without a collective: the writes must be
 
 from __future__ import annotations
 
+import copy
 import time
 from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from lightning_shm import SHMFSDPStrategy, SHMModelParallel
 from lightning_shm.models import MNISTClassifier
 from lightning_shm.parallel.fsdp import FSDPState
+from lightning_shm.parallel.fsdp.rows import RowBlock
 from lightning_shm.runtime import launch
 from lightning_shm.runtime.errors import CollectiveMismatchError
 from lightning_shm.runtime.ops import Coll, arg_name
@@ -133,3 +136,74 @@ def test_a_forward_meets_the_others_once_after_a_write_and_not_without_one(gathe
     for counts, reasons in launch(_barriers_before_forwards, 2, gather, start_method="fork"):
         assert counts == [0, 1, 1, 0]
         assert len(reasons) == 1 and "why: FSDP: this rank wrote its rows" in reasons.pop()  # it says why it waits
+
+
+class MomentumTeacher(MNISTClassifier):
+    """A frozen copy of the network, moved towards it after every batch through ``.data`` -- MoCo's and BYOL's
+    ``p_k.data = p_k.data * m + p_q.data * (1 - m)`` ("assign") or DINO's ``p_k.data.mul_(m).add_(...)``
+    ("inplace") -- at the end of the batch or at the top of the step (``where``); its output joins the loss, so a
+    teacher that is not one process's changes the student too. ``slow_rank`` arrives 0.2 s late at the update."""
+
+    def __init__(self, idiom: str, where: str, slow_rank: int = -1):
+        super().__init__(optimizer="adam", lr=0.01)
+        self.idiom, self.where, self.slow_rank = idiom, where, slow_rank
+        self.teacher = copy.deepcopy(self.net).requires_grad_(False)
+
+    def _momentum_update(self, m: float = 0.5) -> None:
+        if self.global_rank == self.slow_rank:
+            time.sleep(0.2)
+        for q, k in zip(self.net.parameters(), self.teacher.parameters()):
+            if self.idiom == "assign":
+                k.data = k.data * m + q.data * (1 - m)
+            else:
+                k.data.mul_(m).add_(q.data, alpha=1 - m)
+
+    def training_step(self, batch, batch_idx):
+        if self.where == "step":
+            self._momentum_update()
+        x, y = batch[0].to(self.dtype), batch[1]
+        out = self.net(x)
+        with torch.no_grad():
+            target = self.teacher(x)
+        return F.cross_entropy(out, y) + 0.5 * F.mse_loss(out, target)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        if self.where == "end":
+            self._momentum_update()
+
+
+@pytest.mark.parametrize("gather, idiom, where", [("view", "assign", "end"), ("view", "inplace", "step"),
+                                                  ("copy", "assign", "step"), ("copy", "inplace", "step"),
+                                                  ("dp2xtp2-shard", "assign", "end")])
+def test_a_momentum_teacher_updated_through_data_trains_as_one_process(gather, idiom, where):
+    """Before the rows were a :class:`RowBlock`, ``.data =`` moved the teacher's rows to private memory (the shared
+    rows every forward reads stayed the initial weights: 0.046 off one process), and a write through ``.data``
+    changed no version counter, so no rank waited for the others' rows (0.036 off)."""
+    samples = GLOBAL_BATCH * 4
+    _, ref = fit_seeded(lambda: MomentumTeacher(idiom, where), "auto", 1, GLOBAL_BATCH, ref=True, samples=samples)
+    strategy, devices = _fsdp(gather)
+    _, got = fit_seeded(lambda: MomentumTeacher(idiom, where, slow_rank=1), strategy, devices, GLOBAL_BATCH // 2,
+                        samples=samples)
+    torch.testing.assert_close(flat_params(got.teacher), flat_params(ref.teacher), rtol=0, atol=1e-9)
+    torch.testing.assert_close(flat_params(got), flat_params(ref), rtol=0, atol=1e-9)
+
+
+def test_a_row_block_is_a_parameter_whose_data_writes_count_and_stay_on_the_rows():
+    """Worker-free: the behaviours the test above relies on, one by one."""
+    rows = torch.zeros(6)
+    p = RowBlock(rows[:4].view(2, 2))
+    p.of = "rows 0:2 of 'w' (3, 2)"
+    assert isinstance(p, torch.nn.Parameter) and p.requires_grad and type(p * 2) is torch.Tensor
+    version = p._version
+    p.data.add_(1.0)  # through .data: the parameter's version counter moves (a plain .data has its own)
+    assert p._version > version and rows[:4].eq(1.0).all()
+    p.data = torch.full((2, 2), 3.0)  # copied into the rows, not a new storage
+    assert p.data_ptr() == rows.data_ptr() and rows.tolist() == [3.0] * 4 + [0.0] * 2
+    p.data = p  # module.to(its own device) hands the parameter back: nothing to do
+    with pytest.raises(ValueError, match=r"rows 0:2 of 'w' \(3, 2\).*shape \(2, 2\) torch.float32.*got \(3, 2\)"):
+        p.data = torch.zeros(3, 2)  # the whole parameter, not this rank's rows
+    with pytest.raises(ValueError, match="torch.float64"):
+        p.data = torch.zeros(2, 2, dtype=torch.float64)
+    twin = copy.deepcopy(p)  # a copy (of a model, an averaged model's) is nobody's rows
+    assert type(twin) is torch.nn.Parameter and twin.data_ptr() != rows.data_ptr() and twin.eq(3.0).all()
+    assert "rows 0:2 of 'w'" in repr(p)

@@ -53,12 +53,14 @@ from torch import nn
 
 from lightning_shm.parallel.fsdp.policy import UnitSpec
 from lightning_shm.parallel.fsdp.prefetch import Prefetcher
+from lightning_shm.parallel.fsdp.rows import RowBlock
 from lightning_shm.parallel.replaced import accumulate_grad, carry_over
 from lightning_shm.runtime import Group, SharedBuffer, even_split
 from lightning_shm.runtime.errors import CollectiveMismatchError
 from lightning_shm.runtime.ops import barrier_reason, site_of
 
 GATHERS = ("view", "copy")
+Stamps = list[tuple[int, int]]  # each full parameter's (version counter, address): see _stamps
 _ROWS_WRITTEN = barrier_reason("FSDP: this rank wrote its rows of a parameter in place (not in an optimizer step) and "
                                "waits for every rank to write theirs before reading them; every rank must write its "
                                "rows at the same point")
@@ -184,13 +186,15 @@ class FSDPUnit:
             mine = self._block(r, b)
             lo = b.row_start(r) * b.row_numel
             mine.copy_(p.detach().reshape(-1)[lo:lo + mine.numel()])
-            b.shard = nn.Parameter(mine.view(b.rows[r], *b.shape[1:]), requires_grad=p.requires_grad)
+            b.shard = RowBlock(mine.view(b.rows[r], *b.shape[1:]), requires_grad=p.requires_grad)
+            lo_row = b.row_start(r)
+            b.shard.of = f"rows {lo_row}:{lo_row + b.rows[r]} of {name!r} {tuple(b.shape)}"
             carry_over(p, b.shard)  # the user's gradient hooks see the block's (averaged) gradient
             for owner, attr in b.owners:  # the model now holds the block under the parameter's own name
                 owner._parameters[attr] = b.shard
         self._live: Optional[torch.Tensor] = None  # full flat parameters of the current forward
         self._live_params: Sequence[torch.Tensor] = ()  # ... as the modules see them (_set_views)
-        self._versions: list[int] = []  # their version counters when the forward began
+        self._stamps: Stamps = []  # their version counters and addresses when the forward began
         self._live_grad = False  # ... taken through _GatherUnit (a backward will come)
         self._frozen_inputs: list[torch.Tensor] = []  # a unit without trainable parameters: inputs with a gradient
         # full tensors awaiting their backward, by application. Held strongly here: autograd keeps
@@ -202,7 +206,7 @@ class FSDPUnit:
         self._held_grad: Optional[torch.Tensor] = None
         self._held_used: list[bool] = []  # blocks that got a gradient in some microbatch of the held step
         self._depth = 0  # forwards of the unit's runs now open: one nested in another finds it gathered
-        self._step: Optional[tuple[Sequence[torch.Tensor], list[int]]] = None  # an open step's views, versions
+        self._step: Optional[tuple[Sequence[torch.Tensor], Stamps]] = None  # an open step's views, stamps
         # gather before the module's own pre-hooks, free after its own hooks: they see the full parameters
         # (torch.nn.utils.weight_norm / spectral_norm compute ``weight`` in a pre-hook). A run: the unit's
         # modules, first to last; and each placement (another holder of a tied weight) alone.
@@ -394,17 +398,16 @@ class FSDPUnit:
             self.pending[key] = full
         else:
             params = self.params_of(full)
-        versions = [] if torch.is_inference_mode_enabled() else [p._version for p in params]
-        self._step = (params, versions)
+        self._step = (params, _stamps(params))
         self._set_views(params)
 
-    def close(self) -> Optional[tuple[Sequence[torch.Tensor], list[int]]]:
-        """End what :meth:`open` began; returns the step's views and their versions then, for :meth:`check_step`."""
+    def close(self) -> Optional[tuple[Sequence[torch.Tensor], Stamps]]:
+        """End what :meth:`open` began; returns the step's views and their stamps then, for :meth:`check_step`."""
         step, self._step = self._step, None
         self._set_views(None)
         return step
 
-    def check_step(self, step: Optional[tuple[Sequence[torch.Tensor], list[int]]]) -> None:
+    def check_step(self, step: Optional[tuple[Sequence[torch.Tensor], Stamps]]) -> None:
         """The step (``close``'s return) changed no full parameter in place, else RuntimeError."""
         if step is not None:
             self._check_not_modified(*step, where="the step (through a module's attribute)")
@@ -509,28 +512,30 @@ class FSDPUnit:
             params = self.params_of(full)
         self._live, self._live_params = full, params
         self._set_views(params)
-        # see _check_not_modified (inference tensors keep no version counter: evaluation is not checked)
-        self._versions = [] if torch.is_inference_mode_enabled() else [p._version for p in params]
+        # see _check_not_modified
+        self._stamps = _stamps(params)
         if self.next_unit is not None:
             self.next_unit.prefetch_gather()
 
-    def _check_not_modified(self, params: Sequence[torch.Tensor], versions: Sequence[int],
+    def _check_not_modified(self, params: Sequence[torch.Tensor], stamps: Stamps,
                             where: str = "the forward") -> None:
         """A forward must not change the full parameters in place (``nn.Embedding(max_norm=...)`` renormalises
         the rows it looks up): under "view" they are one tensor every rank computes on, and the ranks' changes
         race -- a different model on every run (0.01 and 0.27 off one process after 5 Adam steps); under "copy"
         they are a private copy and the change never reaches the blocks (2.9 off). Nor a step through the
         attribute (``where``), which is the full parameter there: ``w.mul_(0.5)`` by every rank on the shared
-        rows would halve some twice. Refused when seen."""
-        changed = [b.name for b, p, v in zip(self.blocks, params, versions) if p._version != v]
+        rows would halve some twice. Nor one assigning its ``.data`` (``w.data = w.data * m``): a storage of its own,
+        which the next gather replaces with the rows -- the change is lost. Refused when seen (the stamps:
+        :func:`_stamps`; a write through ``w.data`` is not seen: it has a version counter of its own)."""
+        changed = [b.name for b, p, st in zip(self.blocks, params, stamps) if (p._version, p.data_ptr()) != st]
         if changed:
-            raise RuntimeError(f"{where} changed parameter(s) {changed} in place (nn.Embedding(max_norm=...) "
-                               "renormalises the rows it looks up): under FSDP the full parameters are shared by every "
-                               "rank (gather='view': their changes race) or a private copy (gather='copy': the change "
-                               "is lost), so the model would not be one process's. Change parameters outside forward, "
-                               "each rank its own rows: in the optimizer step, a hook such as on_train_batch_start "
-                               "(where the attributes are the rank's rows) or the step through named_parameters(), "
-                               "every rank at the same point -- or use shm_ddp.")
+            raise RuntimeError(f"{where} changed parameter(s) {changed} in place or assigned their .data "
+                               "(nn.Embedding(max_norm=...) renormalises the rows it looks up): under FSDP the full "
+                               "parameters are shared by every rank (gather='view': their changes race) or a private "
+                               "copy (gather='copy': the change is lost), so the model would not be one process's. "
+                               "Change parameters outside forward, each rank its own rows: in the optimizer step, a "
+                               "hook such as on_train_batch_start (where the attributes are the rank's rows) or the "
+                               "step through named_parameters(), every rank at the same point -- or use shm_ddp.")
 
     def _post_forward(self, module: Optional[nn.Module], args: Any, output: Any) -> Any:
         self._depth -= 1
@@ -538,7 +543,7 @@ class FSDPUnit:
         if self._depth > 0:  # a placement called inside the unit's own run: the run's hooks take care of it
             return output
         if full is not None:
-            self._check_not_modified(params, self._versions)
+            self._check_not_modified(params, self._stamps)
         if full is None or self.held is not None:  # held: stays gathered for the next microbatch
             return output
         # a unit without trainable parameters takes part in backward too when its output carries a
@@ -635,6 +640,12 @@ def _check_unit(spec: UnitSpec) -> None:
     scalars = [name for name, _, _, p in spec.params if p.dim() == 0]
     if scalars:
         raise ValueError(f"FSDP shards parameters by rows (dim 0); {scalars} are 0-d: store them with shape (1,)")
+
+
+def _stamps(params: Sequence[torch.Tensor]) -> Stamps:
+    """Each full parameter's version counter (an in-place change) and address (its ``.data`` assigned); none for
+    inference tensors, which keep no version counter (evaluation is not checked)."""
+    return [] if torch.is_inference_mode_enabled() else [(p._version, p.data_ptr()) for p in params]
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:
