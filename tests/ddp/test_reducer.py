@@ -203,3 +203,33 @@ def test_linear_weight_gradients_are_written_into_the_buckets():
         assert "inp.bias" in adopted and "out.bias" in adopted  # autograd's fresh gradients, copied in
         assert len(hook_saw) == 6 and hook_saw[0] == out_ptr  # every micro-step; the first one in the bucket
         assert in_bucket and restored
+
+
+def _rewritten_through_data(world, set_to_none):
+    """Two steps of a hook rewriting each gradient through ``.data`` (the first step's: those the reducer attached
+    when it was built), the optimizer zeroing gradients in place or to None; each step's reduced gradients."""
+    torch.manual_seed(0)
+    model = build_mlp()
+    reducer = GradReducer(list(model.named_parameters()), world.group())
+    x = torch.randn(8, 1, 28, 28, generator=torch.Generator().manual_seed(100 + world.rank))
+    y = torch.randint(0, 10, (8,), generator=torch.Generator().manual_seed(200 + world.rank))
+    steps = []
+    for _ in range(2):
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.data = p.grad.data * 0.5
+        model.zero_grad(set_to_none=set_to_none)
+        nn.functional.cross_entropy(model(x), y).backward()
+        reducer.post_backward()
+        steps.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
+    return steps
+
+
+@pytest.mark.parametrize("set_to_none", [False, True])
+def test_gradients_rewritten_through_data_are_still_averaged(set_to_none):
+    """Each rank has its own samples: averaged, every rank holds the same gradient. When ``p.grad`` was the
+    reducer's own view of the bucket, ``.data =`` took it out of the bucket: each rank kept its own."""
+    rank0, rank1 = launch(_rewritten_through_data, 2, set_to_none, start_method="fork")
+    for step0, step1 in zip(rank0, rank1):
+        assert step0.abs().sum() > 0
+        torch.testing.assert_close(step0, step1, rtol=0, atol=0)

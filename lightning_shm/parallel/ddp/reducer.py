@@ -145,18 +145,24 @@ class GradReducer:
             for buf in self._buffers:
                 buf.local.zero_()
         for p, view in self._views.items():
-            p.grad = view
+            p.grad = view.detach()  # an alias: see _adopt
 
     def _adopt(self, p: nn.Parameter) -> None:
         """Make ``p.grad`` its bucket view. After ``zero_grad(set_to_none=True)`` autograd hands the hook
         a freshly allocated gradient: one copy into the bucket is cheaper than zeroing the bucket
-        before backward and accumulating into it (N bytes moved instead of 3N)."""
+        before backward and accumulating into it (N bytes moved instead of 3N).
+
+        ``p.grad`` is an alias of the reducer's view, never the view itself: a hook assigning
+        ``p.grad.data = p.grad.data * s`` gives that tensor object new storage, and on the view itself it
+        moved this parameter's gradient out of the bucket for the rest of the run -- each rank stepped with
+        its own gradient while the bucket's mean went unread (0.034 off one process after 3 Adam steps).
+        On an alias it is seen at the next hook (another address) and copied into the bucket."""
         view = self._views[p]
         if p.grad is None:
             view.zero_()
         elif p.grad.data_ptr() != view.data_ptr():
             view.copy_(p.grad)
-        p.grad = view
+        p.grad = view.detach()
 
     # ------------------------------------------------------------------ Linear weight gradients into the buckets
     def route_linears(self, modules: Iterable[nn.Module]) -> None:
