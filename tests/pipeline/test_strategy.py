@@ -246,6 +246,54 @@ def test_short_last_batch_runs_with_fewer_microbatches_and_stays_exact():
     torch.testing.assert_close(got, run("auto", ref=True)[0], rtol=0, atol=2e-5)
 
 
+class _Doubles(nn.Module):
+    """Changes its input in place, not idempotently: a second application, or a recomputation from the changed
+    input, shows."""
+
+    def forward(self, x):
+        return x.mul_(2.0)
+
+
+class InPlaceAtCuts(MNISTClassifier):
+    """``Flatten, Linear, LN, <act>, Linear, LN, <act>, Linear`` with ``<act>`` in place: ``nn.ReLU(inplace=True)``
+    as torchvision's models have after every norm layer, or a doubling then a ReLU. Cut at 3, a stage starts with
+    it, changing the activation it received. "double-first": the first Linear doubles its input (the batch) too."""
+
+    def __init__(self, kind: str, **kw):
+        super().__init__(**kw)
+        for i in (3, 6):
+            self.net[i] = nn.ReLU(inplace=True) if kind == "relu" else nn.Sequential(_Doubles(), nn.ReLU())
+        if kind == "double-first":
+            self.net[1] = nn.Sequential(_Doubles(), self.net[1])
+
+
+@pytest.mark.parametrize("kind, schedule, kw", [
+    ("relu", "1f1b", {}),  # the planner times each layer on a leaf too
+    ("relu", "interleaved_1f1b", {"split_points": [3, 5, 6]}),
+    ("double", "zero_bubble", {"split_points": [3]}),
+    ("double", "1f1b", {"split_points": [3], "activation_checkpointing": True}),  # recomputed from the input
+    ("double-first", "1f1b", {"split_points": [3], "activation_checkpointing": True}),  # ... and from the batch
+])
+def test_a_stage_starting_with_an_in_place_layer_equals_one_process(kind, schedule, kw):
+    """A stage's input was a leaf requiring a gradient, which autograd refuses to change in place ("a leaf Variable
+    that requires grad is being used in an in-place operation"): the planner failed timing the layers, a stage
+    its first forward. Under activation checkpointing the forward runs without a graph and changed the input
+    that backward recomputes from."""
+    def model(**mkw):
+        return InPlaceAtCuts(kind, **mkw)
+    ref = train_mnist("auto", 1, "adam", batch=GLOBAL_BATCH, ref=True, model_cls=model)
+    got = train_mnist(pp(2, schedule, **kw), 2, "adam", batch=GLOBAL_BATCH, model_cls=model)
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-9)
+
+
+def test_timing_the_layers_leaves_the_sample_as_it_was():
+    seq = InPlaceAtCuts("double-first").net  # its first Linear doubles the sample itself
+    sample = torch.randn(8, 1, 28, 28)
+    kept = sample.clone()
+    assert len(layer_costs_by_time(seq, sample, repeats=2)) == len(seq)
+    assert torch.equal(sample, kept)
+
+
 def test_checkpointing_accumulation_clipping_and_scheduler():
     kw = dict(model_cls=SchedClassifier, gradient_clip_val=0.05, accumulate=2)
     ref = train_mnist("auto", 1, "sgd", batch=GLOBAL_BATCH, ref=True, **kw)

@@ -46,6 +46,34 @@ def leaves(a: Activation, grad: bool = True) -> Activation:
     return like(a, [t.detach().requires_grad_(grad and t.is_floating_point()) for t in parts(a)])
 
 
+class _Entry(torch.autograd.Function):
+    """A leaf's values as a tensor of its own on the same memory, whose gradient goes to the leaf. In one process
+    a stage's input is the previous layer's output, which a first ``nn.ReLU(inplace=True)`` changes in place (as
+    torchvision's models do after every norm layer); autograd refuses that on a leaf, and on a view of one
+    ("a leaf Variable that requires grad is being used in an in-place operation"). Not a view either (a tensor
+    ``set_`` on the storage, with a version counter of its own), so an in-place change of it is checked against
+    what autograd saved of it, as in one process."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return torch.empty(0, dtype=x.dtype, device=x.device).set_(x.untyped_storage(), x.storage_offset(),
+                                                                   x.size(), x.stride())
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return grad
+
+
+def entries(a: Activation) -> Activation:
+    """What a chunk (or a timed layer) is called with: the parts of its input leaves that need a gradient as
+    :class:`_Entry` tensors, which its first layer may change in place. The leaves keep the input gradient."""
+    return like(a, [_Entry.apply(t) if t.requires_grad else t for t in parts(a)])
+
+
+def copied(a: Activation) -> Activation:
+    return like(a, [t.clone() for t in parts(a)])
+
+
 def backward(out: Activation, grad: Activation | None) -> None:
     """Back-propagate ``grad`` (None: ``out`` is a scalar loss) through the parts of ``out`` that need it."""
     if grad is None:

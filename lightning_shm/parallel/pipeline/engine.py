@@ -229,7 +229,10 @@ class PipelineEngine:
         rng = torch.get_rng_state() if training and self.checkpointing else None
         grad_ctx = torch.enable_grad() if keep_graph else torch.no_grad()
         with grad_ctx, io.forward_context(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = io.last_forward(m, x, chunk) if last else chunk(x)
+            # its first layer may change its input in place (ReLU(inplace=True)): not the leaf; with checkpointing
+            # backward recomputes from x, which this forward must leave as it was
+            inp = act.entries(x) if keep_graph and c > 0 else act.copied(x) if training and not keep_graph else x
+            out = io.last_forward(m, inp, chunk) if last else chunk(inp)
         self._record("F", m, c, t0)
         if not last:  # first: the next stage may be waiting for it, the bookkeeping below is not
             self.act_out[c].send_obj(act.detached(out))
@@ -251,7 +254,8 @@ class PipelineEngine:
             # forward's random state, and the stream left as if nothing were recomputed
             with torch.random.fork_rng(devices=[]), torch.enable_grad(), io.forward_context():
                 torch.set_rng_state(rng)
-                out = io.last_forward(m, x, self.chunks[c], recompute=True) if last else self.chunks[c](x)
+                inp = act.entries(x)
+                out = io.last_forward(m, inp, self.chunks[c], recompute=True) if last else self.chunks[c](inp)
         self._current = (m, c)
         if out is not None and act.requires_grad(out):
             act.backward(out, grad)

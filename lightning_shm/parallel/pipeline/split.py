@@ -35,7 +35,7 @@ def why_sample_fails(seq: nn.Sequential, sample: torch.Tensor) -> Optional[str]:
     for timing (a ``[rows, in_features]`` matrix for a first Linear) fits an MLP but not a sequence
     model whose Linear projects ``[B, T, features]``; the caller then balances without timing."""
     with _leaving_no_trace(seq):
-        return _first_failure(seq, sample)
+        return _first_failure(seq, act.copied(sample))  # a first in-place layer changes its input
 
 
 @torch.no_grad()
@@ -62,17 +62,17 @@ def layer_costs_by_time(seq: nn.Sequential, sample: torch.Tensor, repeats: int =
     (suspended meanwhile)."""
     costs: list[list[float]] = [[] for _ in seq]
     with _leaving_no_trace(seq):
-        why = _first_failure(seq, sample)  # also the warm-up run
+        why = _first_failure(seq, act.copied(sample))  # also the warm-up run
         if why is not None:
             raise ValueError(f"the sample input for timing the pipeline's layers does not run through the "
                              f"Sequential: {why}. Pass sample_input=<a batch of the Sequential's input>, or "
                              "balance='params'.")
         for _ in range(repeats):
-            x = sample
+            x = act.copied(sample)
             for i, layer in enumerate(seq):
                 inp = act.leaves(x)
                 t0 = time.perf_counter()
-                out = layer(inp)
+                out = layer(act.entries(inp))  # a ReLU(inplace=True) changes its input: not a leaf's
                 # the last layer's output goes to the step, not to another layer: any structure (a dict of logits)
                 outs = act.parts(out) if i < len(seq) - 1 else act.tensors_in(out)
                 pairs = [(o, torch.ones_like(o)) for o in outs if o.requires_grad]
