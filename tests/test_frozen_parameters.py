@@ -8,16 +8,19 @@ ones.
 
 from __future__ import annotations
 
+import lightning.pytorch as pl
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from lightning_shm import SHMFSDPStrategy, SHMModelParallel, SHMPipeline
 from lightning_shm.models import MNISTClassifier
+from lightning_shm.parallel.ddp import GradReducer
 from lightning_shm.parallel.fsdp import FSDPState
 from lightning_shm.parallel.pipeline.split import plan_chunks
 from lightning_shm.runtime import launch
-from tests.helpers import GLOBAL_BATCH, layouts, train_mnist
+from tests.helpers import GLOBAL_BATCH, LAYOUTS, fit_seeded, flat_params, layouts, train_mnist
 
 
 class FrozenParts(MNISTClassifier):
@@ -224,3 +227,81 @@ def test_a_backbone_unfrozen_during_training_trains_as_in_one_process(tmp_path, 
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-9)
     assert [g["params"] for g in opt["param_groups"]] == [g["params"] for g in ref_opt["param_groups"]]
     assert [g["lr"] for g in opt["param_groups"]] == pytest.approx([g["lr"] for g in ref_opt["param_groups"]])
+
+
+class TogglingGAN(pl.LightningModule):
+    """Lightning's GAN recipe: manual optimization, each optimizer's step between ``toggle_optimizer`` (which sets
+    ``requires_grad=False`` on every parameter the other optimizer owns) and ``untoggle_optimizer``. The generator's
+    input is drawn from the batch, so one process and the ranks see the same noise."""
+
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+        self.G = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 784))
+        self.D = nn.Sequential(nn.Linear(784, 32), nn.ReLU(), nn.Linear(32, 1))
+
+    def training_step(self, batch, batch_idx):
+        x = batch[0].flatten(1).to(self.dtype)
+        z = x[:, :16] * 0.5 + x[:, 300:316]
+        real, fake = torch.ones(len(x), 1, dtype=x.dtype), torch.zeros(len(x), 1, dtype=x.dtype)
+        opt_g, opt_d = self.optimizers()
+        self.toggle_optimizer(opt_g)  # the discriminator is frozen: its backward gives it no gradient
+        g_loss = F.binary_cross_entropy_with_logits(self.D(self.G(z)), real)
+        self.manual_backward(g_loss)
+        opt_g.step()
+        opt_g.zero_grad()
+        self.untoggle_optimizer(opt_g)
+        self.toggle_optimizer(opt_d)
+        d_loss = (F.binary_cross_entropy_with_logits(self.D(x), real)
+                  + F.binary_cross_entropy_with_logits(self.D(self.G(z).detach()), fake)) / 2
+        self.manual_backward(d_loss)
+        opt_d.step()
+        opt_d.zero_grad()
+        self.untoggle_optimizer(opt_d)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.G.parameters(), 1e-2), torch.optim.Adam(self.D.parameters(), 1e-2)
+
+
+@pytest.mark.parametrize("layout", ["ddp", "fsdp"])
+def test_a_gan_toggling_its_optimizers_trains_as_one_process(layout):
+    """Until 2026-12-04 shm_ddp stopped at the generator's backward: "4 parameter(s) received no gradient
+    ['D.2.bias', ...]" -- its buckets hold every parameter trainable when the step began, and the message's own
+    advice (freeze them) was what the step had done. Lightning's ddp refuses it too (it asks for
+    find_unused_parameters=True); here no flag is needed: a parameter frozen on every rank owes no gradient."""
+    strategy, devices, dp = LAYOUTS[layout]
+    _, ref = fit_seeded(TogglingGAN, "auto", 1, GLOBAL_BATCH, ref=True, samples=GLOBAL_BATCH * 3)
+    _, got = fit_seeded(TogglingGAN, strategy(), devices, GLOBAL_BATCH // dp, samples=GLOBAL_BATCH * 3)
+    torch.testing.assert_close(flat_params(got), flat_params(ref), rtol=0, atol=1e-12)
+
+
+def _frozen_within_an_accumulation(world):
+    """Gradient accumulation over two micro-steps: the first without sync (each rank's own gradients stay in the
+    buckets), then the second layer frozen for the second, synced one."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+    reducer = GradReducer(list(model.named_parameters()), world.group())
+    x = torch.randn(5, 8, generator=torch.Generator().manual_seed(world.rank))
+    with reducer.no_sync():
+        model(x).sum().backward()
+    local = [p.grad.clone() for p in model.parameters()]
+    model[1].requires_grad_(False)
+    model[1].bias.grad = None  # as zero_grad(set_to_none=True) of an optimizer over it would leave it
+    model(x).pow(2).sum().backward()
+    reducer.post_backward()
+    return local, [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+
+
+def test_a_parameter_frozen_within_an_accumulation_gets_the_mean_of_what_it_accumulated():
+    """As in one process, the frozen layer's weight gradient is what the first micro-step gave it -- here the mean
+    over the ranks of theirs --, its bias, whose gradient was set to None, keeps None (a zero gradient would still
+    move Adam), and the first layer's is the mean of both micro-steps; every rank holds the same."""
+    results = launch(_frozen_within_an_accumulation, 3, start_method="fork")
+    mean = sum(local[2] for local, _ in results) / 3
+    for _, synced in results:
+        torch.testing.assert_close(synced[2], mean, rtol=1e-6, atol=1e-6)
+        assert synced[3] is None
+    for _, synced in results[1:]:
+        for a, b in zip(synced[:3], results[0][1][:3]):
+            assert torch.equal(a, b)
+    assert not torch.equal(results[0][0][0], results[1][0][0])  # the ranks' own gradients differed

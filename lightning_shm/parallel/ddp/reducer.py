@@ -280,15 +280,19 @@ class GradReducer:
             used = self._used_here() if self.find_unused_parameters else None
             if self._next < len(self.buckets):
                 unused = [p for b in self.buckets[self._next:] for p in b.params if not self._ready[self._index[p]]]
-                if not self.find_unused_parameters:
-                    names = [self._names[p] for p in unused]
+                # frozen since the step began (LightningModule.toggle_optimizer in a GAN's step): no gradient is
+                # due, on any rank -- they run the same program; what their regions hold is averaged with the rest
+                # (a gradient accumulated before the freeze, without sync: the mean, as one process has the sum)
+                missing = [p for p in unused if p.requires_grad]
+                if missing and not self.find_unused_parameters:
+                    names = [self._names[p] for p in missing]
                     raise RuntimeError(
                         f"{len(names)} parameter(s) received no gradient in this backward pass: {names[:10]}"
                         f"{' ...' if len(names) > 10 else ''}. Every rank must produce a gradient for every "
                         "trainable parameter, or pass find_unused_parameters=True to the strategy (a rank "
-                        "without one contributes zero), or freeze them with requires_grad_(False)."
-                    )
-                for p in unused:  # contributes zero (or what earlier micro-steps accumulated)
+                        "without one contributes zero), or freeze them with requires_grad_(False) before the "
+                        "backward.")
+                for p in missing:  # contributes zero (or what earlier micro-steps accumulated)
                     self._adopt(p)
                 for b in self.buckets[self._next:]:
                     self.group.all_reduce(b.flat, "mean")
