@@ -26,7 +26,7 @@ from lightning_shm import SHMModelParallel, SHMPipeline
 from lightning_shm.models import MNISTClassifier
 from lightning_shm.models.transformer import Block
 from lightning_shm.parallel.pipeline.row_cut import LinearRows
-from lightning_shm.parallel.pipeline.split import attributes_kept, layer_costs_by_time
+from lightning_shm.parallel.pipeline.split import attributes_kept, layer_costs_by_time, why_sample_fails
 from lightning_shm.strategies import model_parallel
 from tests.helpers import (
     GLOBAL_BATCH,
@@ -292,6 +292,20 @@ def test_timing_the_layers_leaves_the_sample_as_it_was():
     kept = sample.clone()
     assert len(layer_costs_by_time(seq, sample, repeats=2)) == len(seq)
     assert torch.equal(sample, kept)
+
+
+class _TakesADict(nn.Module):
+    def forward(self, d):
+        return d["x"].mul_(2.0)
+
+
+def test_checking_a_sample_copies_it_in_any_structure():
+    """The copy that keeps a sample as it was takes any structure the first layer accepts (a dict here), as the
+    check did before it copied."""
+    sample = {"x": torch.randn(3, 4)}
+    kept = sample["x"].clone()
+    assert why_sample_fails(nn.Sequential(_TakesADict(), nn.Linear(4, 2)), sample) is None
+    assert torch.equal(sample["x"], kept)
 
 
 def test_checkpointing_accumulation_clipping_and_scheduler():

@@ -70,8 +70,10 @@ def entries(a: Activation) -> Activation:
     return like(a, [_Entry.apply(t) if t.requires_grad else t for t in parts(a)])
 
 
-def copied(a: Activation) -> Activation:
-    return like(a, [t.clone() for t in parts(a)])
+def copied(a: Any) -> Any:
+    """``a`` with every tensor in it cloned, in any structure (a sample the planner times the layers on may be a
+    dict the first layer takes)."""
+    return apply_to_collection(a, torch.Tensor, torch.clone)
 
 
 def backward(out: Activation, grad: Activation | None) -> None:
