@@ -242,11 +242,13 @@ class SHMModelParallel(SHMStrategyBase):
         return " x ".join(parts)
 
     def _sample(self, module: nn.Module, config: ParallelConfig) -> Optional[Tensor]:
-        """An input of the pipelined Sequential, for timing its layers."""
+        """An input of the pipelined Sequential, for timing its layers, in the dtype the precision plugin gives
+        the step's batches (``64-true``: float64; a float32 ``example_input_array`` refused by float64 layers sent
+        the planner to parameter counts)."""
         if config.pipeline_parallel_size == 1 or config.balance != "time":
             return None
-        if self.sample_input is not None:
-            return self.sample_input  # the user's: a layer that refuses it raises, naming the layer
+        if self.sample_input is not None:  # the user's: a layer that refuses it raises, naming the layer
+            return self.precision_plugin.convert_input(self.sample_input)
         from lightning_shm.parallel.sequential import find_sequential
 
         rows = 64
@@ -255,6 +257,7 @@ class SHMModelParallel(SHMStrategyBase):
         if isinstance(example, Tensor):  # the LightningModule's input: the Sequential's only if forward is net(x)
             sample, source = (example.repeat(rows, *[1] * (example.dim() - 1)) if example.shape[0] == 1
                               else example), "example_input_array"
+            sample = self.precision_plugin.convert_input(sample)
         else:
             first = next((m for m in seq if not isinstance(m, _ELEMENTWISE_FRONT)), None)
             if not isinstance(first, nn.Linear):

@@ -222,6 +222,27 @@ def test_a_sequence_model_is_balanced_without_the_guessed_matrix_input_or_on_the
                     data=_tokens)
 
 
+class WithExampleInput(MNISTClassifier):
+    """An ``example_input_array`` made as models make it, float32, whatever the run's precision."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.example_input_array = torch.randn(2, 1, 28, 28)
+
+
+@pytest.mark.parametrize("given", ["example_input_array", "sample_input"])
+def test_the_layers_are_timed_on_a_sample_in_the_runs_precision(given):
+    """Under ``precision="64-true"`` the layers are float64 and a float32 sample failed in the first Linear ("mat1 and
+    mat2 must have the same dtype"): the planner warned and split by parameter count. The sample now gets the
+    precision plugin's conversion, as the step's batches do."""
+    seen = _SetupMessages(warned="does not run through the Sequential", timed="split by measured time")
+    kw = {"sample_input": torch.randn(4, 1, 28, 28)} if given == "sample_input" else {}
+    t = trainer(strategy=pp(2, **kw), devices=2, max_epochs=1, precision="64-true", callbacks=[seen])
+    model = (WithExampleInput if given == "example_input_array" else MNISTClassifier)(optimizer="adam", lr=0.01)
+    t.fit(model, loader(mnist_like(GLOBAL_BATCH * 2, seed=1), GLOBAL_BATCH))
+    assert {k: float(t.callback_metrics[k]) for k in ("warned", "timed")} == {"warned": 0.0, "timed": 1.0}
+
+
 class _SeesFallback(pl.Callback):
     def on_train_epoch_end(self, trainer, pl_module):
         pl_module.log("gpipe_fallback", float(trainer.strategy.pipeline.ran_short_batch_as_gpipe))
