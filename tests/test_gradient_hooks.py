@@ -8,6 +8,8 @@ Adam steps)."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -47,9 +49,6 @@ class RewritesGradients(MNISTClassifier):
             self._rewrite()
 
 
-_REFERENCES: dict[tuple[str, str, int, bool], torch.Tensor] = {}
-
-
 def _fit(layout: str, hook: str, idiom: str, accumulate: int, zeroed: bool) -> torch.Tensor:
     kw = dict(samples=GLOBAL_BATCH * 3 * accumulate, accumulate_grad_batches=accumulate)
     model = lambda: RewritesGradients(hook, idiom, zeroed)  # noqa: E731
@@ -57,6 +56,11 @@ def _fit(layout: str, hook: str, idiom: str, accumulate: int, zeroed: bool) -> t
         return flat_params(fit_seeded(model, "auto", 1, GLOBAL_BATCH, ref=True, **kw)[1])
     make, devices, dp = LAYOUTS[layout]
     return flat_params(fit_seeded(model, make(), devices, GLOBAL_BATCH // dp, **kw)[1])
+
+
+@functools.cache
+def _one_process(hook: str, idiom: str, accumulate: int, zeroed: bool) -> torch.Tensor:
+    return _fit("one process", hook, idiom, accumulate, zeroed)
 
 
 CASES = [("ddp", hook, idiom, accumulate, False) for idiom in ("assign", "data", "inplace")
@@ -68,6 +72,4 @@ CASES += [(layout, "on_after_backward", "data", 2, False) for layout in ("fsdp",
 @pytest.mark.parametrize("layout, hook, idiom, accumulate, zeroed", CASES)
 def test_a_hook_rewriting_gradients_trains_as_one_process(layout, hook, idiom, accumulate, zeroed):
     key = (hook, idiom, accumulate, zeroed)
-    if key not in _REFERENCES:
-        _REFERENCES[key] = _fit("one process", *key)
-    torch.testing.assert_close(_fit(layout, *key), _REFERENCES[key], rtol=0, atol=1e-9)
+    torch.testing.assert_close(_fit(layout, *key), _one_process(*key), rtol=0, atol=1e-9)

@@ -231,3 +231,21 @@ def test_a_module_converting_its_memory_format_after_setup_trains_as_one_process
     strategy, devices = _fsdp(gather)
     _, got = fit_seeded(ChannelsLastAtFitStart, strategy, devices, GLOBAL_BATCH // 2, samples=samples)
     torch.testing.assert_close(flat_params(got), flat_params(ref), rtol=0, atol=1e-9)
+
+
+def _what_each_row_block_is(world):
+    torch.manual_seed(0)
+    model = MNISTClassifier()
+    full = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    sharded = FSDPState(model, world.group())
+    described = {n: (p.of, p.shape[0]) for n, p in model.named_parameters()}
+    sharded.close()
+    return full, described
+
+
+def test_each_row_block_names_its_own_parameter_and_rows():
+    """What a refused ``.data =`` names (``RowBlock.of``): each block's own parameter, not its unit's last one."""
+    for rank, (full, described) in enumerate(launch(_what_each_row_block_is, 2, start_method="fork")):
+        for name, (of, rows) in described.items():
+            first = 0 if rank == 0 else full[name][0] - rows
+            assert of == f"rows {first}:{first + rows} of {name!r} {full[name]}", of

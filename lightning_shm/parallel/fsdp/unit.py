@@ -183,12 +183,10 @@ class FSDPUnit:
         else:
             self.buffer = group.alloc_shared(region, self.dtype, tag=f"fsdp-unit{index}")
         for b, (*_, p) in zip(self.blocks, spec.params):
-            mine = self._block(r, b)
-            lo = b.row_start(r) * b.row_numel
-            mine.copy_(p.detach().reshape(-1)[lo:lo + mine.numel()])
+            mine, first = self._block(r, b), b.row_start(r)
+            mine.copy_(p.detach().reshape(-1)[first * b.row_numel:][:mine.numel()])
             b.shard = RowBlock(mine.view(b.rows[r], *b.shape[1:]), requires_grad=p.requires_grad)
-            lo_row = b.row_start(r)
-            b.shard.of = f"rows {lo_row}:{lo_row + b.rows[r]} of {name!r} {tuple(b.shape)}"
+            b.shard.of = f"rows {first}:{first + b.rows[r]} of {b.name!r} {tuple(b.shape)}"
             carry_over(p, b.shard)  # the user's gradient hooks see the block's (averaged) gradient
             for owner, attr in b.owners:  # the model now holds the block under the parameter's own name
                 owner._parameters[attr] = b.shard

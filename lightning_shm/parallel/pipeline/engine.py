@@ -229,9 +229,12 @@ class PipelineEngine:
         rng = torch.get_rng_state() if training and self.checkpointing else None
         grad_ctx = torch.enable_grad() if keep_graph else torch.no_grad()
         with grad_ctx, io.forward_context(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            # its first layer may change its input in place (ReLU(inplace=True)): not the leaf; with checkpointing
-            # backward recomputes from x, which this forward must leave as it was
-            inp = act.entries(x) if keep_graph and c > 0 else act.copied(x) if training and not keep_graph else x
+            if keep_graph and c > 0:
+                inp = act.entries(x)  # its first layer may change it in place (ReLU(inplace=True)): not the leaf
+            elif training and self.checkpointing:
+                inp = act.copied(x)  # backward recomputes from x: this forward must leave it as it was
+            else:
+                inp = x
             out = io.last_forward(m, inp, chunk) if last else chunk(inp)
         self._record("F", m, c, t0)
         if not last:  # first: the next stage may be waiting for it, the bookkeeping below is not
