@@ -3,7 +3,7 @@
 Used by pipeline stages (activations forward, activation gradients backward). Unlike a barrier,
 only the two ends synchronise, and the sender runs ahead by up to ``slots`` messages::
 
-    words:  [head (sender) .. | tail (receiver) .. | slot headers: nbytes dtype ndim shape[6] frag group]
+    words:  [head (sender) .. | tail (receiver) .. | slot headers: nbytes dtype ndim shape[6] frag group grad]
     data:   [slot 0 payload | slot 1 payload | ... ]
 
 * send: wait until ``tail > count - slots`` (the slot was consumed), copy the payload, write the
@@ -20,6 +20,12 @@ it is three tensor operations on each end, not a byte view, a slice and a copy p
 Each message carries its dtype and shape; a tensor larger than a slot travels as fragments through
 consecutive slots, so any size works with a bounded segment. A tuple of tensors (:meth:`Channel.send_obj`)
 travels as consecutive messages whose ``group`` word counts the parts still to come (a lone tensor: 0).
+
+A message also says whether its tensor requires a gradient (``grad``); the received tensor is a leaf with the
+same flag. Why: in one process a layer's input requires a gradient only if something before it does. A
+pipeline stage that made every received activation require one would compute an input gradient no one uses
+(a frozen backbone on the stage before), and a layer that looks at the flag would act otherwise than in one
+process (a reentrant ``torch.utils.checkpoint`` gives its layers no gradient when no input requires one).
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ from lightning_shm.runtime.segment import Segment, align_up, normal_views
 from lightning_shm.runtime.wait import Waiter
 
 _HEAD, _TAIL, _HDR0, _HDR_WORDS, _MAX_DIMS = 0, 16, 32, 16, 6
-_FRAG, _GROUP = 3 + _MAX_DIMS, 4 + _MAX_DIMS  # header words after the shape
+_FRAG, _GROUP, _GRAD = 3 + _MAX_DIMS, 4 + _MAX_DIMS, 5 + _MAX_DIMS  # header words after the shape
 _DTYPE_OF = {code: dt for dt, code in DTYPE_CODE.items()}
 
 
@@ -100,18 +106,19 @@ class Channel:
         t = tensor.detach() if tensor.requires_grad else tensor
         nbytes = t.numel() * t.element_size()
         if nbytes > self.config.slot_bytes:
-            self._send_fragments(t.contiguous().view(-1).view(torch.uint8), t, group)
+            self._send_fragments(t.contiguous().view(-1).view(torch.uint8), tensor, group)
             return
         c = self._count  # one slot: copied straight into a view of the slot shaped like the message
         self._wait_slot_free(c)
         slot = c % self.config.slots
         if nbytes:
             self._view(slot, t.dtype, t.shape).copy_(t)
-        self._publish(c, slot, nbytes, t, 0, group)
+        self._publish(c, slot, nbytes, tensor, 0, group)
         self.bytes_sent += nbytes
 
     def recv(self, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Next message as a new tensor (or copied into ``out``, which must match its shape/dtype)."""
+        """Next message as a new tensor requiring a gradient if the sent one did (or copied into ``out``, which
+        must match its shape/dtype and keeps its own flag)."""
         if self._is_sender:
             raise RuntimeError(f"rank {self.src_rank} is the sending end of channel {self.src_rank}->{self.dst_rank}")
         w, c = self._w, self._count
@@ -122,12 +129,13 @@ class Channel:
         h = _HDR0 + slot * _HDR_WORDS
         nbytes, dtype, self._last_group = w[h], _DTYPE_OF[w[h + 1]], w[h + _GROUP]
         shape = tuple(w[h + 3 + d] for d in range(w[h + 2]))
+        grad = out is None and w[h + _GRAD] == 1
         if out is not None and (tuple(out.shape) != shape or out.dtype != dtype or not out.is_contiguous()):
             raise ValueError(f"recv: message is {shape} {dtype}, out is {tuple(out.shape)} {out.dtype}")
         if nbytes > self.config.slot_bytes:
             out = torch.empty(shape, dtype=dtype) if out is None else out
             self._recv_fragments(out.view(-1).view(torch.uint8), nbytes)
-            return out
+            return out.requires_grad_() if grad else out
         if nbytes == 0:
             out = torch.empty(shape, dtype=dtype) if out is None else out
         else:  # a copy out of the slot (never a view of it: the slot is reused once freed)
@@ -135,7 +143,7 @@ class Channel:
             out = view.clone() if out is None else out.copy_(view)
         w[_TAIL] = c + 1  # slot free again
         self._count = c + 1
-        return out
+        return out.requires_grad_() if grad else out
 
     # ------------------------------------------------------------------ plumbing
     def _view(self, slot: int, dtype: torch.dtype, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
@@ -158,7 +166,8 @@ class Channel:
                                  lambda: [self.dst_rank], kind=SEND)
 
     def _publish(self, c: int, slot: int, nbytes: int, t: torch.Tensor, frag: int, group: int) -> None:
-        """Header first, then ``head``: a reader that sees the new head sees header and payload."""
+        """Header first, then ``head``: a reader that sees the new head sees header and payload. ``t`` is the
+        tensor as sent (its ``requires_grad`` is the message's ``grad`` word)."""
         w, h = self._w, _HDR0 + slot * _HDR_WORDS
         w[h] = nbytes
         w[h + 1] = dtype_code(t.dtype)
@@ -167,6 +176,7 @@ class Channel:
             w[h + 3 + d] = size
         w[h + _FRAG] = frag
         w[h + _GROUP] = group
+        w[h + _GRAD] = int(t.requires_grad)
         w[_HEAD] = c + 1  # publish
         self._count = c + 1
 

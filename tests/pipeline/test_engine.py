@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import itertools
-from typing import TYPE_CHECKING
 
 import pytest
 import torch
 
+from lightning_shm.models import build_mlp
+from lightning_shm.parallel.pipeline import PipelineSchedule, Schedule
 from lightning_shm.parallel.pipeline.driver import _PlainIO, reference_params, train_pipeline
+from lightning_shm.parallel.pipeline.engine import PipelineEngine
+from lightning_shm.parallel.pipeline.row_cut import apply_row_cuts, plan_cuts
+from lightning_shm.parallel.pipeline.stage import PipelineStage
+from lightning_shm.parallel.sequential import layers_of
 from lightning_shm.runtime import launch
-
-if TYPE_CHECKING:
-    from lightning_shm.parallel.pipeline.engine import PipelineEngine
 
 HIDDEN = [64, 32, 16]  # 11 layers: enough for 4 stages x 2 virtual chunks
 RUNS = [("gpipe", 4, 1), ("1f1b", 4, 1), ("interleaved_1f1b", 4, 2), ("zero_bubble", 4, 1)]
@@ -60,7 +62,10 @@ def test_activation_checkpointing_equals_one_process_and_saves_memory(reference)
 
 
 def _check_timeline(results, P, M, V):
-    """No rank does two things at once; every dependency ends before its dependant starts."""
+    """No rank does two things at once; every dependency ends before its dependant starts. A chunk whose output
+    needs no gradient (the MLP's lone Flatten in front of its first Linear, when balancing gives it a chunk of its
+    own) receives none: its B waits for nothing."""
+    starts = results[0].chunk_starts + [len(build_mlp(HIDDEN))]
     events = {}
     for res in results:
         spans = sorted((rec.start, rec.end) for rec in res.timeline)
@@ -73,7 +78,7 @@ def _check_timeline(results, P, M, V):
             assert events[("F", m, c - 1)].end <= rec.start
         if kind == "B":
             assert events[("F", m, c)].end <= rec.start
-            if c < V - 1:
+            if c < V - 1 and starts[c + 1] > 1:  # layer 1 is the first with parameters
                 assert events[("B", m, c + 1)].end <= rec.start
         if kind == "W":
             assert events[("B", m, c)].end <= rec.start
@@ -90,6 +95,57 @@ def test_timelines_are_consistent(schedule, M, v):
     _check_timeline(results, P, M, P * v)
     kinds = {rec.kind for res in results for rec in res.timeline}
     assert kinds == ({"F", "B", "W"} if schedule == "zero_bubble" else {"F", "B"})
+
+
+def _frozen_front(world, schedule, checkpointing):
+    """Two SGD steps of the MLP with its first stage ([Flatten, Linear, LayerNorm, ReLU]) frozen, as a fine-tuned
+    model's backbone; returns the trained parameters and what each channel carried."""
+    torch.manual_seed(0)
+    seq = build_mlp(HIDDEN)
+    seq[:SPLIT_P2[0]].requires_grad_(False)
+    sched = PipelineSchedule(Schedule.parse(schedule), 2, 4, 1)
+    layers, starts = apply_row_cuts(layers_of(seq), plan_cuts(seq, 2, SPLIT_P2, None, stages=2)[0])
+    stage = PipelineStage(layers, starts, sched.chunks_of(world.rank))
+    engine = PipelineEngine(stage.chunks, sched, world.rank, [0, 1], world, activation_checkpointing=checkpointing)
+    trained = [p for p in stage.parameters() if p.requires_grad]  # none on the first stage
+    opt = torch.optim.SGD(trained, lr=0.05) if trained else None
+    data = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        x, y = torch.randn(64, 784, generator=data), torch.randint(0, 10, (64,), generator=data)
+        engine.train_step(_PlainIO(x, y, 4))
+        if opt is not None:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    sent = {f"{kind}{c}": ch.bytes_sent for kind, chans in (("act", engine.act_out), ("grad", engine.grad_out))
+            for c, ch in chans.items()}
+    engine.close()
+    return {n: p.detach().clone() for n, p in stage.named_parameters()}, sent
+
+
+@pytest.mark.parametrize("schedule, checkpointing", [("1f1b", False), ("zero_bubble", False), ("1f1b", True)])
+def test_a_stage_after_frozen_layers_sends_no_input_gradient(schedule, checkpointing):
+    """In one process the layer after a frozen backbone computes no input gradient: nothing before it needs
+    one. The second stage receives the activation as not requiring a gradient, so it computes none and sends
+    none -- the gradient channel stays empty -- and the first stage waits for none. Training is unchanged."""
+    results = launch(_frozen_front, 2, schedule, checkpointing, start_method="fork")
+    (front, sent0), (back, sent1) = results
+    assert sent0["act0"] == 4 * 2 * 64 // 4 * HIDDEN[0] * 4  # 4 microbatches x 2 steps of [16, 64] float32
+    assert sent1 == {"grad1": 0}
+    torch.manual_seed(0)
+    ref = build_mlp(HIDDEN)
+    ref[:SPLIT_P2[0]].requires_grad_(False)
+    opt = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=0.05)
+    data = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        x, y = torch.randn(64, 784, generator=data), torch.randint(0, 10, (64,), generator=data)
+        opt.zero_grad(set_to_none=True)
+        torch.nn.functional.cross_entropy(ref(x), y).backward()
+        opt.step()
+    want = dict(ref.named_parameters())
+    got = {**front, **back}
+    assert sorted(got) == sorted(want)
+    for k, v in got.items():
+        torch.testing.assert_close(v, want[k].detach(), rtol=0, atol=1e-6, msg=k)
 
 
 def test_gpipe_holds_more_activations_than_1f1b():
@@ -132,9 +188,6 @@ def test_linear_weight_gradients_accumulate_in_place_into_the_existing_grad(sche
     product becomes .grad, later ones are added into that same tensor (addmm_), and a .grad that was
     there before the step (gradient accumulation, a DDP bucket view) is added to, not replaced. Under
     autocast the products are taken in bf16 as autograd would, and .grad stays float32."""
-    from lightning_shm.models import build_mlp
-    from lightning_shm.parallel.pipeline import PipelineSchedule, Schedule
-    from lightning_shm.parallel.pipeline.engine import PipelineEngine
 
     torch.manual_seed(0)
     net, ref = build_mlp([32, 16], in_features=20, num_classes=5), build_mlp([32, 16], in_features=20, num_classes=5)
@@ -167,9 +220,6 @@ def test_linear_weight_gradients_accumulate_in_place_into_the_existing_grad(sche
 @pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
 def test_a_weight_with_a_hook_keeps_autograds_path(schedule):
     """Hooks on a weight must see its gradient: the engine leaves such a Linear to autograd."""
-    from lightning_shm.models import build_mlp
-    from lightning_shm.parallel.pipeline import PipelineSchedule, Schedule
-    from lightning_shm.parallel.pipeline.engine import PipelineEngine
 
     torch.manual_seed(0)
     net = build_mlp([32, 16], in_features=20, num_classes=5)
@@ -193,8 +243,6 @@ def test_a_weight_with_a_hook_keeps_autograds_path(schedule):
 def test_only_large_weights_are_summed_in_place_unless_zero_bubble_defers_them(schedule, taken_numels):
     """Outside zero-bubble a weight under ``in_place_min_numel`` keeps autograd's path (the custom node
     would cost more than it saves); zero-bubble takes every Linear's weight, its W actions need them."""
-    from lightning_shm.parallel.pipeline import PipelineSchedule, Schedule
-    from lightning_shm.parallel.pipeline.engine import PipelineEngine
 
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 16),
@@ -211,8 +259,6 @@ def test_only_large_weights_are_summed_in_place_unless_zero_bubble_defers_them(s
 def _stage_step(fraction: float) -> tuple[torch.nn.Module, PipelineEngine, list[int], torch.Tensor, torch.Tensor]:
     """One 1F1B step (M=4, 16 rows) of Linear(1024, 1024) + ReLU + Linear(1024, 8) on one stage with
     ``stash_fraction``: returns the net, the engine, the row count of each weight-gradient product, x, y."""
-    from lightning_shm.parallel.pipeline import PipelineSchedule, Schedule
-    from lightning_shm.parallel.pipeline.engine import PipelineEngine
 
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 8))
@@ -255,8 +301,6 @@ def test_input_gradients_through_restrided_weight_copies_equal_autograds():
     the step's end, and after an SGD step the next step's gradients still equal autograd's."""
     from torch import nn
 
-    from lightning_shm.parallel.pipeline import PipelineSchedule, Schedule
-    from lightning_shm.parallel.pipeline.engine import PipelineEngine
 
     def make() -> nn.Sequential:
         return nn.Sequential(nn.Linear(16, 2048), nn.ReLU(), nn.Linear(2048, 24), nn.ReLU(), nn.Linear(24, 5))
@@ -291,8 +335,6 @@ def test_a_forward_hands_its_output_over_before_its_bookkeeping():
     """The next stage may be waiting for a forward's output: the engine sends it as soon as the chunk has
     run -- after the action's end is recorded (the hand-over is not the action's time), before the
     (input, output) stash and the peak-memory tally. Stage 0 of a 1F1B P=2, M=2 step with fake channels."""
-    from lightning_shm.parallel.pipeline import PipelineSchedule, Schedule
-    from lightning_shm.parallel.pipeline.engine import PipelineEngine
 
     seen = []
 

@@ -356,6 +356,41 @@ def test_checkpointing_recomputes_with_the_forward_dropout_masks(schedule):
     torch.testing.assert_close(run(True), run(False), rtol=0, atol=0)
 
 
+class _SeenCount(nn.Module):
+    """Counts the samples it sees in training, in a buffer updated in place (as a running statistic is)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("seen", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        if self.training:
+            self.seen += x.shape[0]
+        return x
+
+
+def _small_cnn(**kw):
+    model = MNISTClassifier(arch="cnn", channels=(4, 8), cnn_hidden=16, **kw)
+    model.net.insert(0, _SeenCount())
+    return model
+
+
+@pytest.mark.parametrize("schedule, M", [("1f1b", 4), ("zero_bubble", 4), ("1f1b", 1)])
+def test_checkpointing_updates_the_batchnorm_statistics_once(schedule, M):
+    """The recomputation ran each BatchNorm a second time in training mode: the running statistics moved
+    towards every microbatch twice and ``num_batches_tracked`` counted double; a sample counter counted every
+    sample twice. Cut at 5, each stage holds a BatchNorm; with one microbatch the statistics are one
+    process's."""
+    def run(checkpointing):
+        return train_mnist(pp(2, schedule, M, split_points=[5], activation_checkpointing=checkpointing), 2, "sgd",
+                           batch=GLOBAL_BATCH, model_cls=_small_cnn, buffers=True)
+    got = run(True)
+    torch.testing.assert_close(got, run(False), rtol=0, atol=0)
+    if M == 1:
+        ref = train_mnist("auto", 1, "sgd", batch=GLOBAL_BATCH, ref=True, model_cls=_small_cnn, buffers=True)
+        torch.testing.assert_close(got, ref, rtol=0, atol=1e-9)
+
+
 def test_accumulation_averages_over_micro_steps_as_one_process_does():
     """Clipping by value, unlike by norm, does not hide gradients that are twice too large."""
     kw = dict(accumulate=2, gradient_clip_val=0.01, gradient_clip_algorithm="value")
@@ -838,14 +873,65 @@ class _Outside(MNISTClassifier):
     (lambda: pp(2), 2, 1), (lambda: pp(2, "zero_bubble"), 2, 1), (lambda: pp(2), 4, 2),
     (lambda: SHMModelParallel(start_method="fork", data_parallel_size=2, pipeline_parallel_size=2,
                               data_parallel="shard", microbatches=2), 4, 2),
-], ids=["pp2", "pp2-zero-bubble", "dp2xpp2", "dp2xpp2-shard"])
+    (lambda: pp(2, activation_checkpointing=True), 2, 1),
+], ids=["pp2", "pp2-zero-bubble", "dp2xpp2", "dp2xpp2-shard", "pp2-checkpointing"])
 def test_parameters_outside_the_sequential_train_as_in_one_process(strategy, devices, dp):
     """Their gradients are summed over the stages (each copy had trained on its own part, and the
     checkpoint took the last stage's: an input scale there never trained). Clipped by the global norm:
-    the copies count once."""
+    the copies count once. Under activation checkpointing the first stage recomputes from the input the step
+    made, graph and all (it recomputed from a detached copy: the input scale never trained)."""
     kw = dict(model_cls=_Outside, gradient_clip_val=0.5)
     ref = train_mnist("auto", 1, "adam", batch=GLOBAL_BATCH, ref=True, **kw)
     got = train_mnist(strategy(), devices, "adam", batch=GLOBAL_BATCH // dp, **kw)
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-9)
+
+
+class _OutsideFrozenFront(_Outside):
+    """The first stage's layers frozen: only the input scale before them needs the gradient through them."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.net[1:3].requires_grad_(False)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_a_frozen_stage_passes_the_gradient_on_to_a_parameter_before_it(checkpointing):
+    """Its output requires a gradient (its input does), so the next stage sends one; under checkpointing too,
+    where its output is computed without a graph and its need of a gradient is worked out from its input."""
+    kw = dict(model_cls=_OutsideFrozenFront)
+    ref = train_mnist("auto", 1, "adam", batch=GLOBAL_BATCH, ref=True, **kw)
+    got = train_mnist(pp(2, split_points=[3], activation_checkpointing=checkpointing), 2, "adam",
+                      batch=GLOBAL_BATCH, **kw)
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-9)
+
+
+class _Reentrant(nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=True)
+
+
+class ReentrantCheckpoints(MNISTClassifier):
+    """The hidden blocks under reentrant ``torch.utils.checkpoint``, which gives its layers a gradient only if an
+    input requires one -- here none does (the first block's input is the batch), so only the head trains, as
+    torch warns. Cut between the blocks: the second stage's block must see what one process's sees."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        net = self.net
+        self.net = nn.Sequential(net[0], _Reentrant(net[1:4]), _Reentrant(net[4:7]), net[7])
+
+
+@pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad=True")
+@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
+def test_a_stage_sees_whether_its_input_requires_a_gradient_as_in_one_process(schedule):
+    """A received activation requires a gradient only if the sender's did (every float one did: the second
+    block trained where one process's does not)."""
+    ref = train_mnist("auto", 1, "adam", batch=GLOBAL_BATCH, ref=True, model_cls=ReentrantCheckpoints)
+    got = train_mnist(pp(2, schedule, split_points=[2]), 2, "adam", batch=GLOBAL_BATCH, model_cls=ReentrantCheckpoints)
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-9)
 
 

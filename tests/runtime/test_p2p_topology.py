@@ -44,23 +44,33 @@ def test_channels_carry_shape_dtype_and_any_size():
 
 def _objects(world):
     """Tuples arrive as tuples (a 1-tuple too), lone tensors as tensors, a part larger than a slot in
-    fragments, with lone tensors before and after on the same channel."""
+    fragments, with lone tensors before and after on the same channel. Some require a gradient (one with a
+    graph behind it, one in fragments); the received copy into ``out`` keeps ``out``'s flag."""
     ch = world.channel(0, 1, "objects")
-    sent = [torch.ones(3), (torch.arange(5000.0), torch.tensor([1, 0, 1])), (torch.zeros(2, 2),),
-            (torch.full((4,), 7.0), torch.tensor(True), torch.empty(0)), torch.tensor(2.5)]
+    w = torch.ones(2, 2, requires_grad=True)
+    sent = [torch.ones(3), (torch.arange(5000.0, requires_grad=True), torch.tensor([1, 0, 1])), (w * 3,),
+            (torch.full((4,), 7.0), torch.tensor(True), torch.empty(0)), torch.tensor(2.5, requires_grad=True),
+            torch.ones(3, requires_grad=True)]
     if world.rank == 0:
         for obj in sent:
             ch.send_obj(obj)
-        return sent
-    return [ch.recv_obj() for _ in sent]
+        return [tuple(t.detach().requires_grad_(t.requires_grad) for t in o) if isinstance(o, tuple)
+                else o.detach().requires_grad_(o.requires_grad) for o in sent]
+    got = [ch.recv_obj() for _ in sent[:-1]]
+    return got + [ch.recv(out=torch.zeros(3))]
 
 
-def test_channels_carry_tuples_of_tensors_as_tuples():
+def test_channels_carry_tuples_of_tensors_as_tuples_and_whether_each_requires_a_gradient():
     sent, got = launch(_objects, 2, start_method="fork", runtime=SMALL_CH)
     assert [type(o) for o in got] == [type(o) for o in sent]
-    for a, b in zip(sent, got):
+    flags = []
+    for a, b in zip(sent[:-1], got[:-1]):
         for x, y in zip(a if isinstance(a, tuple) else (a,), b if isinstance(b, tuple) else (b,)):
             assert x.dtype == y.dtype and torch.equal(x, y)
+            assert y.requires_grad == x.requires_grad and y.is_leaf
+            flags.append(y.requires_grad)
+    assert flags == [False, True, False, True, False, False, False, True]
+    assert torch.equal(got[-1], sent[-1].detach()) and not got[-1].requires_grad
     assert [len(o) for o in got if isinstance(o, tuple)] == [2, 1, 3]
 
 
@@ -94,7 +104,8 @@ class _Twice(torch.autograd.Function):
 
 def _reuse(world):
     """Messages of one shape through a ring of 2 slots: each slot is reused while earlier messages are held.
-    A message that is part of a graph (as a stage's output is) must not tie that graph to the slot."""
+    A message that is part of a graph (as a stage's output is) must not tie that graph to the slot: it arrives as
+    a new leaf requiring a gradient (``out`` keeps its own flag)."""
     ch = world.channel(0, 1, "reuse")
     n = 6
     if world.rank == 0:
@@ -113,8 +124,8 @@ def _reuse(world):
     held = [ch.recv() for _ in range(n - 1)]
     out = torch.empty(3, 4)
     last = ch.recv(out=out)
-    return [torch.equal(h, torch.arange(12.0).reshape(3, 4) + 100 * i) and h.is_contiguous() and not h.requires_grad
-            for i, h in enumerate(held + [last])] + [last is out]
+    return [torch.equal(h.detach(), torch.arange(12.0).reshape(3, 4) + 100 * i) and h.is_contiguous() and h.is_leaf
+            and h.requires_grad == (i % 3 == 2 and h is not last) for i, h in enumerate(held + [last])] + [last is out]
 
 
 def test_received_messages_are_copies_that_outlive_the_slot():

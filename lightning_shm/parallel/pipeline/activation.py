@@ -23,6 +23,12 @@ def parts(a: Activation) -> tuple[torch.Tensor, ...]:
                     f"a layer returned a {type(a).__name__}{inner}")
 
 
+def checked(a: Any) -> Activation:
+    """``a`` itself, once known to be what a channel carries: a tensor or a flat tuple of tensors."""
+    parts(a)
+    return a
+
+
 def tensors_in(out: Any) -> list[torch.Tensor]:
     """The tensors of the Sequential's own output, which goes to the step and may have any structure (a dict or
     namedtuple of logits and features, as model heads return): it never crosses a stage boundary."""
@@ -41,8 +47,8 @@ def detached(a: Activation) -> Activation:
 
 
 def leaves(a: Activation, grad: bool = True) -> Activation:
-    """New leaves of ``a``'s values: a stage's (or a measured layer's) input, whose gradient is wanted
-    for its floating-point parts."""
+    """New leaves of ``a``'s values (a measured layer's input, a checkpointed chunk's output on its way to the
+    next stage), requiring a gradient -- if ``grad`` -- for their floating-point parts."""
     return like(a, [t.detach().requires_grad_(grad and t.is_floating_point()) for t in parts(a)])
 
 

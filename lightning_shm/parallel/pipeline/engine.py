@@ -5,6 +5,9 @@ Data movement per action (chunk c of V, microbatch m)::
     F  x = microbatch input (c == 0) or recv(act[c-1]);  out = chunk_c(x)  (a tensor or a tuple of them)
        c == V-1: out = the microbatch loss (computed by ``io.last_forward``), else send(act[c], out)
     B  g = recv(grad[c]) (c < V-1);  backward(out, g);  c > 0: send(grad[c-1], x.grad)
+       -- both only if out required a gradient: x is received requiring one as out did (as in one process,
+       where a layer after a frozen backbone computes no input gradient, and a reentrant checkpoint whose
+       input needs none gives its layers none)
        a large Linear's weight gradient goes to the engine (SinkLinear), which stashes (input,
        grad_output): zero-bubble for the W action; other schedules gather several microbatches'
        rows and take weight.grad.addmm_(G^T, X) once over all of them (at the step's end, or
@@ -29,6 +32,7 @@ from torch import nn
 
 from lightning_shm.parallel.linear_grads import PaddedWeights, SinkLinear, restore_linears, route_linears
 from lightning_shm.parallel.pipeline import activation as act
+from lightning_shm.parallel.pipeline import buffers
 from lightning_shm.parallel.pipeline.row_cut import LinearRows
 from lightning_shm.parallel.pipeline.schedules import Action, PipelineSchedule, Schedule, Timed
 from lightning_shm.runtime import Channel, ChannelConfig, World
@@ -122,12 +126,15 @@ class PipelineEngine:
         self.held: Optional[HeldParameters] = None
         self.timeline: list[Timed] = []
         self.peak_activation_bytes = 0
-        self._store: dict[tuple[int, int], tuple[Any, Any, Optional[torch.Tensor]]] = {}  # (m, c) -> x, out, rng
+        # (m, c) -> x, out, and under checkpointing what the recomputation replays: forward's random state and
+        # the buffers forward updated in place (.buffers)
+        self._store: dict[tuple[int, int], tuple[Any, Any, Optional[tuple[torch.Tensor, list[torch.Tensor]]]]] = {}
         self._saved: dict[tuple[int, int], dict[int, int]] = {}  # (m, c) -> {storage ptr: bytes}
         self._stash: dict[tuple[int, int], list[tuple[nn.Parameter, torch.Tensor, torch.Tensor]]] = {}
         self.padded = PaddedWeights()  # SinkLinear's input gradients: one re-strided weight per step, every microbatch
         self._rows: dict[nn.Parameter, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # outside zero-bubble
         self._current: Optional[tuple[int, int]] = None
+        self._trainable: dict[int, bool] = {}  # per chunk, this step: does it hold a parameter requiring a gradient
         self._last_b: tuple[int, int] = (0, 0)
 
     def __deepcopy__(self, memo: dict) -> "PipelineEngine":
@@ -145,6 +152,7 @@ class PipelineEngine:
         ``schedule`` overrides the engine's for one step (same stages and chunks), e.g. a batch with
         fewer samples than microbatches."""
         self._reset()
+        self._trainable = {c: any(p.requires_grad for p in chunk.parameters()) for c, chunk in self.chunks.items()}
         for a in (schedule or self.schedule).actions(self.pp_index):
             {"F": self._forward, "B": self._backward, "W": self._weight}[a.kind](a, io, True)
         if self._rows:  # the products over every microbatch's rows still held
@@ -211,9 +219,6 @@ class PipelineEngine:
                 x = io.first_input(m)
         else:
             x = self.act_in[c].recv_obj()
-        if c > 0 and training:
-            for t in act.parts(x):
-                t.requires_grad_(t.is_floating_point())
         chunk = self.chunks[c]
         saved: dict[int, int] = {}
 
@@ -225,8 +230,10 @@ class PipelineEngine:
 
         t0 = time.perf_counter()
         keep_graph = training and not self.checkpointing  # checkpointing: recompute in backward instead
-        # the recomputation must draw what this forward draws (dropout's masks): it starts from this state
+        # the recomputation must draw what this forward draws (dropout's masks): it starts from this state; and
+        # it must not update again the buffers this forward updates (BatchNorm's statistics): see .buffers
         rng = torch.get_rng_state() if training and self.checkpointing else None
+        versions = buffers.BufferVersions(chunk) if rng is not None else None
         grad_ctx = torch.enable_grad() if keep_graph else torch.no_grad()
         with grad_ctx, io.forward_context(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             if keep_graph and c > 0:
@@ -238,9 +245,11 @@ class PipelineEngine:
             out = io.last_forward(m, inp, chunk) if last else chunk(inp)
         self._record("F", m, c, t0)
         if not last:  # first: the next stage may be waiting for it, the bookkeeping below is not
-            self.act_out[c].send_obj(act.detached(out))
+            if training and not keep_graph:  # checkpointed: computed without a graph; it will need a gradient if
+                out = act.leaves(out, act.requires_grad(x) or self._trainable[c])  # its recomputation does
+            self.act_out[c].send_obj(act.checked(out))  # received requiring a gradient as out does
         if training:
-            self._store[(m, c)] = (x, out, rng)
+            self._store[(m, c)] = (x, out, (rng, versions.changed()) if versions is not None else None)
             if self.checkpointing:  # only the chunk input is kept
                 saved = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in act.parts(x)}
             self._saved[(m, c)] = saved
@@ -249,24 +258,29 @@ class PipelineEngine:
     def _backward(self, a: Action, io: StageIO, training: bool) -> None:
         m, c = a.mb, a.chunk
         last = c == self.schedule.chunks - 1
-        x, out, rng = self._store.pop((m, c))
-        grad = None if last else self.grad_in[c].recv_obj()
+        x, out, replay = self._store.pop((m, c))
+        gets_grad = last or act.requires_grad(out)  # the next stage sends one only if out, as sent, required one
+        grad = self.grad_in[c].recv_obj() if gets_grad and not last else None
         t0 = time.perf_counter()
-        if self.checkpointing:  # recompute the chunk's forward, this time keeping the graph
-            x = act.leaves(x, grad=c > 0)
-            # forward's random state, and the stream left as if nothing were recomputed
+        if self.checkpointing:  # recompute the chunk's forward, this time keeping the graph, from x itself (on the
+            # first stage it may carry the step's graph: a parameter applied before the Sequential), with
+            # forward's random state, and the stream and the buffers forward updated left as if nothing were recomputed
+            rng, updated = replay
+            saved = buffers.kept(updated)
             with torch.random.fork_rng(devices=[]), torch.enable_grad(), io.forward_context():
                 torch.set_rng_state(rng)
                 inp = act.entries(x)
                 out = io.last_forward(m, inp, self.chunks[c], recompute=True) if last else self.chunks[c](inp)
         self._current = (m, c)
-        if out is not None and act.requires_grad(out):
+        if gets_grad and out is not None and act.requires_grad(out):
             act.backward(out, grad)
         self._current = None
+        if self.checkpointing:
+            buffers.put_back(saved)
         self._last_b = (m, c)
         self._saved.pop((m, c), None)
         self._record("B", m, c, t0)
-        if c > 0:
+        if c > 0 and act.requires_grad(x):
             self.grad_out[c].send_obj(act.input_grads(x))
         if self._stash or self._rows:
             self._update_peak()
