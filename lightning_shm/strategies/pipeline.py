@@ -29,7 +29,8 @@ class SHMPipeline(SHMModelParallel):
         split_linear: let a stage boundary fall inside an ``nn.Linear`` (its output rows divided between
             two stages, :mod:`lightning_shm.parallel.pipeline.row_cut`) where no layer boundary balances
             the stages -- a model dominated by one large Linear. Checkpoints stay plain.
-        activation_checkpointing: keep only chunk inputs after forward and recompute in backward.
+        activation_checkpointing: keep only chunk inputs after forward and recompute in backward -- every
+            chunk but the last, around which the training step runs (its effects must happen once).
         sequential: attribute path of the nn.Sequential to split (default: the first top-level one).
         sample_input: an input of the Sequential for timing layers (default: ``example_input_array``,
             else inferred from the first Linear's in_features).

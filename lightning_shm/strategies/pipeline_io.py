@@ -242,7 +242,7 @@ class LightningStageIO:
             return captured.x
         return None
 
-    def last_forward(self, mb: int, x: Tensor, chunk: nn.Module, recompute: bool = False) -> Optional[Tensor]:
+    def last_forward(self, mb: int, x: Tensor, chunk: nn.Module) -> Optional[Tensor]:
         if not self.training:  # the step runs once over the whole batch: :meth:`eval_output`
             self.finals[mb] = chunk(x)
             return None
@@ -255,16 +255,15 @@ class LightningStageIO:
         iterated: list[bool] = []
         watch = _iterations(iterated, self.module, self.stage) if self.check_reads else contextlib.nullcontext()
         with self.stage.running_chunk(run, x), watch:
-            out = self._call_step(mb, None if recompute else self.records, self.weights[mb])
+            out = self._call_step(mb, self.records, self.weights[mb])
         loss = out.get("loss") if isinstance(out, Mapping) else out
         if not isinstance(loss, Tensor):
             raise ValueError(f"shm_pipeline needs training_step to return the loss tensor (or a dict with 'loss'); "
                              f"got {type(out).__name__}")
-        if not recompute:
-            self.losses[mb] = loss.detach() * self.weights[mb]
-            if isinstance(out, Mapping):
-                self.extras[mb] = {k: v for k, v in out.items() if k != "loss"}
-        if self.check_reads and produced and loss.grad_fn is not None:  # (checkpointing: the forward without a graph)
+        self.losses[mb] = loss.detach() * self.weights[mb]
+        if isinstance(out, Mapping):
+            self.extras[mb] = {k: v for k, v in out.items() if k != "loss"}
+        if self.check_reads and produced and loss.grad_fn is not None:  # (nothing trainable: no graph to walk)
             if iterated:
                 held = {id(p) for p in self.stage.parameters()}
                 named = [(n, p) for n, p in self.module.named_parameters() if id(p) in held]

@@ -50,6 +50,9 @@ SPLIT_P4 = [2, 5, 8]  # [Flatten, Linear] | [LN, ReLU, Linear] | [LN, ReLU, Line
 
 
 def test_activation_checkpointing_equals_one_process_and_saves_memory(reference):
+    """The first stage keeps only its chunks' inputs. The last chunk is never checkpointed -- the step runs
+    around it, and its effects must happen once -- so the last stage holds what it holds without: under 1F1B
+    one microbatch's activations between its F and its B, as a recomputation would."""
     plain = launch(train_pipeline, 2, HIDDEN, "1f1b", 4, 1, 3, 64, return_params=True, split_points=SPLIT_P2,
                    start_method="fork")
     ckpt = launch(train_pipeline, 2, HIDDEN, "1f1b", 4, 1, 3, 64, checkpointing=True, return_params=True,
@@ -57,8 +60,8 @@ def test_activation_checkpointing_equals_one_process_and_saves_memory(reference)
     got = _params(ckpt)
     for k in reference:
         torch.testing.assert_close(got[k], reference[k], rtol=0, atol=1e-5)
-    for a, b in zip(plain, ckpt):
-        assert b.peak_activation_bytes < a.peak_activation_bytes
+    assert ckpt[0].peak_activation_bytes < plain[0].peak_activation_bytes
+    assert ckpt[1].peak_activation_bytes == plain[1].peak_activation_bytes
 
 
 def _check_timeline(results, P, M, V):

@@ -17,6 +17,7 @@ from functools import partial
 import lightning.pytorch as pl
 import pytest
 import torch
+import torchmetrics
 from lightning.pytorch.demos.boring_classes import BoringModel
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -43,6 +44,7 @@ from tests.helpers import (
     flat_params,
     layouts,
     loader,
+    logged_floats,
     mnist_like,
     reference_loader,
     train_mnist,
@@ -389,6 +391,39 @@ def test_checkpointing_updates_the_batchnorm_statistics_once(schedule, M):
     if M == 1:
         ref = train_mnist("auto", 1, "sgd", batch=GLOBAL_BATCH, ref=True, model_cls=_small_cnn, buffers=True)
         torch.testing.assert_close(got, ref, rtol=0, atol=1e-9)
+
+
+class _StepEffects(MNISTClassifier):
+    """A training step with effects beside its loss: a metric's update, a list append, a counter."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.train_sum = torchmetrics.SumMetric()
+        self.sizes, self.calls = [], 0
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self(x)
+        self.train_sum.update(logits.argmax(-1).float())
+        self.sizes.append(len(y))
+        self.calls += 1
+        return torch.nn.functional.cross_entropy(logits, y)
+
+    def on_train_epoch_end(self):
+        self.log_dict({"sum": self.train_sum.compute(), "samples": float(sum(self.sizes))})
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero_bubble", "interleaved_1f1b"])
+def test_checkpointing_runs_the_step_once_per_microbatch(schedule):
+    """The last chunk is not recomputed: it ran the whole step again in backward, so each microbatch updated
+    the metric twice and was appended twice (144 samples seen of 72, a doubled sum). Its logs were already
+    dropped there; the rest of the step's effects cannot be."""
+    kw = {"split_points": [3, 5, 6]} if schedule == "interleaved_1f1b" else {}
+    ref_t, ref = fit_seeded(_StepEffects, "auto", 1, GLOBAL_BATCH, ref=True, samples=GLOBAL_BATCH * 3)
+    t, got = fit_seeded(_StepEffects, pp(2, schedule, activation_checkpointing=True, **kw), 2, GLOBAL_BATCH,
+                        samples=GLOBAL_BATCH * 3)
+    assert logged_floats(t) == pytest.approx(logged_floats(ref_t), abs=0) and logged_floats(t)["samples"] == 72
+    torch.testing.assert_close(flat_params(got), flat_params(ref), rtol=0, atol=1e-9)
 
 
 def test_accumulation_averages_over_micro_steps_as_one_process_does():

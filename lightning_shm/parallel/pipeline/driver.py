@@ -51,8 +51,7 @@ class _PlainIO:
     def first_input(self, mb: int) -> torch.Tensor:
         return self.xs[mb]
 
-    def last_forward(self, mb: int, x: torch.Tensor, chunk: nn.Module,
-                     recompute: bool = False) -> Optional[torch.Tensor]:
+    def last_forward(self, mb: int, x: torch.Tensor, chunk: nn.Module) -> Optional[torch.Tensor]:
         return F.cross_entropy(chunk(x), self.ys[mb]) * (self.xs[mb].shape[0] / self.n)
 
 

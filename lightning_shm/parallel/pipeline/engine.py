@@ -47,10 +47,10 @@ class StageIO(Protocol):
     def first_input(self, mb: int) -> torch.Tensor:
         """Input of chunk 0 for microbatch ``mb``."""
 
-    def last_forward(self, mb: int, x: torch.Tensor, chunk: nn.Module,
-                     recompute: bool = False) -> Optional[torch.Tensor]:
+    def last_forward(self, mb: int, x: torch.Tensor, chunk: nn.Module) -> Optional[torch.Tensor]:
         """Run the last chunk on ``x``; training: return the microbatch loss already weighted so that
-        the sum over microbatches is the batch loss (eval: may return None)."""
+        the sum over microbatches is the batch loss (eval: may return None). Called once per microbatch and
+        step, never again to recompute (the step around the chunk may have effects of its own)."""
 
 
 class HeldParameters(Protocol):
@@ -229,28 +229,30 @@ class PipelineEngine:
             return t
 
         t0 = time.perf_counter()
-        keep_graph = training and not self.checkpointing  # checkpointing: recompute in backward instead
+        checkpointed = training and self.checkpointing and not last  # recomputed in backward; not the last chunk:
+        # the step runs around it, whose effects (a metric's update, a list append) must happen once
+        keep_graph = training and not checkpointed
         # the recomputation must draw what this forward draws (dropout's masks): it starts from this state; and
         # it must not update again the buffers this forward updates (BatchNorm's statistics): see .buffers
-        rng = torch.get_rng_state() if training and self.checkpointing else None
-        versions = buffers.BufferVersions(chunk) if rng is not None else None
+        rng = torch.get_rng_state() if checkpointed else None
+        versions = buffers.BufferVersions(chunk) if checkpointed else None
         grad_ctx = torch.enable_grad() if keep_graph else torch.no_grad()
         with grad_ctx, io.forward_context(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             if keep_graph and c > 0:
                 inp = act.entries(x)  # its first layer may change it in place (ReLU(inplace=True)): not the leaf
-            elif training and self.checkpointing:
+            elif checkpointed:
                 inp = act.copied(x)  # backward recomputes from x: this forward must leave it as it was
             else:
                 inp = x
             out = io.last_forward(m, inp, chunk) if last else chunk(inp)
         self._record("F", m, c, t0)
         if not last:  # first: the next stage may be waiting for it, the bookkeeping below is not
-            if training and not keep_graph:  # checkpointed: computed without a graph; it will need a gradient if
-                out = act.leaves(out, act.requires_grad(x) or self._trainable[c])  # its recomputation does
+            if checkpointed:  # computed without a graph; it will need a gradient if its recomputation does
+                out = act.leaves(out, act.requires_grad(x) or self._trainable[c])
             self.act_out[c].send_obj(act.checked(out))  # received requiring a gradient as out does
         if training:
-            self._store[(m, c)] = (x, out, (rng, versions.changed()) if versions is not None else None)
-            if self.checkpointing:  # only the chunk input is kept
+            self._store[(m, c)] = (x, out, (rng, versions.changed()) if checkpointed else None)
+            if checkpointed:  # only the chunk input is kept
                 saved = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in act.parts(x)}
             self._saved[(m, c)] = saved
             self._update_peak()
@@ -262,20 +264,19 @@ class PipelineEngine:
         gets_grad = last or act.requires_grad(out)  # the next stage sends one only if out, as sent, required one
         grad = self.grad_in[c].recv_obj() if gets_grad and not last else None
         t0 = time.perf_counter()
-        if self.checkpointing:  # recompute the chunk's forward, this time keeping the graph, from x itself (on the
-            # first stage it may carry the step's graph: a parameter applied before the Sequential), with
-            # forward's random state, and the stream and the buffers forward updated left as if nothing were recomputed
-            rng, updated = replay
+        if replay is not None:  # checkpointed: recompute the chunk's forward, this time keeping the graph, from x
+            # itself (on the first stage it may carry the step's graph: a parameter applied before the Sequential),
+            # with forward's random state, the stream and the buffers forward updated left as if nothing were
+            rng, updated = replay  # recomputed
             saved = buffers.kept(updated)
             with torch.random.fork_rng(devices=[]), torch.enable_grad(), io.forward_context():
                 torch.set_rng_state(rng)
-                inp = act.entries(x)
-                out = io.last_forward(m, inp, self.chunks[c], recompute=True) if last else self.chunks[c](inp)
+                out = self.chunks[c](act.entries(x))
         self._current = (m, c)
         if gets_grad and out is not None and act.requires_grad(out):
             act.backward(out, grad)
         self._current = None
-        if self.checkpointing:
+        if replay is not None:
             buffers.put_back(saved)
         self._last_b = (m, c)
         self._saved.pop((m, c), None)
