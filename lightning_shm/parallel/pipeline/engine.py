@@ -264,10 +264,10 @@ class PipelineEngine:
         gets_grad = last or act.requires_grad(out)  # the next stage sends one only if out, as sent, required one
         grad = self.grad_in[c].recv_obj() if gets_grad and not last else None
         t0 = time.perf_counter()
-        if replay is not None:  # checkpointed: recompute the chunk's forward, this time keeping the graph, from x
-            # itself (on the first stage it may carry the step's graph: a parameter applied before the Sequential),
-            # with forward's random state, the stream and the buffers forward updated left as if nothing were
-            rng, updated = replay  # recomputed
+        if replay is not None:  # checkpointed: the chunk's forward again, keeping the graph this time -- from x
+            # itself (on the first stage it may carry the step's graph: a parameter applied before the Sequential)
+            # and forward's random state; the stream and the buffers forward updated end as if nothing were rerun
+            rng, updated = replay
             saved = buffers.kept(updated)
             with torch.random.fork_rng(devices=[]), torch.enable_grad(), io.forward_context():
                 torch.set_rng_state(rng)
