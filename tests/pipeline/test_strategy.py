@@ -394,19 +394,18 @@ def test_checkpointing_updates_the_batchnorm_statistics_once(schedule, M):
 
 
 class _StepEffects(MNISTClassifier):
-    """A training step with effects beside its loss: a metric's update, a list append, a counter."""
+    """A training step with effects beside its loss: a metric's update, a list append."""
 
     def __init__(self, **kw):
         super().__init__(**kw)
         self.train_sum = torchmetrics.SumMetric()
-        self.sizes, self.calls = [], 0
+        self.sizes = []
 
     def training_step(self, batch, batch_idx):
         x, y = batch
         logits = self(x)
         self.train_sum.update(logits.argmax(-1).float())
         self.sizes.append(len(y))
-        self.calls += 1
         return torch.nn.functional.cross_entropy(logits, y)
 
     def on_train_epoch_end(self):
