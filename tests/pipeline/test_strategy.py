@@ -374,15 +374,17 @@ class _SeenCount(nn.Module):
 def _small_cnn(**kw):
     model = MNISTClassifier(arch="cnn", channels=(4, 8), cnn_hidden=16, **kw)
     model.net.insert(0, _SeenCount())
+    nn.utils.parametrizations.spectral_norm(model.net[1])
     return model
 
 
 @pytest.mark.parametrize("schedule, M", [("1f1b", 4), ("zero_bubble", 4), ("1f1b", 1)])
-def test_checkpointing_updates_the_batchnorm_statistics_once(schedule, M):
+def test_checkpointing_updates_the_buffers_once_and_recomputes_from_them(schedule, M):
     """The recomputation ran each BatchNorm a second time in training mode: the running statistics moved
     towards every microbatch twice and ``num_batches_tracked`` counted double; a sample counter counted every
-    sample twice. Cut at 5, each stage holds a BatchNorm; with one microbatch the statistics are one
-    process's."""
+    sample twice; spectral_norm stepped its power iteration twice and recomputed the first convolution's
+    weight with the advanced vector -- not the weight forward used. Cut at 5, each stage holds a BatchNorm;
+    with one microbatch the statistics are one process's."""
     def run(checkpointing):
         return train_mnist(pp(2, schedule, M, split_points=[5], activation_checkpointing=checkpointing), 2, "sgd",
                            batch=GLOBAL_BATCH, model_cls=_small_cnn, buffers=True)

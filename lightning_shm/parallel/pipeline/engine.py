@@ -127,8 +127,9 @@ class PipelineEngine:
         self.timeline: list[Timed] = []
         self.peak_activation_bytes = 0
         # (m, c) -> x, out, and under checkpointing what the recomputation replays: forward's random state and
-        # the buffers forward updated in place (.buffers)
-        self._store: dict[tuple[int, int], tuple[Any, Any, Optional[tuple[torch.Tensor, list[torch.Tensor]]]]] = {}
+        # the buffers forward updated in place with their values from before it (.buffers)
+        self._store: dict[tuple[int, int], tuple[Any, Any, Optional[tuple[torch.Tensor, list[Any]]]]] = {}
+        self._updating: dict[int, set[int]] = {}  # chunk -> ids of the buffers its forwards were seen to update
         self._saved: dict[tuple[int, int], dict[int, int]] = {}  # (m, c) -> {storage ptr: bytes}
         self._stash: dict[tuple[int, int], list[tuple[nn.Parameter, torch.Tensor, torch.Tensor]]] = {}
         self.padded = PaddedWeights()  # SinkLinear's input gradients: one re-strided weight per step, every microbatch
@@ -233,9 +234,9 @@ class PipelineEngine:
         # the step runs around it, whose effects (a metric's update, a list append) must happen once
         keep_graph = training and not checkpointed
         # the recomputation must draw what this forward draws (dropout's masks): it starts from this state; and
-        # it must not update again the buffers this forward updates (BatchNorm's statistics): see .buffers
+        # it must start from the buffers this forward updates as they were before it, and leave them as it found them
         rng = torch.get_rng_state() if checkpointed else None
-        versions = buffers.BufferVersions(chunk) if checkpointed else None
+        around = buffers.ForwardBuffers(chunk, self._updating.get(c)) if checkpointed else None
         grad_ctx = torch.enable_grad() if keep_graph else torch.no_grad()
         with grad_ctx, io.forward_context(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             if keep_graph and c > 0:
@@ -251,7 +252,12 @@ class PipelineEngine:
                 out = act.leaves(out, act.requires_grad(x) or self._trainable[c])
             self.act_out[c].send_obj(act.checked(out))  # received requiring a gradient as out does
         if training:
-            self._store[(m, c)] = (x, out, (rng, versions.changed()) if checkpointed else None)
+            replay = None
+            if around is not None:
+                updated = around.updated()
+                self._updating.setdefault(c, set()).update(id(b) for b, _ in updated)
+                replay = (rng, updated)
+            self._store[(m, c)] = (x, out, replay)
             if checkpointed:  # only the chunk input is kept
                 saved = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in act.parts(x)}
             self._saved[(m, c)] = saved
@@ -266,9 +272,9 @@ class PipelineEngine:
         t0 = time.perf_counter()
         if replay is not None:  # checkpointed: the chunk's forward again, keeping the graph this time -- from x
             # itself (on the first stage it may carry the step's graph: a parameter applied before the Sequential)
-            # and forward's random state; the stream and the buffers forward updated end as if nothing were rerun
+            # and forward's random state and buffers; the stream and the buffers end as if nothing were rerun
             rng, updated = replay
-            saved = buffers.kept(updated)
+            saved = buffers.rewound(updated)
             with torch.random.fork_rng(devices=[]), torch.enable_grad(), io.forward_context():
                 torch.set_rng_state(rng)
                 out = self.chunks[c](act.entries(x))
