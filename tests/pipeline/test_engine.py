@@ -100,6 +100,11 @@ def test_timelines_are_consistent(schedule, M, v):
     assert kinds == ({"F", "B", "W"} if schedule == "zero_bubble" else {"F", "B"})
 
 
+def _two_batches():
+    data = torch.Generator().manual_seed(1)
+    return [(torch.randn(64, 784, generator=data), torch.randint(0, 10, (64,), generator=data)) for _ in range(2)]
+
+
 def _frozen_front(world, schedule, checkpointing):
     """Two SGD steps of the MLP with its first stage ([Flatten, Linear, LayerNorm, ReLU]) frozen, as a fine-tuned
     model's backbone; returns the trained parameters and what each channel carried."""
@@ -112,9 +117,7 @@ def _frozen_front(world, schedule, checkpointing):
     engine = PipelineEngine(stage.chunks, sched, world.rank, [0, 1], world, activation_checkpointing=checkpointing)
     trained = [p for p in stage.parameters() if p.requires_grad]  # none on the first stage
     opt = torch.optim.SGD(trained, lr=0.05) if trained else None
-    data = torch.Generator().manual_seed(1)
-    for _ in range(2):
-        x, y = torch.randn(64, 784, generator=data), torch.randint(0, 10, (64,), generator=data)
+    for x, y in _two_batches():
         engine.train_step(_PlainIO(x, y, 4))
         if opt is not None:
             opt.step()
@@ -138,9 +141,7 @@ def test_a_stage_after_frozen_layers_sends_no_input_gradient(schedule, checkpoin
     ref = build_mlp(HIDDEN)
     ref[:SPLIT_P2[0]].requires_grad_(False)
     opt = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=0.05)
-    data = torch.Generator().manual_seed(1)
-    for _ in range(2):
-        x, y = torch.randn(64, 784, generator=data), torch.randint(0, 10, (64,), generator=data)
+    for x, y in _two_batches():
         opt.zero_grad(set_to_none=True)
         torch.nn.functional.cross_entropy(ref(x), y).backward()
         opt.step()
@@ -191,7 +192,6 @@ def test_linear_weight_gradients_accumulate_in_place_into_the_existing_grad(sche
     product becomes .grad, later ones are added into that same tensor (addmm_), and a .grad that was
     there before the step (gradient accumulation, a DDP bucket view) is added to, not replaced. Under
     autocast the products are taken in bf16 as autograd would, and .grad stays float32."""
-
     torch.manual_seed(0)
     net, ref = build_mlp([32, 16], in_features=20, num_classes=5), build_mlp([32, 16], in_features=20, num_classes=5)
     ref.load_state_dict(net.state_dict())
@@ -223,7 +223,6 @@ def test_linear_weight_gradients_accumulate_in_place_into_the_existing_grad(sche
 @pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
 def test_a_weight_with_a_hook_keeps_autograds_path(schedule):
     """Hooks on a weight must see its gradient: the engine leaves such a Linear to autograd."""
-
     torch.manual_seed(0)
     net = build_mlp([32, 16], in_features=20, num_classes=5)
     linears = [m for m in net if isinstance(m, torch.nn.Linear)]
@@ -246,7 +245,6 @@ def test_a_weight_with_a_hook_keeps_autograds_path(schedule):
 def test_only_large_weights_are_summed_in_place_unless_zero_bubble_defers_them(schedule, taken_numels):
     """Outside zero-bubble a weight under ``in_place_min_numel`` keeps autograd's path (the custom node
     would cost more than it saves); zero-bubble takes every Linear's weight, its W actions need them."""
-
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 16),
                               torch.nn.Linear(16, 40))  # 2^20 weights: the smallest taken; 16,384 and 640: not
@@ -262,7 +260,6 @@ def test_only_large_weights_are_summed_in_place_unless_zero_bubble_defers_them(s
 def _stage_step(fraction: float) -> tuple[torch.nn.Module, PipelineEngine, list[int], torch.Tensor, torch.Tensor]:
     """One 1F1B step (M=4, 16 rows) of Linear(1024, 1024) + ReLU + Linear(1024, 8) on one stage with
     ``stash_fraction``: returns the net, the engine, the row count of each weight-gradient product, x, y."""
-
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 8))
     x, y = torch.randn(16, 1024), torch.randint(0, 8, (16,))
@@ -304,7 +301,6 @@ def test_input_gradients_through_restrided_weight_copies_equal_autograds():
     the step's end, and after an SGD step the next step's gradients still equal autograd's."""
     from torch import nn
 
-
     def make() -> nn.Sequential:
         return nn.Sequential(nn.Linear(16, 2048), nn.ReLU(), nn.Linear(2048, 24), nn.ReLU(), nn.Linear(24, 5))
 
@@ -338,7 +334,6 @@ def test_a_forward_hands_its_output_over_before_its_bookkeeping():
     """The next stage may be waiting for a forward's output: the engine sends it as soon as the chunk has
     run -- after the action's end is recorded (the hand-over is not the action's time), before the
     (input, output) stash and the peak-memory tally. Stage 0 of a 1F1B P=2, M=2 step with fake channels."""
-
     seen = []
 
     class FakeChannel:

@@ -135,7 +135,7 @@ class PipelineEngine:
         self.padded = PaddedWeights()  # SinkLinear's input gradients: one re-strided weight per step, every microbatch
         self._rows: dict[nn.Parameter, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # outside zero-bubble
         self._current: Optional[tuple[int, int]] = None
-        self._trainable: dict[int, bool] = {}  # per chunk, this step: does it hold a parameter requiring a gradient
+        self._trainable: dict[int, bool] = {}  # checkpointing, per chunk this step: a parameter requiring a gradient?
         self._last_b: tuple[int, int] = (0, 0)
 
     def __deepcopy__(self, memo: dict) -> "PipelineEngine":
@@ -153,7 +153,8 @@ class PipelineEngine:
         ``schedule`` overrides the engine's for one step (same stages and chunks), e.g. a batch with
         fewer samples than microbatches."""
         self._reset()
-        self._trainable = {c: any(p.requires_grad for p in chunk.parameters()) for c, chunk in self.chunks.items()}
+        if self.checkpointing:  # whether a checkpointed chunk's output will need a gradient (see _forward)
+            self._trainable = {c: any(p.requires_grad for p in ch.parameters()) for c, ch in self.chunks.items()}
         for a in (schedule or self.schedule).actions(self.pp_index):
             {"F": self._forward, "B": self._backward, "W": self._weight}[a.kind](a, io, True)
         if self._rows:  # the products over every microbatch's rows still held
