@@ -45,9 +45,11 @@ def test_script_without_main_guard_fails_fast_with_the_workers_message(tmp_path,
     fits = [float(t) for t in re.findall(r"^fit at ([0-9.]+)$", out.stdout, re.MULTILINE)]
     assert len(fits) >= 2, out.stdout
     # From the last worker's fit() to the main process's exit: the worker's error, its detection, the
-    # others stopped, the main process's shutdown. Before it, the workers' start imports torch and
-    # lightning -- what that takes is the machine's load (10-12 s here with no cached bytecode), not ours.
-    assert ended - fits[-1] < 12, f"took {ended - fits[-1]:.1f} s from the last worker's fit() to exit"
+    # others stopped, the main process's shutdown (1.2-2.4 s here). Before it, the workers' start imports
+    # torch and lightning (7.5 s here). Both are interpreter work that a loaded machine slows alike (CI
+    # once took 15.5 s over the window), so the bound is the same run's start, and at least 10 s.
+    started, window = fits[-1] - fits[0], ended - fits[-1]
+    assert window < max(10.0, started), f"{window:.1f} s from the last fit() to the exit ({started:.1f} s to start)"
     assert "WorkerDiedError" in out.stderr, out.stderr[-3000:]
     # Lightning's own message, from the worker, quoted in the exception (not only forwarded to the terminal)
     assert "wrote to stderr:" in out.stderr, out.stderr[-3000:]

@@ -17,18 +17,29 @@ What a fork-server child does not get from the main process, and where it comes 
   a main script that fails to import -- goes to the server's stderr, which is a pipe this module
   reads on a thread, forwards to the real stderr, and keeps the tail of for
   :class:`~lightning_shm.runtime.errors.WorkerDiedError`.
+
+When the main process exits, the server sees its end of a pipe close and raises ``SystemExit``: an
+interpreter shutdown with torch and lightning loaded (1.2 s here) that nothing needs -- the server
+computed nothing and holds no results. It still holds the main process's stdout, so a shell pipe
+(``python train.py | tee log``) or a parent reading the output waits for it. The server therefore
+leaves with ``os._exit`` at its first exit handler (:func:`_leave_at_once`, registered when this module is
+imported inside a server started by :func:`ensure_running`).
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
 import select
+import sys
 import threading
 from multiprocessing import forkserver
 from typing import Any, Optional, Sequence
 
 TAIL_BYTES = 16384
 NOTE_LINES = 80  # see output_since
+_SERVER_ENV = "LIGHTNING_SHM_FORKSERVER"  # the starting process's pid, only in the environment a server starts with
 
 
 class _ServerOutput:
@@ -100,12 +111,14 @@ def ensure_running(ctx: Any, preload: Sequence[str]) -> None:
     with _lock:
         if _output is None:
             _output = _ServerOutput()
-        ctx.set_forkserver_preload(list(preload))
+        ctx.set_forkserver_preload([*preload, __name__])  # after the others: its exit handler runs first
         saved = os.dup(2)
+        os.environ[_SERVER_ENV] = str(os.getpid())
         try:
-            os.dup2(_output.write_fd, 2)  # the server (a new interpreter) inherits fds 0-2
+            os.dup2(_output.write_fd, 2)  # the server (a new interpreter) inherits fds 0-2 and the environment
             forkserver.ensure_running()
         finally:
+            del os.environ[_SERVER_ENV]
             os.dup2(saved, 2)
             os.close(saved)
 
@@ -128,3 +141,18 @@ def output_since(mark: int, lines: int = NOTE_LINES) -> str:
 
 def last_lines(text: str, lines: int) -> str:
     return "\n".join(text.replace("\r", "\n").rstrip().splitlines()[-lines:])
+
+
+def _leave_at_once(server_pid: int) -> None:
+    """The server's exit: flush and ``os._exit``. A worker forked from the server inherits this handler
+    (and runs the exit handlers when it leaves): there it does nothing."""
+    if os.getpid() != server_pid:
+        return
+    for f in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            f.flush()
+    os._exit(0)
+
+
+if os.environ.pop(_SERVER_ENV, None) == str(os.getppid()):  # imported in a server that ensure_running started
+    atexit.register(_leave_at_once, os.getpid())

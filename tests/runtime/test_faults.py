@@ -434,3 +434,44 @@ def test_a_multiprocessing_child_that_trained_leaves_no_lock_file(context):
     p.join(timeout=60)
     assert p.exitcode == 0 and ranks == [0, 1]
     assert not [n for n in os.listdir(SHM_DIR) if n.startswith(f"{PREFIX}_{token}")], "lock file left"
+
+
+_MARKER = textwrap.dedent(
+    """
+    import atexit, os
+
+    # imported by the fork server (its preload): the server and each worker forked from it hold this handler
+    atexit.register(lambda: open(os.path.join(os.environ["MARKS"], str(os.getpid())), "w").close())
+    """
+)
+_SERVER_MAIN = textwrap.dedent(
+    """
+    import os
+    from lightning_shm.runtime import LaunchConfig, Launcher
+
+    def pid(world):
+        return os.getpid()
+
+    if __name__ == "__main__":
+        print(*Launcher(LaunchConfig(2, start_method="forkserver", preload=("server_marker",))).run(pid))
+        print([k for k in os.environ if k.startswith("LIGHTNING_SHM")])  # the server's mark stays the server's
+    """
+)
+
+
+def test_the_fork_server_leaves_without_an_interpreter_shutdown(tmp_path):
+    """The fork server outlives the main process by its interpreter shutdown (torch loaded: 1.2 s here) and
+    holds the main process's stdout meanwhile: a reader of that output (a shell pipe, this test) waits for it.
+    It leaves with os._exit at its first exit handler: a handler registered before it (by a module the server
+    imported earlier, as torch does) never runs there; the workers forked from it still run theirs."""
+    (tmp_path / "server_marker.py").write_text(_MARKER)
+    (tmp_path / "main.py").write_text(_SERVER_MAIN)
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    env = dict(os.environ, MARKS=str(marks), PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT)]))
+    out = subprocess.run([sys.executable, str(tmp_path / "main.py")], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=120)  # returns once the server has closed stdout too
+    assert out.returncode == 0, out.stderr[-3000:]
+    workers, environ = out.stdout.splitlines()[:2]
+    assert environ == "[]"
+    assert sorted(os.listdir(marks)) == sorted(workers.split()), "the server ran its exit handlers, or a worker did not"
