@@ -359,16 +359,19 @@ def test_checkpointing_recomputes_with_the_forward_dropout_masks(schedule):
 
 
 class _SeenCount(nn.Module):
-    """Counts the samples it sees in training, in a buffer updated in place (as a running statistic is)."""
+    """Counts the samples it sees in training, in a buffer updated in place (as a running statistic is), and
+    centres its input on a running mean it *reassigns* (as a custom normaliser may)."""
 
     def __init__(self):
         super().__init__()
         self.register_buffer("seen", torch.zeros((), dtype=torch.long))
+        self.register_buffer("mean", torch.zeros(()))
 
     def forward(self, x):
         if self.training:
             self.seen += x.shape[0]
-        return x
+            self.mean = 0.9 * self.mean + 0.1 * x.mean()
+        return x - self.mean
 
 
 def _small_cnn(**kw):
@@ -382,7 +385,8 @@ def _small_cnn(**kw):
 def test_checkpointing_updates_the_buffers_once_and_recomputes_from_them(schedule, M):
     """The recomputation ran each BatchNorm a second time in training mode: the running statistics moved
     towards every microbatch twice and ``num_batches_tracked`` counted double; a sample counter counted every
-    sample twice; spectral_norm stepped its power iteration twice and recomputed the first convolution's
+    sample twice; a running mean the forward reassigns moved twice, and the recomputation centred the input on
+    the moved one; spectral_norm stepped its power iteration twice and recomputed the first convolution's
     weight with the advanced vector -- not the weight forward used. Cut at 5, each stage holds a BatchNorm;
     with one microbatch the statistics are one process's."""
     def run(checkpointing):

@@ -12,21 +12,30 @@ recomputation from those and puts the buffers back as it found them after its ba
     B (recompute):  now = clone(updated) -> updated.copy_(kept) -> forward with graph -> backward
                     -> updated.copy_(now)
 
-Which buffers change is learned per chunk: the first checkpointed forward keeps every buffer, later ones
-those seen to change so far (a buffer first changed later is put back after the recomputation, not rewound
-before it). "Changed": its version counter moved, or it is a norm layer's running statistic in training mode --
-torch's batch-norm kernels update ``running_mean`` / ``running_var`` without moving the counter. Putting back
-waits for backward: a BatchNorm's backward checks the statistics it saved are unchanged. A buffer the forward
-*reassigns* (``self.count = self.count + 1``) is not seen; torch's layers update theirs in place.
+Which buffers change in place is learned per chunk: the first checkpointed forward keeps every buffer, later
+ones those seen to change so far (a buffer first changed later is put back after the recomputation, not
+rewound before it). "Changed": its version counter moved, or it is a norm layer's running statistic in
+training mode -- torch's batch-norm kernels update ``running_mean`` / ``running_var`` without moving the
+counter. Putting back waits for backward: a BatchNorm's backward checks the statistics it saved are unchanged.
+A buffer the forward *reassigns* (``self.mean = 0.9 * self.mean + 0.1 * x.mean()``, as a custom normaliser
+may) needs no copy: the module is given back the tensor it held before the forward for the recomputation,
+and the forward's tensor after it.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
+
+
+class Updates(NamedTuple):
+    """What one forward did to its chunk's buffers."""
+
+    in_place: list[tuple[torch.Tensor, Optional[torch.Tensor]]]  # buffer, its value before (None: not kept)
+    reassigned: list[tuple[nn.Module, str, Optional[torch.Tensor]]]  # module, buffer name, its tensor before
 
 
 class ForwardBuffers:
@@ -34,7 +43,8 @@ class ForwardBuffers:
     ``watched``: ids of the buffers to keep (None: all of them)."""
 
     def __init__(self, module: nn.Module, watched: Optional[set[int]]) -> None:
-        found = list(module.buffers())
+        self.held = [(m, name, b) for m in module.modules() for name, b in m.named_buffers(recurse=False)]
+        found = list({id(b): b for _, _, b in self.held}.values())
         self.versions = [(b, b._version) for b in found]
         self.norms = [b for m in module.modules() if isinstance(m, _NormBase) and m.training
                       for b in (m.running_mean, m.running_var, m.num_batches_tracked) if b is not None]
@@ -42,27 +52,34 @@ class ForwardBuffers:
         with torch.no_grad():
             self.before = {id(b): b.clone() for b in found if id(b) in ids}
 
-    def updated(self) -> list[tuple[torch.Tensor, Optional[torch.Tensor]]]:
-        """After the forward: each buffer it updated, with its value from before (None where not kept)."""
+    def updated(self) -> Updates:
+        """After the forward: each buffer it updated in place, with its value from before (None where not kept),
+        and each it reassigned."""
         seen = {id(b) for b in self.norms}
         changed = self.norms + [b for b, v in self.versions if b._version != v and id(b) not in seen]
-        return [(b, self.before.get(id(b))) for b in changed]
+        return Updates([(b, self.before.get(id(b))) for b in changed],
+                       [(m, name, b) for m, name, b in self.held if getattr(m, name) is not b])
 
 
-def rewound(updated: list[tuple[torch.Tensor, Optional[torch.Tensor]]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The buffers set to their values from before the forward, for the recomputation; returns their values
+def rewound(updated: Updates) -> Updates:
+    """The buffers set to their values from before the forward, for the recomputation; returns what they hold
     now, for :func:`put_back` after its backward."""
     with torch.no_grad():
-        now = [(b, b.clone()) for b, _ in updated]
-        for b, before in updated:
+        now = Updates([(b, b.clone()) for b, _ in updated.in_place],
+                      [(m, name, getattr(m, name)) for m, name, _ in updated.reassigned])
+        for b, before in updated.in_place:
             if before is not None:
                 b.copy_(before)
+    for m, name, before in updated.reassigned:
+        setattr(m, name, before)
     return now
 
 
-def put_back(saved: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """The values :func:`rewound` returned, back in their buffers -- after backward: a BatchNorm's backward reads
-    the running statistics it was given (autograd checks they were not changed in between)."""
+def put_back(saved: Updates) -> None:
+    """What :func:`rewound` returned, back in the buffers -- after backward: a BatchNorm's backward reads the
+    running statistics it was given (autograd checks they were not changed in between)."""
     with torch.no_grad():
-        for b, values in saved:
+        for b, values in saved.in_place:
             b.copy_(values)
+    for m, name, tensor in saved.reassigned:
+        setattr(m, name, tensor)

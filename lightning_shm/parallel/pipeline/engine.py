@@ -256,7 +256,7 @@ class PipelineEngine:
             replay = None
             if around is not None:
                 updated = around.updated()
-                self._updating.setdefault(c, set()).update(id(b) for b, _ in updated)
+                self._updating.setdefault(c, set()).update(id(b) for b, _ in updated.in_place)
                 replay = (rng, updated)
             self._store[(m, c)] = (x, out, replay)
             if checkpointed:  # only the chunk input is kept
