@@ -399,6 +399,40 @@ def test_checkpointing_updates_the_buffers_once_and_recomputes_from_them(schedul
         torch.testing.assert_close(got, ref, rtol=0, atol=1e-9)
 
 
+class _LateShift(nn.Module):
+    """After a warm-up of 12 samples (counted in place), shifts its input by a buffer it moves in place: the
+    first checkpointed forward sees that buffer unchanged."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("seen", torch.zeros((), dtype=torch.long))
+        self.register_buffer("shift", torch.zeros(()))
+
+    def forward(self, x):
+        if self.training:
+            if self.seen > 12:
+                self.shift.mul_(0.5).add_(x.mean())
+            self.seen += x.shape[0]
+        return x - self.shift
+
+
+def _late_shift_cnn(**kw):
+    model = MNISTClassifier(arch="cnn", channels=(4, 8), cnn_hidden=16, **kw)
+    model.net.insert(0, _LateShift())
+    return model
+
+
+def test_checkpointing_recomputes_from_the_buffers_its_forward_read():
+    """The shift first moves in the fourth microbatch. Which buffers to keep was learned from the first
+    checkpointed forward, so the shift's value was not kept (small buffers now always are); and a
+    recomputation rewound only what its own forward had moved: under 1F1B the third microbatch's runs after
+    the fourth's forward, and shifted its input by the moved value its forward had not seen."""
+    def run(checkpointing):
+        return train_mnist(pp(2, "1f1b", 4, split_points=[5], activation_checkpointing=checkpointing), 2, "sgd",
+                           batch=GLOBAL_BATCH, model_cls=_late_shift_cnn, buffers=True)
+    torch.testing.assert_close(run(True), run(False), rtol=0, atol=0)
+
+
 class _StepEffects(MNISTClassifier):
     """A training step with effects beside its loss: a metric's update, a list append."""
 

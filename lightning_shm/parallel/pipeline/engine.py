@@ -235,7 +235,7 @@ class PipelineEngine:
         # the step runs around it, whose effects (a metric's update, a list append) must happen once
         keep_graph = training and not checkpointed
         # the recomputation must draw what this forward draws (dropout's masks): it starts from this state; and
-        # it must start from the buffers this forward updates as they were before it, and leave them as it found them
+        # it must start from the buffers as this forward found them, and leave them as it finds them
         rng = torch.get_rng_state() if checkpointed else None
         around = buffers.ForwardBuffers(chunk, self._updating.get(c)) if checkpointed else None
         grad_ctx = torch.enable_grad() if keep_graph else torch.no_grad()
@@ -255,9 +255,8 @@ class PipelineEngine:
         if training:
             replay = None
             if around is not None:
-                updated = around.updated()
-                self._updating.setdefault(c, set()).update(id(b) for b, _ in updated.in_place)
-                replay = (rng, updated)
+                self._updating.setdefault(c, set()).update(id(b) for b, _ in around.changed().in_place)
+                replay = (rng, around)
             self._store[(m, c)] = (x, out, replay)
             if checkpointed:  # only the chunk input is kept
                 saved = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in act.parts(x)}
@@ -274,8 +273,8 @@ class PipelineEngine:
         if replay is not None:  # checkpointed: the chunk's forward again, keeping the graph this time -- from x
             # itself (on the first stage it may carry the step's graph: a parameter applied before the Sequential)
             # and forward's random state and buffers; the stream and the buffers end as if nothing were rerun
-            rng, updated = replay
-            saved = buffers.rewound(updated)
+            rng, around = replay
+            saved = buffers.rewound(around.changed())
             with torch.random.fork_rng(devices=[]), torch.enable_grad(), io.forward_context():
                 torch.set_rng_state(rng)
                 out = self.chunks[c](act.entries(x))
