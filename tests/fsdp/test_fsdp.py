@@ -328,6 +328,10 @@ def _step_scope(world):
     with pytest.raises(RuntimeError, match=r"\['net.7.weight'\] in place or assigned their .data"), \
             sharded.step_scope():
         model.net[7].weight.data = model.net[7].weight.data * 1.0
+    # nor a write through its .data (DINO's momentum update), which a plain tensor's own version counter hid
+    with pytest.raises(RuntimeError, match=r"\['net.7.weight'\] in place or assigned their .data"), \
+            sharded.step_scope():
+        model.net[7].weight.data.mul_(1.0)
     after_failure += [n for n in ("weight", "bias") if n in model.net[1].__dict__]
     head.pow(2).mean().backward()
     plain_head = nn.functional.linear(plain.net[:7](x), plain.net[7].weight, plain.net[7].bias)
@@ -510,13 +514,30 @@ class RenormalisedEmbedding(MNISTClassifier):
         self.net = nn.Sequential(_Tokens(), nn.Embedding(13, 16, max_norm=0.5), MeanOverTokens(), nn.Linear(16, 10))
 
 
+class _ShrinksThroughData(nn.Linear):
+    def forward(self, x):
+        self.weight.data.mul_(0.99)  # through .data: a plain tensor's has a version counter of its own
+        return super().forward(x)
+
+
+class ShrinkingLinear(MNISTClassifier):
+    """The first Linear scales its weight in place through ``.data`` at every forward."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.net[1] = _ShrinksThroughData(self.net[1].in_features, self.net[1].out_features)
+
+
 @pytest.mark.parametrize("gather", ["view", "copy"])
-def test_a_forward_changing_parameters_in_place_is_refused(gather):
+@pytest.mark.parametrize("model_cls", [RenormalisedEmbedding, ShrinkingLinear], ids=["max_norm", "data"])
+def test_a_forward_changing_parameters_in_place_is_refused(gather, model_cls):
     """The ranks' renormalisations of the shared rows raced ("view": 0.01 and 0.27 off one process, other runs
-    exact) or stayed in a private copy ("copy": 2.9 off)."""
+    exact) or stayed in a private copy ("copy": 2.9 off). A write through ``.data`` went unseen until 2026-12-05
+    (the full parameter was a plain tensor, whose ``.data`` has its own version counter): every rank scaled the
+    shared rows ("view"), or a copy the next gather dropped ("copy")."""
     with pytest.raises(RuntimeError, match=r"the forward changed parameter\(s\) \['net.1.weight'\] in place"):
         train_mnist(SHMFSDPStrategy(start_method="fork", gather=gather), 2, "adam", batch=GLOBAL_BATCH // 2,
-                    model_cls=RenormalisedEmbedding)
+                    model_cls=model_cls)
 
 
 @pytest.mark.parametrize("policy", [lambda name, m: name == "net.1",  # a module on the first stage only

@@ -98,6 +98,23 @@ class Block:
         return sum(self.rows[:j])
 
 
+class FullParam(torch.Tensor):
+    """A gathered full parameter, what a module's attribute is in its unit's forward (and, under "view", in the
+    step): a plain tensor but for ``.data``, which is ``detach()`` -- sharing the version counter, so a write
+    through it (``w.data.mul_(m)``) is seen as the in-place change it is; a plain ``.data`` has a counter of its
+    own. Ops on it return plain tensors (``__torch_function__`` disabled, as ``nn.Parameter``'s)."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @property  # type: ignore[override]
+    def data(self) -> torch.Tensor:
+        return self.detach()
+
+    @data.setter
+    def data(self, new: torch.Tensor) -> None:  # a plain tensor's: new storage, which the address stamp sees
+        torch._C.TensorBase.data.__set__(self, new)  # type: ignore[attr-defined]
+
+
 class _GatherUnit(torch.autograd.Function):
     """forward: blocks -> each full parameter, a tensor on the unit's full flat storage; backward: each
     full parameter's gradient -> the blocks' gradients (reduce-scatter by rows), or -- while the unit
@@ -324,7 +341,8 @@ class FSDPUnit:
         """Each full parameter as a tensor on ``full``'s storage (not a view: see :class:`_GatherUnit`).
         Sharing the storage, they empty and refill with it when the unit is freed and re-gathered."""
         storage, base = full.untyped_storage(), full.storage_offset()
-        return [torch.empty(0, dtype=self.dtype).set_(storage, base + b.full_offset, b.shape) for b in self.blocks]
+        return [torch.Tensor._make_subclass(FullParam, torch.empty(0, dtype=self.dtype)).set_(
+            storage, base + b.full_offset, b.shape) for b in self.blocks]  # new tensors, not views (see above)
 
     def _set_views(self, params: Optional[Sequence[torch.Tensor]]) -> None:
         """During the unit's forward, each owner's attribute is the full parameter: an instance attribute
@@ -524,7 +542,7 @@ class FSDPUnit:
         attribute (``where``), which is the full parameter there: ``w.mul_(0.5)`` by every rank on the shared
         rows would halve some twice. Nor one assigning its ``.data`` (``w.data = w.data * m``): a storage of its own,
         which the next gather replaces with the rows -- the change is lost. Refused when seen (the stamps:
-        :func:`_stamps`; a write through ``w.data`` is not seen: it has a version counter of its own)."""
+        :func:`_stamps`; a write through ``w.data`` counts: see :class:`FullParam`)."""
         changed = [b.name for b, p, st in zip(self.blocks, params, stamps) if (p._version, p.data_ptr()) != st]
         if changed:
             raise RuntimeError(f"{where} changed parameter(s) {changed} in place or assigned their .data "
