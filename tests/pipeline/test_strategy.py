@@ -425,8 +425,8 @@ def _late_shift_cnn(**kw):
 def test_checkpointing_recomputes_from_the_buffers_its_forward_read():
     """The shift first moves in the fourth microbatch. Which buffers to keep was learned from the first
     checkpointed forward, so the shift's value was not kept (small buffers now always are); and a
-    recomputation rewound only what its own forward had moved: under 1F1B the third microbatch's runs after
-    the fourth's forward, and shifted its input by the moved value its forward had not seen."""
+    recomputation rewound only what its own forward had moved: under 1F1B the third microbatch's recomputation,
+    after the fourth's forward, shifted its input by the moved value its forward had not seen."""
     def run(checkpointing):
         return train_mnist(pp(2, "1f1b", 4, split_points=[5], activation_checkpointing=checkpointing), 2, "sgd",
                            batch=GLOBAL_BATCH, model_cls=_late_shift_cnn, buffers=True)

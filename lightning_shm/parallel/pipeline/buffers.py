@@ -17,9 +17,9 @@ changed since, runs the recomputation, and puts the buffers back as it found the
 Which buffers to keep is learned per chunk: the first checkpointed forward keeps every buffer, later ones
 those seen to change so far and every small one (up to ``SMALL_BYTES``: a counter, a running statistic, a
 power-iteration vector), so one first changed after a warm-up is rewound too. A large buffer (a mask, a
-table) first changed later is not rewound for the microbatches in flight then (only put back after them). "Changed": its
-version counter moved, or it is a norm layer's running statistic in training mode -- torch's batch-norm
-kernels update ``running_mean`` / ``running_var`` without moving the counter. Putting back waits for
+table) first changed later is not rewound for the microbatches in flight then, only put back after them.
+"Changed": its version counter moved, or it is a norm layer's running statistic in training mode -- torch's
+batch-norm kernels update ``running_mean`` / ``running_var`` without moving the counter. Putting back waits for
 backward: a BatchNorm's backward checks the statistics it saved are unchanged. A buffer *reassigned*
 (``self.mean = 0.9 * self.mean + 0.1 * x.mean()``, as a custom normaliser may) needs no copy: the module
 is given back the tensor it held when the forward began for the recomputation, and the one it holds now
