@@ -22,13 +22,12 @@ When the main process exits, the server sees its end of a pipe close and raises 
 interpreter shutdown with torch and lightning loaded (1.2 s here) that nothing needs -- the server
 computed nothing and holds no results. It still holds the main process's stdout, so a shell pipe
 (``python train.py | tee log``) or a parent reading the output waits for it. The server therefore
-leaves with ``os._exit`` at its first exit handler (:func:`_leave_at_once`, registered when this module is
-imported inside a server started by :func:`ensure_running`).
+leaves with ``os._exit`` at its first exit handler (:func:`leave_at_once`, registered by
+:mod:`.forkserver_exit`, a module only the server imports: its last preload).
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import os
 import select
@@ -39,7 +38,6 @@ from typing import Any, Optional, Sequence
 
 TAIL_BYTES = 16384
 NOTE_LINES = 80  # see output_since
-_SERVER_ENV = "LIGHTNING_SHM_FORKSERVER"  # the starting process's pid, only in the environment a server starts with
 
 
 class _ServerOutput:
@@ -111,14 +109,13 @@ def ensure_running(ctx: Any, preload: Sequence[str]) -> None:
     with _lock:
         if _output is None:
             _output = _ServerOutput()
-        ctx.set_forkserver_preload([*preload, __name__])  # after the others: its exit handler runs first
+        # the exit module last: its handler, registered after the others', runs first
+        ctx.set_forkserver_preload([*preload, "lightning_shm.runtime.forkserver_exit"])
         saved = os.dup(2)
-        os.environ[_SERVER_ENV] = str(os.getpid())
         try:
-            os.dup2(_output.write_fd, 2)  # the server (a new interpreter) inherits fds 0-2 and the environment
+            os.dup2(_output.write_fd, 2)  # the server (a new interpreter) inherits fds 0-2
             forkserver.ensure_running()
         finally:
-            del os.environ[_SERVER_ENV]
             os.dup2(saved, 2)
             os.close(saved)
 
@@ -143,7 +140,7 @@ def last_lines(text: str, lines: int) -> str:
     return "\n".join(text.replace("\r", "\n").rstrip().splitlines()[-lines:])
 
 
-def _leave_at_once(server_pid: int) -> None:
+def leave_at_once(server_pid: int) -> None:
     """The server's exit: flush and ``os._exit``. A worker forked from the server inherits this handler
     (and runs the exit handlers when it leaves): there it does nothing."""
     if os.getpid() != server_pid:
@@ -152,7 +149,3 @@ def _leave_at_once(server_pid: int) -> None:
         with contextlib.suppress(Exception):
             f.flush()
     os._exit(0)
-
-
-if os.environ.pop(_SERVER_ENV, None) == str(os.getppid()):  # imported in a server that ensure_running started
-    atexit.register(_leave_at_once, os.getpid())

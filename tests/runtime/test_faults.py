@@ -454,7 +454,6 @@ _SERVER_MAIN = textwrap.dedent(
 
     if __name__ == "__main__":
         print(*Launcher(LaunchConfig(2, start_method="forkserver", preload=("server_marker",))).run(pid))
-        print([k for k in os.environ if k.startswith("LIGHTNING_SHM")])  # the server's mark stays the server's
     """
 )
 
@@ -472,6 +471,4 @@ def test_the_fork_server_leaves_without_an_interpreter_shutdown(tmp_path):
     out = subprocess.run([sys.executable, str(tmp_path / "main.py")], cwd=tmp_path, env=env, capture_output=True,
                          text=True, timeout=120)  # returns once the server has closed stdout too
     assert out.returncode == 0, out.stderr[-3000:]
-    workers, environ = out.stdout.splitlines()[:2]
-    assert environ == "[]"
-    assert sorted(os.listdir(marks)) == sorted(workers.split()), "the server ran its exit handlers, or a worker did not"
+    assert sorted(os.listdir(marks)) == sorted(out.stdout.split()), "the server ran its handlers, or a worker did not"
