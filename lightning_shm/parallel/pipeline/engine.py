@@ -127,8 +127,8 @@ class PipelineEngine:
         self.timeline: list[Timed] = []
         self.peak_activation_bytes = 0
         # (m, c) -> x, out, and under checkpointing what the recomputation replays: forward's random state and
-        # the buffers forward updated in place with their values from before it (.buffers)
-        self._store: dict[tuple[int, int], tuple[Any, Any, Optional[tuple[torch.Tensor, list[Any]]]]] = {}
+        # the chunk's buffers as forward found them (.buffers)
+        self._store: dict[tuple[int, int], tuple[Any, Any, Optional[tuple[torch.Tensor, buffers.ForwardBuffers]]]] = {}
         self._updating: dict[int, set[int]] = {}  # chunk -> ids of the buffers its forwards were seen to update
         self._saved: dict[tuple[int, int], dict[int, int]] = {}  # (m, c) -> {storage ptr: bytes}
         self._stash: dict[tuple[int, int], list[tuple[nn.Parameter, torch.Tensor, torch.Tensor]]] = {}
