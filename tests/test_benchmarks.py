@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -22,13 +24,50 @@ def run(args: list[str]) -> str:
     return out.stdout
 
 
+_MARK = "=== script:"
+_RUN_IN_ONE_INTERPRETER = f"""
+import json, runpy, sys, traceback
+for argv in json.loads(sys.argv[1]):
+    print({_MARK!r}, json.dumps(argv), flush=True)
+    sys.argv = argv
+    try:
+        runpy.run_path(argv[0], run_name="__main__")  # as `python <argv...>` runs it
+    except BaseException:
+        traceback.print_exc(file=sys.stdout)
+        print("=== failed", flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def scripts_run(tmp_path_factory) -> Callable[..., str]:
+    """The scripts run without Lightning's fit, each as ``__main__``, one after the other in one fresh
+    interpreter: importing torch and lightning costs more than their quick runs (12-18 s each in the suite).
+    Returns ``output(*argv)``: what that command printed (the test fails with its traceback if it raised)."""
+    out_dir = tmp_path_factory.mktemp("scripts")
+    argvs = [["scripts/bench_collectives.py", "--quick", "--sizes", "4KiB", "64KiB", "--out-dir", str(out_dir)],
+             ["scripts/plot_pipeline.py", "--stages", "2", "--microbatches", "4", "--batch", "64",
+              "--out-dir", str(out_dir)],
+             ["scripts/bench_stage_grads.py", "--quick"], ["scripts/bench_stage_grads.py", "--bound", "--quick"]]
+    printed = run(["-c", _RUN_IN_ONE_INTERPRETER, json.dumps(argvs)]).split(_MARK + " ")[1:]
+    outputs = {tuple(json.loads(part.split("\n", 1)[0])): part.split("\n", 1)[1] for part in printed}
+    assert len(outputs) == len(argvs), printed
+
+    def output(*argv: str) -> str:
+        text = outputs[tuple(a.replace("OUT", str(out_dir)) for a in argv)]
+        assert "=== failed" not in text, text[-3000:]
+        return text
+
+    output.out_dir = out_dir  # type: ignore[attr-defined]
+    return output
+
+
 def _bench_dirs() -> set[Path]:
     """The directories benchmark runs make for their timing files (each must remove its own)."""
     return set(Path(tempfile.gettempdir()).glob("bench_*"))
 
 
-def test_bench_collectives_prints_table_plot_and_summary(tmp_path):
-    out = run(["scripts/bench_collectives.py", "--quick", "--sizes", "4KiB", "64KiB", "--out-dir", str(tmp_path)])
+def test_bench_collectives_prints_table_plot_and_summary(scripts_run):
+    out = scripts_run("scripts/bench_collectives.py", "--quick", "--sizes", "4KiB", "64KiB", "--out-dir", "OUT")
     assert "| 4KiB |" in out and "| 64KiB |" in out
     summary = out.strip().splitlines()[-1]
     assert summary.startswith("summary: ")
@@ -37,15 +76,32 @@ def test_bench_collectives_prints_table_plot_and_summary(tmp_path):
             "channel_roundtrip_64KiB_us"} <= set(pairs)
     assert float(pairs["channel_roundtrip_64KiB_us"]) > 0
     assert float(pairs["allreduce_4KiB_us"]) > 0 and float(pairs["barrier_us"]) > 0
-    assert (tmp_path / "collectives.png").stat().st_size > 1000
+    assert (scripts_run.out_dir / "collectives.png").stat().st_size > 1000
 
 
-def test_bench_strategies_runs_the_rows(tmp_path):
-    # every default table but the fixed costs (a dozen fresh interpreters: the test below runs one row of it)
+def _section(out: str, heading: str) -> str:
+    """The table under the ``## <heading>...`` line, up to the next heading: tables' rows look alike."""
+    start = out.index(f"## {heading}")
+    end = out.find("\n#", start + 1)
+    return out[start:end if end >= 0 else len(out)]
+
+
+@pytest.fixture(scope="module")
+def strategies_run(tmp_path_factory) -> tuple[str, Path, set[Path]]:
+    """One run of bench_strategies.py for the tests below (a fresh interpreter and its workers' imports cost
+    more than the short runs): the reference MLP's rows but Lightning's, every default table but the fixed
+    costs (a dozen fresh interpreters: a test below runs one row of it), the phases and tp's layer by layer.
+    Returns its output, its output directory and the timing directories left after it."""
+    out_dir = tmp_path_factory.mktemp("bench_strategies")
     before = _bench_dirs()
     out = run(["scripts/bench_strategies.py", "--quick", "--models", "reference", "--rows", "shm_ddp",
-               "--steps", "20", "--repeats", "1", "--tables", "memory", "prefetch", "tp", "pipeline",
-               "--out-dir", str(tmp_path)])
+               "--steps", "20", "--repeats", "1", "--tables", "memory", "prefetch", "tp", "pipeline", "phases",
+               "tp_layers", "--out-dir", str(out_dir)])
+    return out, out_dir, _bench_dirs() - before
+
+
+def test_bench_strategies_runs_the_rows(strategies_run):
+    out, out_dir, left = strategies_run
     for row in ("single", "shm_ddp", "ceiling", "ceiling, lock-step"):
         assert re.search(rf"\| {re.escape(row)}[^|]* \| [\d,]+ \|", out), out
     # the lock-step ceiling's ranks really met where shm_ddp's do: after each loss and each backward
@@ -54,8 +110,10 @@ def test_bench_strategies_runs_the_rows(tmp_path):
     assert note and float(note.group(1)) == 2.0, out
     assert "(no comm) [" not in out.replace("lock-step (no comm) [", ""), out  # the plain ceiling has no barriers
     assert "## shm_fsdp gather: copy, copy + prefetch, view" in out and "| reference | per layer | 2 x 1" in out
-    assert (tmp_path / "strategies_w2.png").exists()
-    assert _bench_dirs() == before  # each run's timing files were removed
+    for table in ("Memory per rank", "Tensor parallel: bytes per rank", "Pipeline schedules"):
+        assert f"## {table}" in out, out
+    assert (out_dir / "strategies_w2.png").exists()
+    assert left == set()  # each run's timing files were removed
 
 
 def test_fixed_cost_rows_time_each_fit_from_a_fresh_interpreter_and_leave_no_files(monkeypatch):
@@ -87,9 +145,8 @@ def test_measured_rows_fork_their_workers_only_where_each_gets_one_thread(monkey
     assert not any("start_method" in s.strategy_kwargs for s in bench.fast_start(bench.rows_for("wide", 2, 8, 1, 1)))
 
 
-def test_bench_strategies_splits_steps_into_phases(tmp_path):
-    out = run(["scripts/bench_strategies.py", "--no-throughput", "--tables", "phases", "--models", "reference",
-               "--steps", "20", "--repeats", "1", "--out-dir", str(tmp_path)])
+def test_bench_strategies_splits_steps_into_phases(strategies_run):
+    out = _section(strategies_run[0], "Where a step goes")
     rows = {}
     for line in out.splitlines():
         cells = [c.strip() for c in line.strip("|").split("|")]
@@ -114,18 +171,17 @@ def test_bench_strategies_splits_steps_into_phases(tmp_path):
     assert "(" in rows["shm_tp (tp=2)"][1]  # split loading gathers the members' shares while loading
 
 
-def test_plot_pipeline_draws_a_gantt_chart_per_schedule(tmp_path):
-    out = run(["scripts/plot_pipeline.py", "--stages", "2", "--microbatches", "4", "--batch", "64",
-               "--out-dir", str(tmp_path)])
+def test_plot_pipeline_draws_a_gantt_chart_per_schedule(scripts_run):
+    out = scripts_run("scripts/plot_pipeline.py", "--stages", "2", "--microbatches", "4", "--batch", "64",
+                      "--out-dir", "OUT")
     for schedule in ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"):
-        png = tmp_path / f"pipeline_{schedule}_p2.png"
+        png = scripts_run.out_dir / f"pipeline_{schedule}_p2.png"
         assert png.stat().st_size > 5000, png
         assert f"pipeline_{schedule}_p2.png: measured bubble" in out
 
 
-def test_bench_strategies_times_tp_layer_by_layer(tmp_path):
-    out = run(["scripts/bench_strategies.py", "--no-throughput", "--tables", "tp_layers", "--steps", "20",
-               "--repeats", "1", "--out-dir", str(tmp_path)])
+def test_bench_strategies_times_tp_layer_by_layer(strategies_run):
+    out = _section(strategies_run[0], "shm_tp's mechanics without Lightning")
     rows = {}
     for line in out.splitlines():
         cells = [c.strip() for c in line.strip("|").split("|")]
@@ -254,14 +310,14 @@ def test_reference_rows_put_the_former_tp_pair_beside_the_derived_plan(monkeypat
     assert not [s.row for s in bench.rows_for("wide", 2, 128, 1, 1) if "pair" in s.row]
 
 
-def test_bench_stage_grads_prints_both_variants():
-    out = run(["scripts/bench_stage_grads.py", "--quick"])
+def test_bench_stage_grads_prints_both_variants(scripts_run):
+    out = scripts_run("scripts/bench_stage_grads.py", "--quick")
     rows = [line for line in out.splitlines() if re.match(r"\| \(256, 512\) \| 64 \| [48] \|", line)]
     assert len(rows) == 2 and all(line.rstrip().endswith("x |") for line in rows)
 
 
-def test_bench_stage_grads_prints_the_microbatch_bound():
-    out = run(["scripts/bench_stage_grads.py", "--bound", "--quick"])
+def test_bench_stage_grads_prints_the_microbatch_bound(scripts_run):
+    out = scripts_run("scripts/bench_stage_grads.py", "--bound", "--quick")
     rows = {c[0]: c[1:] for c in ([x.strip() for x in line.strip("|").split("|")] for line in out.splitlines())
             if len(c) == 4 and (c[0].startswith("ceiling") or c[0].startswith("stage-like"))}
     assert rows["ceiling rank (autograd)"] == ["128 x 1", rows["ceiling rank (autograd)"][1], "1.00"], out

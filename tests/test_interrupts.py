@@ -81,13 +81,15 @@ _SCRIPT = textwrap.dedent(
 def test_interrupt_saves_the_real_step_and_resume_continues_from_it(tmp_path, name, start, signame, to):
     """Every start method (forkserver: the default); the signal to the main process alone (``kill``; by its pid:
     a fork server's workers have the server as their parent), to the whole process group (Ctrl-C) or to rank 0's
-    worker alone (its SIGTERM is a stop request for the run)."""
+    worker alone (its SIGTERM is a stop request for the run). The resumed run forks its workers whatever the
+    interrupted run's start method: what it checks is the checkpoint, and a fork server or spawned workers
+    importing torch and lightning again cost the suite ~10 s a run."""
     script = tmp_path / "run.py"
     script.write_text(_SCRIPT)
     steps = tmp_path / "steps.txt"
 
     def run(mode):
-        args = [name, start, signame, to, str(tmp_path), str(steps), mode]
+        args = [name, start if mode == "interrupt" else "fork", signame, to, str(tmp_path), str(steps), mode]
         proc = subprocess.Popen([sys.executable, str(script), *args], cwd=ROOT, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True,
                                 start_new_session=True,  # its own process group, which a Ctrl-C reaches

@@ -4,7 +4,7 @@ Each run is compared with one process on the global batch (same init, same seed)
 makes "one process" ambiguous the reference says which process it is:
 
 * shm_ddp / shm_fsdp without ``sync_batchnorm``: each rank normalises its own part of the batch,
-  as torch DDP does -- the reference is Lightning's own ``ddp_spawn`` (gloo);
+  as torch DDP does -- the reference is Lightning's own DDP (gloo; ``ddp_fork``);
 * ``sync_batchnorm=True``: statistics of the global batch -- one process, exactly;
 * shm_tp: BatchNorm between a column and a row conv is per channel -- one process, exactly;
 * shm_pipeline: BatchNorm sees one microbatch at a time (as in GPipe) -- one process accumulating
@@ -108,7 +108,7 @@ def cnn_refs():
     BatchNorm over its half), parameters and BatchNorm buffers."""
     one = {opt: train_mnist("auto", 1, opt, batch=GLOBAL_BATCH, ref=True, model_cls=CNN, buffers=True)
            for opt in OPTIMIZERS}
-    gloo = train_mnist("ddp_spawn", 2, "sgd", batch=GLOBAL_BATCH // 2, model_cls=CNN, buffers=True)
+    gloo = train_mnist("ddp_fork", 2, "sgd", batch=GLOBAL_BATCH // 2, model_cls=CNN, buffers=True)
     return one, gloo
 
 

@@ -56,9 +56,10 @@ def test_script_without_main_guard_fails_fast_with_the_workers_message(tmp_path,
     assert "guards the main" in out.stderr.split("wrote to stderr:", 1)[1], out.stderr[-3000:]
 
 
-@pytest.mark.parametrize("strategy", ["shm_ddp", "shm_ddp_spawn"])
-def test_script_from_stdin_is_refused_before_any_worker_starts(strategy):
-    code = _NO_GUARD.replace("STRATEGY", strategy).replace('pl.Trainer(', 'if __name__ == "__main__":\n    pl.Trainer(')
+def test_script_from_stdin_is_refused_before_any_worker_starts():
+    """The default start method (a fork server); spawn's refusal: the in-process test below."""
+    guarded = 'if __name__ == "__main__":\n    pl.Trainer('
+    code = _NO_GUARD.replace("STRATEGY", "shm_ddp").replace("pl.Trainer(", guarded)
     out = subprocess.run([sys.executable, "-"], input=code, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode != 0
     assert "has no file ('<stdin>'" in out.stderr and "start_method='fork'" in out.stderr, out.stderr[-3000:]
@@ -82,10 +83,11 @@ _NOTEBOOK_CELL = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("strategy", ["shm_ddp", "shm_ddp_spawn", "shm_ddp_fork"])
+@pytest.mark.parametrize("strategy", ["shm_ddp", "shm_ddp_fork"])
 def test_a_module_defined_without_a_main_script_is_refused_unless_forked(strategy):
     """``python -c`` or a notebook has no main script: a new interpreter cannot find the session's classes (the
-    workers failed with "Can't get attribute 'Cell' on <module '__main__'>"); a forked worker has them."""
+    workers failed with "Can't get attribute 'Cell' on <module '__main__'>"); a forked worker has them. Spawn's
+    refusal: the in-process test below."""
     out = subprocess.run([sys.executable, "-c", _NOTEBOOK_CELL.replace("STRATEGY", strategy)], cwd=ROOT,
                          capture_output=True, text=True, timeout=300)
     if strategy == "shm_ddp_fork":
@@ -94,6 +96,33 @@ def test_a_module_defined_without_a_main_script_is_refused_unless_forked(strateg
     assert out.returncode != 0
     assert "cannot see what this session defined in __main__ (Cell)" in out.stderr, out.stderr[-3000:]
     assert "WorkerTraceback" not in out.stderr and "Can't get attribute" not in out.stderr
+
+
+@pytest.mark.parametrize("main_file, refusal", [
+    ("<stdin>", r"start_method='spawn' starts each worker by importing the main script again, but it has no file "
+                r"\('<stdin>'"),
+    (None, r"start_method='spawn' starts each worker in a new interpreter, which cannot see what this session "
+           r"defined in __main__ \(Cell\)")])
+def test_spawned_workers_need_a_main_script_to_import(monkeypatch, no_worker_starts, main_file, refusal):
+    """The two tests above under spawn, in this process (a fresh interpreter costs the suite 15 s a case):
+    ``__main__`` as a script read from stdin leaves it, or as ``python -c`` / a notebook leaves it, holding
+    the module's class."""
+    import types
+
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    from lightning_shm import SHMDDPStrategy
+    from tests.helpers import trainer
+
+    cell = type("Cell", (BoringModel,), {"__module__": "__main__"})
+    main = types.ModuleType("__main__")
+    main.__spec__ = None
+    if main_file is not None:
+        main.__file__ = main_file
+    main.Cell = cell
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    with pytest.raises(RuntimeError, match=refusal):
+        trainer(strategy=SHMDDPStrategy(start_method="spawn"), devices=2, max_epochs=1).fit(cell())
 
 
 def test_fork_server_output_holds_what_a_dead_worker_wrote_last():

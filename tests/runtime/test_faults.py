@@ -288,10 +288,12 @@ def _gone(pid: int) -> bool:
         return True
 
 
-# SIGINT ends in KeyboardInterrupt, which an interpreter left by it reports as death by SIGINT
-@pytest.mark.parametrize("sig, rc", [(signal.SIGTERM, 128 + signal.SIGTERM), (signal.SIGINT, -signal.SIGINT)])
-@pytest.mark.parametrize("start_method", ["fork", "forkserver"])
-def test_signal_to_main_process_stops_workers_and_cleans_up(tmp_path, sig, rc, start_method):
+# SIGINT ends in KeyboardInterrupt, which an interpreter left by it reports as death by SIGINT. Each signal and
+# each start method once (a fresh interpreter costs the suite 12-25 s); tests/test_interrupts.py sends both
+# signals to a main process whose workers a fork server started.
+@pytest.mark.parametrize("start_method, sig, rc", [("fork", signal.SIGTERM, 128 + signal.SIGTERM),
+                                                   ("forkserver", signal.SIGINT, -signal.SIGINT)])
+def test_signal_to_main_process_stops_workers_and_cleans_up(tmp_path, start_method, sig, rc):
     proc = _run_script(tmp_path, start_method)
     workers = _descendants(proc.pid)
     t0 = time.monotonic()
