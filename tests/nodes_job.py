@@ -1,6 +1,6 @@
 """One node's share of the multi-node tests (run by scripts/launch_nodes.py; see tests/test_nodes.py).
 
-    python tests/nodes_job.py <strategy> <out dir> <mode>
+    python tests/nodes_job.py <strategy>[,<strategy>...] <out dir> <mode>
 
 Each node trains the MNIST module on synthetic data with 2 devices and ``num_nodes=2``, then writes
 what the test compares into ``<out dir>``: its final weights, the metrics it logged, the
@@ -56,7 +56,14 @@ class Counted(MNISTClassifier):
 
 
 def main() -> None:
-    name, out, mode = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
+    """One fit per strategy named (comma-separated), one after the other in this node's process, each writing
+    into ``<out dir>/<name>`` (a fresh interpreter per fit would import torch and lightning again)."""
+    names, out, mode = sys.argv[1].split(","), Path(sys.argv[2]), sys.argv[3]
+    for name in names:
+        fit(name, out / name if len(names) > 1 else out, mode)
+
+
+def fit(name: str, out: Path, mode: str) -> None:
     make, replicas = STRATEGIES[name]
     node = int(os.environ["NODE_RANK"])
     pl.seed_everything(SEED)

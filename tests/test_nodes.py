@@ -44,10 +44,22 @@ def reference():
     return weights, float(t.callback_metrics["grad_norm"])
 
 
-@pytest.mark.parametrize("name", ["ddp", "fsdp", "tp", "pipeline"])
-def test_two_nodes_equal_one_process(tmp_path, reference, name):
-    done = run_nodes(name, tmp_path)
+NAMES = ["ddp", "fsdp", "tp", "pipeline"]
+
+
+@pytest.fixture(scope="module")
+def two_node_runs(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
+    """Each strategy's fit, one after the other in the same two node processes (as a job that fits and then
+    tests runs two launches): a node process's interpreter costs more than its fits."""
+    out = tmp_path_factory.mktemp("nodes")
+    return run_nodes(",".join(NAMES), out), out
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_two_nodes_equal_one_process(two_node_runs, reference, name):
+    done, tmp_path = two_node_runs
     assert done.returncode == 0, done.stderr[-4000:]
+    tmp_path = tmp_path / name
     got = [torch.load(tmp_path / f"node{n}.pt").double() for n in (0, 1)]
     weights, grad_norm = reference
     torch.testing.assert_close(got[0], weights, rtol=0, atol=1e-5)
