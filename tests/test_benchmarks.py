@@ -9,7 +9,6 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Callable
 
 import pytest
 
@@ -24,11 +23,17 @@ def run(args: list[str]) -> str:
     return out.stdout
 
 
-_MARK = "=== script:"
-_RUN_IN_ONE_INTERPRETER = f"""
+_SCRIPTS = {  # the runs of the scripts that train without Lightning's fit, for the tests below; OUT: a directory
+    "collectives": ["scripts/bench_collectives.py", "--quick", "--sizes", "4KiB", "64KiB", "--out-dir", "OUT"],
+    "plot_pipeline": ["scripts/plot_pipeline.py", "--stages", "2", "--microbatches", "4", "--batch", "64",
+                      "--out-dir", "OUT"],
+    "stage_grads": ["scripts/bench_stage_grads.py", "--quick"],
+    "stage_grads_bound": ["scripts/bench_stage_grads.py", "--bound", "--quick"],
+}
+_RUN_IN_ONE_INTERPRETER = """
 import json, runpy, sys, traceback
-for argv in json.loads(sys.argv[1]):
-    print({_MARK!r}, json.dumps(argv), flush=True)
+for key, argv in json.loads(sys.argv[1]).items():
+    print("=== script:", key, flush=True)
     sys.argv = argv
     try:
         runpy.run_path(argv[0], run_name="__main__")  # as `python <argv...>` runs it
@@ -39,26 +44,23 @@ for argv in json.loads(sys.argv[1]):
 
 
 @pytest.fixture(scope="module")
-def scripts_run(tmp_path_factory) -> Callable[..., str]:
-    """The scripts run without Lightning's fit, each as ``__main__``, one after the other in one fresh
-    interpreter: importing torch and lightning costs more than their quick runs (12-18 s each in the suite).
-    Returns ``output(*argv)``: what that command printed (the test fails with its traceback if it raised)."""
+def scripts_run(tmp_path_factory) -> tuple[dict[str, str], Path]:
+    """``_SCRIPTS``, each run as ``__main__``, one after the other in one fresh interpreter: importing torch and
+    lightning costs more than their quick runs (12-18 s each in the suite). Returns what each printed, by key,
+    and the directory they wrote to."""
     out_dir = tmp_path_factory.mktemp("scripts")
-    argvs = [["scripts/bench_collectives.py", "--quick", "--sizes", "4KiB", "64KiB", "--out-dir", str(out_dir)],
-             ["scripts/plot_pipeline.py", "--stages", "2", "--microbatches", "4", "--batch", "64",
-              "--out-dir", str(out_dir)],
-             ["scripts/bench_stage_grads.py", "--quick"], ["scripts/bench_stage_grads.py", "--bound", "--quick"]]
-    printed = run(["-c", _RUN_IN_ONE_INTERPRETER, json.dumps(argvs)]).split(_MARK + " ")[1:]
-    outputs = {tuple(json.loads(part.split("\n", 1)[0])): part.split("\n", 1)[1] for part in printed}
-    assert len(outputs) == len(argvs), printed
+    argvs = {key: [str(out_dir) if a == "OUT" else a for a in argv] for key, argv in _SCRIPTS.items()}
+    printed = run(["-c", _RUN_IN_ONE_INTERPRETER, json.dumps(argvs)]).split("=== script: ")[1:]
+    outputs = dict(part.split("\n", 1) for part in printed)
+    assert list(outputs) == list(_SCRIPTS), printed
+    return outputs, out_dir
 
-    def output(*argv: str) -> str:
-        text = outputs[tuple(a.replace("OUT", str(out_dir)) for a in argv)]
-        assert "=== failed" not in text, text[-3000:]
-        return text
 
-    output.out_dir = out_dir  # type: ignore[attr-defined]
-    return output
+def printed(scripts_run: tuple[dict[str, str], Path], key: str) -> str:
+    """What ``_SCRIPTS[key]`` printed; the test fails with its traceback if it raised."""
+    text = scripts_run[0][key]
+    assert "=== failed" not in text, text[-3000:]
+    return text
 
 
 def _bench_dirs() -> set[Path]:
@@ -67,7 +69,7 @@ def _bench_dirs() -> set[Path]:
 
 
 def test_bench_collectives_prints_table_plot_and_summary(scripts_run):
-    out = scripts_run("scripts/bench_collectives.py", "--quick", "--sizes", "4KiB", "64KiB", "--out-dir", "OUT")
+    out = printed(scripts_run, "collectives")
     assert "| 4KiB |" in out and "| 64KiB |" in out
     summary = out.strip().splitlines()[-1]
     assert summary.startswith("summary: ")
@@ -76,7 +78,7 @@ def test_bench_collectives_prints_table_plot_and_summary(scripts_run):
             "channel_roundtrip_64KiB_us"} <= set(pairs)
     assert float(pairs["channel_roundtrip_64KiB_us"]) > 0
     assert float(pairs["allreduce_4KiB_us"]) > 0 and float(pairs["barrier_us"]) > 0
-    assert (scripts_run.out_dir / "collectives.png").stat().st_size > 1000
+    assert (scripts_run[1] / "collectives.png").stat().st_size > 1000
 
 
 def _section(out: str, heading: str) -> str:
@@ -172,10 +174,9 @@ def test_bench_strategies_splits_steps_into_phases(strategies_run):
 
 
 def test_plot_pipeline_draws_a_gantt_chart_per_schedule(scripts_run):
-    out = scripts_run("scripts/plot_pipeline.py", "--stages", "2", "--microbatches", "4", "--batch", "64",
-                      "--out-dir", "OUT")
+    out = printed(scripts_run, "plot_pipeline")
     for schedule in ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"):
-        png = scripts_run.out_dir / f"pipeline_{schedule}_p2.png"
+        png = scripts_run[1] / f"pipeline_{schedule}_p2.png"
         assert png.stat().st_size > 5000, png
         assert f"pipeline_{schedule}_p2.png: measured bubble" in out
 
@@ -311,13 +312,13 @@ def test_reference_rows_put_the_former_tp_pair_beside_the_derived_plan(monkeypat
 
 
 def test_bench_stage_grads_prints_both_variants(scripts_run):
-    out = scripts_run("scripts/bench_stage_grads.py", "--quick")
+    out = printed(scripts_run, "stage_grads")
     rows = [line for line in out.splitlines() if re.match(r"\| \(256, 512\) \| 64 \| [48] \|", line)]
     assert len(rows) == 2 and all(line.rstrip().endswith("x |") for line in rows)
 
 
 def test_bench_stage_grads_prints_the_microbatch_bound(scripts_run):
-    out = scripts_run("scripts/bench_stage_grads.py", "--bound", "--quick")
+    out = printed(scripts_run, "stage_grads_bound")
     rows = {c[0]: c[1:] for c in ([x.strip() for x in line.strip("|").split("|")] for line in out.splitlines())
             if len(c) == 4 and (c[0].startswith("ceiling") or c[0].startswith("stage-like"))}
     assert rows["ceiling rank (autograd)"] == ["128 x 1", rows["ceiling rank (autograd)"][1], "1.00"], out

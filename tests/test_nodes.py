@@ -57,14 +57,14 @@ def two_node_runs(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
 
 @pytest.mark.parametrize("name", NAMES)
 def test_two_nodes_equal_one_process(two_node_runs, reference, name):
-    done, tmp_path = two_node_runs
+    done, runs = two_node_runs
     assert done.returncode == 0, done.stderr[-4000:]
-    tmp_path = tmp_path / name
-    got = [torch.load(tmp_path / f"node{n}.pt").double() for n in (0, 1)]
+    out = runs / name
+    got = [torch.load(out / f"node{n}.pt").double() for n in (0, 1)]
     weights, grad_norm = reference
     torch.testing.assert_close(got[0], weights, rtol=0, atol=1e-5)
     assert torch.equal(got[0], got[1])  # every node's main process holds the trained model
-    meta = [json.loads((tmp_path / f"node{n}.json").read_text()) for n in (0, 1)]
+    meta = [json.loads((out / f"node{n}.json").read_text()) for n in (0, 1)]
     assert meta[0]["global_step"] == meta[1]["global_step"] == STEPS
     # logs combine over the data-parallel ranks of both nodes: all four for ddp / fsdp (a SumMetric of
     # rank + 1 per step: 5 * (1 + 2 + 3 + 4)); for tp the replicas are global ranks 0 and 2 (tp ranks see the
@@ -75,7 +75,7 @@ def test_two_nodes_equal_one_process(two_node_runs, reference, name):
     assert (metrics["rank_sum"], metrics["rank_mean"]) == pytest.approx(expected)
     assert metrics["grad_norm"] == pytest.approx(grad_norm, rel=1e-5)  # every node's pieces (lightning_shm.grad_norm)
     # one checkpoint, written once (global rank 0), plain: it loads in one process
-    files = sorted((tmp_path / "ckpt").iterdir())
+    files = sorted((out / "ckpt").iterdir())
     assert len(files) == 1 and meta[0]["best"] == meta[1]["best"] == str(files[0])
     plain = MNISTClassifier.load_from_checkpoint(files[0])
     torch.testing.assert_close(torch.cat([p.detach().reshape(-1) for p in plain.parameters()]).double(), got[0])
