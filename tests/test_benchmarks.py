@@ -91,7 +91,7 @@ def _section(out: str, heading: str) -> str:
 @pytest.fixture(scope="module")
 def strategies_run(tmp_path_factory) -> tuple[str, Path, set[Path]]:
     """One run of bench_strategies.py for the tests below (a fresh interpreter and its workers' imports cost
-    more than the short runs): the reference MLP's rows but Lightning's, every default table but the fixed
+    more than the short runs): the reference MLP's single, ceiling and shm_ddp rows, every default table but the fixed
     costs (a dozen fresh interpreters: a test below runs one row of it), the phases and tp's layer by layer.
     Returns its output, its output directory and the timing directories left after it."""
     out_dir = tmp_path_factory.mktemp("bench_strategies")

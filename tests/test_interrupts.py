@@ -83,7 +83,7 @@ def test_interrupt_saves_the_real_step_and_resume_continues_from_it(tmp_path, na
     a fork server's workers have the server as their parent), to the whole process group (Ctrl-C) or to rank 0's
     worker alone (its SIGTERM is a stop request for the run). The resumed run forks its workers whatever the
     interrupted run's start method: what it checks is the checkpoint, and a fork server or spawned workers
-    importing torch and lightning again cost the suite ~10 s a run."""
+    importing torch and lightning again cost the suite 12-15 s a run."""
     script = tmp_path / "run.py"
     script.write_text(_SCRIPT)
     steps = tmp_path / "steps.txt"
