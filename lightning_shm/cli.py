@@ -24,7 +24,7 @@ from typing import Any, Optional
 
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
-import lightning_shm  # noqa: F401  (registers strategies)
+import lightning_shm  # noqa: F401  (the strategy names: registered as Lightning is imported)
 from datamodules import MNISTDataModule
 from lightning_shm.models import MNISTClassifier
 

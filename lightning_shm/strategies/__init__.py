@@ -1,10 +1,13 @@
 """Lightning strategies: thin adapters of the parallelism code to the Trainer.
 
 One strategy, :class:`SHMModelParallel` (dp x tp x pp), and four presets of it; every name is
-registered once per start method (``shm_ddp``: forkserver, ``shm_ddp_spawn``, ``shm_ddp_fork``).
+registered once per start method (``shm_ddp``: forkserver, ``shm_ddp_spawn``, ``shm_ddp_fork``), when this
+module loads -- which ``import lightning_shm`` arranges for as soon as ``lightning.pytorch`` is imported.
 """
 
 from typing import Any
+
+from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_shm.strategies.base import SHMStrategyBase
 from lightning_shm.strategies.ddp import SHMDDPStrategy
@@ -29,6 +32,8 @@ def register_all(strategy_registry: Any) -> None:
             strategy_registry.register(name + suffix, cls, description=f"{description}, start_method={method!r}",
                                        start_method=method, override=True)
 
+
+register_all(StrategyRegistry)
 
 __all__ = ["REGISTRY", "SHMDDPStrategy", "SHMFSDPStrategy", "SHMModelParallel", "SHMPipeline", "SHMStrategyBase",
            "SHMTensorParallel", "grad_norm", "register_all"]
