@@ -45,9 +45,8 @@ for key, argv in json.loads(sys.argv[1]).items():
 
 @pytest.fixture(scope="module")
 def scripts_run(tmp_path_factory) -> tuple[dict[str, str], Path]:
-    """``_SCRIPTS``, each run as ``__main__``, one after the other in one fresh interpreter: importing torch and
-    lightning costs more than their quick runs (12-18 s each in the suite). Returns what each printed, by key,
-    and the directory they wrote to."""
+    """``_SCRIPTS``, each run as ``__main__``, one after the other in one fresh interpreter: importing torch costs
+    more than their quick runs. Returns what each printed, by key, and the directory they wrote to."""
     out_dir = tmp_path_factory.mktemp("scripts")
     argvs = {key: [str(out_dir) if a == "OUT" else a for a in argv] for key, argv in _SCRIPTS.items()}
     printed = run(["-c", _RUN_IN_ONE_INTERPRETER, json.dumps(argvs)]).split("=== script: ")[1:]

@@ -13,63 +13,73 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
+from typing import Optional
 
+import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.pytorch.callbacks import OnExceptionCheckpoint
 
+from lightning_shm import SHMDDPStrategy, SHMFSDPStrategy, SHMPipeline, SHMTensorParallel
+from lightning_shm.models import MNISTClassifier
 from lightning_shm.runtime.segment import PREFIX, SHM_DIR
+from tests.helpers import loader, mnist_like
 
 ROOT = Path(__file__).resolve().parents[1]
 
+class Interrupted(MNISTClassifier):
+    """Signals ``signum`` to ``to`` from rank 0 at step ``signal_at``; records every step rank 0 starts."""
+
+    def __init__(self, signal_at: int, signum: int, steps_file: str, main_pid: int, to: str) -> None:
+        super().__init__()
+        self.signal_at, self.signum, self.steps_file, self.main_pid = signal_at, signum, steps_file, main_pid
+        self.signal_to = to
+
+    def training_step(self, batch, batch_idx):
+        # (a pipeline calls this once per microbatch: record and signal once per step)
+        if self.global_rank == 0 and self.global_step != getattr(self, "_seen", None):
+            self._seen = self.global_step
+            with open(self.steps_file, "a") as f:
+                f.write(f"{self.global_step}\n")
+            if self.global_step == self.signal_at:
+                if self.signal_to == "group":  # as Ctrl-C in a terminal: main process, workers, fork server
+                    os.killpg(os.getpgid(self.main_pid), self.signum)
+                elif self.signal_to == "worker":  # as a scheduler that signals every process of the job may
+                    os.kill(os.getpid(), self.signum)
+                else:  # as kill would (by pid: under a fork server the workers' parent is the server)
+                    os.kill(self.main_pid, self.signum)
+                time.sleep(1.0)  # its stop request is in place before the next step starts
+        return super().training_step(batch, batch_idx)
+
+
+def fit(name: str, start: str, model: Interrupted, ckpt_dir: str, ckpt_path: Optional[str] = None) -> pl.Trainer:
+    strategy = {
+        "ddp": lambda: SHMDDPStrategy(start_method=start),
+        "fsdp": lambda: SHMFSDPStrategy(start_method=start),
+        "tp": lambda: SHMTensorParallel(tensor_parallel_size=2, start_method=start),
+        "pipeline": lambda: SHMPipeline(pipeline_parallel_size=2, microbatches=2, start_method=start),
+    }[name]()
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_epochs=1,
+                         callbacks=[OnExceptionCheckpoint(ckpt_dir)], logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, enable_checkpointing=True, default_root_dir=ckpt_dir)
+    trainer.fit(model, loader(mnist_like(24 * 24), 24), ckpt_path=ckpt_path)
+    return trainer
+
+
+# The interrupted run: a main process of its own, which the signal reaches as Ctrl-C or kill would.
 _SCRIPT = textwrap.dedent(
     """
-    import os, signal, sys, time
+    import os, signal, sys
     import lightning.pytorch as pl
-    from lightning.pytorch.callbacks import OnExceptionCheckpoint
-    import lightning_shm
-    from lightning_shm import SHMDDPStrategy, SHMFSDPStrategy, SHMPipeline, SHMTensorParallel
-    from lightning_shm.models import MNISTClassifier
-    from tests.helpers import loader, mnist_like
-
-    STRATEGIES = {
-        "ddp": lambda how: SHMDDPStrategy(start_method=how),
-        "fsdp": lambda how: SHMFSDPStrategy(start_method=how),
-        "tp": lambda how: SHMTensorParallel(tensor_parallel_size=2, start_method=how),
-        "pipeline": lambda how: SHMPipeline(pipeline_parallel_size=2, microbatches=2, start_method=how),
-    }
-
-    class Interrupted(MNISTClassifier):
-        def __init__(self, signal_at, signum, steps_file, main_pid, to):
-            super().__init__()
-            self.signal_at, self.signum, self.steps_file, self.main_pid = signal_at, signum, steps_file, main_pid
-            self.signal_to = to
-
-        def training_step(self, batch, batch_idx):
-            # (a pipeline calls this once per microbatch: record and signal once per step)
-            if self.global_rank == 0 and self.global_step != getattr(self, "_seen", None):
-                self._seen = self.global_step
-                with open(self.steps_file, "a") as f:
-                    f.write(f"{self.global_step}\\n")
-                if self.global_step == self.signal_at:
-                    if self.signal_to == "group":  # as Ctrl-C in a terminal: main process, workers, fork server
-                        os.killpg(os.getpgid(self.main_pid), self.signum)
-                    elif self.signal_to == "worker":  # as a scheduler that signals every process of the job may
-                        os.kill(os.getpid(), self.signum)
-                    else:  # as kill would (by pid: under a fork server the workers' parent is the server)
-                        os.kill(self.main_pid, self.signum)
-                    time.sleep(1.0)  # its stop request is in place before the next step starts
-            return super().training_step(batch, batch_idx)
+    from tests.test_interrupts import Interrupted, fit
 
     if __name__ == "__main__":
-        name, start, signame, to, ckpt_dir, steps_file, mode = sys.argv[1:]
+        name, start, signame, to, ckpt_dir, steps_file = sys.argv[1:]
         pl.seed_everything(0)
-        signum = int(getattr(signal, signame))
-        model = Interrupted(5 if mode == "interrupt" else -1, signum, steps_file, os.getpid(), to)
-        trainer = pl.Trainer(strategy=STRATEGIES[name](start), accelerator="cpu", devices=2, max_epochs=1,
-                             callbacks=[OnExceptionCheckpoint(ckpt_dir)], logger=False, enable_progress_bar=False,
-                             enable_model_summary=False, enable_checkpointing=True, default_root_dir=ckpt_dir)
-        trainer.fit(model, loader(mnist_like(24 * 24), 24), ckpt_path="last" if mode == "resume" else None)
+        model = Interrupted(5, int(getattr(signal, signame)), steps_file, os.getpid(), to)
+        trainer = fit(name, start, model, ckpt_dir)
         print("global_step", trainer.global_step, flush=True)
     """
 )
@@ -81,27 +91,23 @@ _SCRIPT = textwrap.dedent(
 def test_interrupt_saves_the_real_step_and_resume_continues_from_it(tmp_path, name, start, signame, to):
     """Every start method (forkserver: the default); the signal to the main process alone (``kill``; by its pid:
     a fork server's workers have the server as their parent), to the whole process group (Ctrl-C) or to rank 0's
-    worker alone (its SIGTERM is a stop request for the run). The resumed run forks its workers whatever the
-    interrupted run's start method: what it checks is the checkpoint, and a fork server or spawned workers
-    importing torch and lightning again cost the suite 12-15 s a run."""
+    worker alone (its SIGTERM is a stop request for the run). The interrupted run has a main process of its own;
+    the resumed one runs in this process and forks its workers, whatever the interrupted run's start method:
+    what it checks is the checkpoint, and a fresh interpreter importing torch and lightning cost the suite
+    15-20 s a run (its workers, under a fork server or spawn, 12-15 s more)."""
     script = tmp_path / "run.py"
     script.write_text(_SCRIPT)
     steps = tmp_path / "steps.txt"
-
-    def run(mode):
-        args = [name, start if mode == "interrupt" else "fork", signame, to, str(tmp_path), str(steps), mode]
-        proc = subprocess.Popen([sys.executable, str(script), *args], cwd=ROOT, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True,
-                                start_new_session=True,  # its own process group, which a Ctrl-C reaches
-                                env={**os.environ, "PYTHONPATH": str(ROOT)})
-        stdout, stderr = proc.communicate(timeout=300)
-        left = [n for n in os.listdir(SHM_DIR) if n.startswith(f"{PREFIX}_{proc.pid}.")]
-        assert not left, f"left in /dev/shm: {left}"
-        return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
-
-    out = run("interrupt")
-    assert out.returncode == (1 if signame == "SIGINT" else 0), out.stderr[-3000:]
-    assert "global_step" not in out.stdout or signame == "SIGTERM"
+    args = [name, start, signame, to, str(tmp_path), str(steps)]
+    proc = subprocess.Popen([sys.executable, str(script), *args], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            start_new_session=True,  # its own process group, which a Ctrl-C reaches
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    stdout, stderr = proc.communicate(timeout=300)
+    left = [n for n in os.listdir(SHM_DIR) if n.startswith(f"{PREFIX}_{proc.pid}.")]
+    assert not left, f"left in /dev/shm: {left}"
+    assert proc.returncode == (1 if signame == "SIGINT" else 0), stderr[-3000:]
+    assert "global_step" not in stdout or signame == "SIGTERM"
     ckpt = torch.load(tmp_path / "on_exception.ckpt", weights_only=False)
     # signalled during step 5; every rank stopped together at the next stop check (every 4th batch: 8)
     assert ckpt["global_step"] == 8
@@ -109,11 +115,11 @@ def test_interrupt_saves_the_real_step_and_resume_continues_from_it(tmp_path, na
     assert [int(s) for s in steps.read_text().split()] == list(range(8))
 
     steps.write_text("")
-    resumed = run("resume")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    pl.seed_everything(0)
+    resumed = fit(name, "fork", Interrupted(-1, 0, str(steps), os.getpid(), to), str(tmp_path), ckpt_path="last")
     total = 12 if name in ("ddp", "fsdp") else 24  # 576 samples in batches of 24 per data-parallel replica
     assert [int(s) for s in steps.read_text().split()] == list(range(8, total))
-    assert f"global_step {total}" in resumed.stdout
+    assert resumed.global_step == total
 
 
 def test_second_signal_stops_at_once(tmp_path):
