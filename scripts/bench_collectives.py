@@ -5,7 +5,10 @@
 
 Columns (per message size N, float32, in-place sum):
 
-* ``shm``: ``Group.all_reduce`` on a private tensor (reduce-scatter + all-gather through scratch);
+* ``shm``: ``Group.all_reduce`` on a private tensor, copied through scratch (one-shot up to 64 KiB; above,
+  reduce-scatter + all-gather, except in a group of two, which stays one-shot in 1 MiB chunks);
+* ``shm RS+AG`` (W=2): the same with ``GroupConfig(pair_oneshot=False)``: reduce-scatter + all-gather
+  above 64 KiB, what a pair did before 2026-12-05 (run in the same rounds, alternating with ``shm``);
 * ``shm zero-copy``: the tensor already lives in shared memory (how DDP gradient buckets are reduced);
 * ``gloo``: ``torch.distributed.all_reduce`` with the gloo backend on the same machine;
 * ``channel round trip``: a message of N bytes from rank 0 to rank 1 through a point-to-point
@@ -24,7 +27,7 @@ machine affects both alike. The last line is machine-readable::
     summary: allreduce_4KiB_us=... allreduce_1MiB_us=... allreduce_64MiB_ms=... speedup_vs_gloo_1MiB=...
              speedup_vs_gloo_64MiB=... barrier_us=... channel_roundtrip_64KiB_us=... fraction_of_bound_64MiB=...
              fraction_of_bound_1MiB=...
-             zero_copy_of_bound_64MiB=... zero_copy_of_bound_1MiB=... barrier_w4_us=...
+             zero_copy_of_bound_64MiB=... zero_copy_of_bound_1MiB=... rsag_vs_oneshot_1MiB=... barrier_w4_us=...
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from typing import Any, Optional
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from lightning_shm.runtime import launch  # noqa: E402
+from lightning_shm.runtime import GroupConfig, RuntimeConfig, launch  # noqa: E402
 
 KiB, MiB = 1 << 10, 1 << 20
 FULL_SIZES = [4 * KiB, 16 * KiB, 64 * KiB, 256 * KiB, 1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB]
@@ -102,6 +105,17 @@ def shm_worker(world: Any, sizes: list[int], quick: bool) -> dict[str, Any]:
     return out
 
 
+def rsag_worker(world: Any, sizes: list[int], quick: bool) -> dict[str, Any]:
+    """The private all-reduce of :func:`shm_worker` under this world's group config (``pair_oneshot=False``)."""
+    g = world.group()
+    out: dict[str, Any] = {}
+    for n in sizes:
+        x = torch.ones(n // 4)
+        g.barrier()
+        out[("rsag", n)] = _time_ops(lambda: g.all_reduce(x), reps_for(n, quick))
+    return out
+
+
 def gloo_worker(world: Any, sizes: list[int], quick: bool, port: int) -> dict[str, Any]:
     import torch.distributed as dist
 
@@ -141,8 +155,12 @@ def memcpy_times(sizes: list[int]) -> dict[int, float]:
 # ---------------------------------------------------------------------- driver
 def measure(world_size: int, sizes: list[int], rounds: int, quick: bool) -> dict[str, Any]:
     shm_runs, gloo_runs = [], []
+    rsag = RuntimeConfig(group=GroupConfig(pair_oneshot=False))
     for _ in range(rounds):  # alternate so that machine noise hits both
         shm_runs.append(max_over_ranks(launch(shm_worker, world_size, sizes, quick, start_method="fork")))
+        if world_size == 2:  # a pair's one-shot beside reduce-scatter + all-gather
+            shm_runs[-1].update(max_over_ranks(launch(rsag_worker, 2, sizes, quick, start_method="fork",
+                                                      runtime=rsag)))
         gloo_runs.append(max_over_ranks(launch(gloo_worker, world_size, sizes, quick, free_port(),
                                                start_method="fork")))
     return {"shm": median_runs(shm_runs), "gloo": median_runs(gloo_runs)}
@@ -162,14 +180,15 @@ def table(world_size: int, sizes: list[int], res: dict[str, Any], copy: dict[int
     lines = [
         f"W={world_size}: barrier {shm['barrier'] * 1e6:.1f} us (shm) vs {gloo['barrier'] * 1e6:.1f} us (gloo)",
         "",
-        "| size | shm | shm zero-copy | gloo | speed-up vs gloo | shm algbw GB/s | memcpy GB/s | bound | of bound "
-        "| zero-copy of bound | channel round trip (rank 0 -> 1 -> 0) |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| size | shm | shm RS+AG | shm zero-copy | gloo | speed-up vs gloo | shm algbw GB/s | memcpy GB/s | bound "
+        "| of bound | zero-copy of bound | channel round trip (rank 0 -> 1 -> 0) |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for n in sizes:
         t, z, g = shm[("private", n)], shm[("zero_copy", n)], gloo[("private", n)]
+        rs = fmt_t(shm[("rsag", n)]) if ("rsag", n) in shm else "--"
         lines.append(
-            f"| {fmt_size(n)} | {fmt_t(t)} | {fmt_t(z)} | {fmt_t(g)} | {g / t:.1f}x | {n / t / 1e9:.2f} | "
+            f"| {fmt_size(n)} | {fmt_t(t)} | {rs} | {fmt_t(z)} | {fmt_t(g)} | {g / t:.1f}x | {n / t / 1e9:.2f} | "
             f"{n / copy[n] / 1e9:.1f} | {fmt_t(copy[n])} | {copy[n] / t:.2f} | {copy[n] / z:.2f} | "
             f"{fmt_t(shm[('channel', n)])} |"
         )
@@ -250,6 +269,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         "fraction_of_bound_1MiB": copy.get(MiB, float("nan")) / at(MiB),
         "zero_copy_of_bound_64MiB": copy.get(64 * MiB, float("nan")) / at(64 * MiB, "zero_copy"),
         "zero_copy_of_bound_1MiB": copy.get(MiB, float("nan")) / at(MiB, "zero_copy"),
+        "rsag_vs_oneshot_1MiB": at(MiB, "rsag") / at(MiB),
     }
     if 4 in results:
         summary["barrier_w4_us"] = results[4]["shm"]["barrier"] * 1e6

@@ -77,6 +77,8 @@ def test_bench_collectives_prints_table_plot_and_summary(scripts_run):
             "channel_roundtrip_64KiB_us"} <= set(pairs)
     assert float(pairs["channel_roundtrip_64KiB_us"]) > 0
     assert float(pairs["allreduce_4KiB_us"]) > 0 and float(pairs["barrier_us"]) > 0
+    row = next(line for line in out.splitlines() if line.startswith("| 64KiB |"))
+    assert row.split("|")[3].strip().endswith(" us"), row  # W=2: reduce-scatter + all-gather beside the one-shot
     assert (scripts_run[1] / "collectives.png").stat().st_size > 1000
 
 

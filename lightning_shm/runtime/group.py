@@ -19,10 +19,16 @@ the fold runs in member order):
   folds all W slots onto its own copy (members 0 and 1 add the other's slot to theirs: one in-place
   op at W=2, see :func:`~lightning_shm.runtime.ops.fold_onto_own`). Cheapest in latency, so small
   tensors take it even inside a shared buffer.
-* **reduce-scatter + all-gather** (larger private tensors): per round, rank ``r`` publishes only
+  A group of two (``pair_oneshot``) reduces private tensors of any size this way, in slot-sized
+  chunks with one barrier each. At W=2 as many bytes cross between the two cores as on the path
+  below (the peer's whole contribution), in two tensor operations and one barrier per chunk instead
+  of four and two (measured: README, "One-shot pairs"). Chunk k's buffer is written again by chunk
+  k+2, after chunk k+1's barrier, which a member passes only once it has folded chunk k.
+* **reduce-scatter + all-gather** (larger private tensors, W > 2): per round, rank ``r`` publishes only
   the parts the others reduce, folds its own 1/W part (its own contribution read in place), posts
   the result in its slot, and after the second barrier copies the other parts' results. Each rank
-  reduces 1/W of the data instead of all of it.
+  reduces 1/W of the data instead of all of it: one-shot would read W - 1 whole contributions. A
+  node-spanning group's pair takes it too, so that each rank sends half the tensor between nodes.
 * **zero-copy** (larger tensors living in a :class:`SharedBuffer` of this group, e.g. DDP gradient buckets):
   nothing is copied in or out; rank ``r`` folds part ``r`` straight from the W members' buffers and
   writes the result back into all of them. Per rank this reads N bytes and writes N bytes, the
@@ -52,10 +58,13 @@ _ALL_REDUCE, _ALL_GATHER, _BARRIER = int(Coll.ALL_REDUCE), int(Coll.ALL_GATHER),
 
 @dataclass(frozen=True)
 class GroupConfig:
-    """Scratch sizing. ``slot_bytes`` bounds memory: a group uses ``2 * W * slot_bytes``."""
+    """Scratch sizing and the all-reduce's paths. ``slot_bytes`` bounds memory: a group uses
+    ``2 * W * slot_bytes``. ``pair_oneshot``: a group of two reduces private tensors of any size one-shot
+    (False: reduce-scatter + all-gather above ``oneshot_max_bytes``, as larger groups do)."""
 
     slot_bytes: int = 1 << 20
     oneshot_max_bytes: int = 64 << 10
+    pair_oneshot: bool = True
 
     def __post_init__(self) -> None:
         if self.slot_bytes < 4096 or self.slot_bytes % 64:
@@ -264,19 +273,29 @@ class Group:
             hit = self._find_shared(flat) if contiguous else None
             if hit is not None:
                 self._all_reduce_shared(flat, hit[0], hit[1], op, across)
+            elif self.size == 2 and across is None and self.config.pair_oneshot:
+                self._all_reduce_oneshot_chunks(flat, op)
             else:
                 self._all_reduce_rsag(flat, op, across)
         if not contiguous:
             tensor.copy_(flat.view(tensor.shape))
         return tensor
 
-    def _all_reduce_oneshot(self, flat: torch.Tensor, op: ReduceOp) -> None:
+    def _all_reduce_oneshot(self, flat: torch.Tensor, op: ReduceOp, numel: int = -1, check: bool = True) -> None:
+        """``flat`` (at most a slot) into my slot, one barrier, all W slots folded onto ``flat``. ``numel``: the
+        whole tensor's, which the barrier announces, when ``flat`` is a chunk of it."""
         n, b, r = flat.numel(), self._buf, self.index
         self._buf ^= 1
         views = self._cut(b, flat.dtype, n)[0]
         views[r].copy_(flat)
-        self._barrier.wait(self._seq, _ALL_REDUCE, dtype_code(flat.dtype), n, op)
+        self._barrier.wait(self._seq, _ALL_REDUCE, dtype_code(flat.dtype), n if numel < 0 else numel, op,
+                           check=check)
         fold_onto_own(op, views, r, flat)  # flat still holds this member's contribution
+
+    def _all_reduce_oneshot_chunks(self, flat: torch.Tensor, op: ReduceOp) -> None:
+        n, cap = flat.numel(), self._cap(flat.dtype)
+        for c0 in range(0, n, cap):
+            self._all_reduce_oneshot(flat[c0:c0 + cap], op, n, check=c0 == 0)
 
     def _all_reduce_rsag(self, flat: torch.Tensor, op: ReduceOp,
                          across: Optional[Callable[[torch.Tensor], None]] = None) -> None:

@@ -247,6 +247,37 @@ def test_large_all_reduce_with_default_config():
     assert launch(_default_config_large, 2, start_method="fork") == [True, True]
 
 
+def _one_large_all_reduce(world, n):
+    """One all_reduce of a private tensor of ``n`` float32 elements, then one with an ``across`` step (a node-spanning
+    group's): the barriers each took, whether the first is right, and the sizes the ``across`` step was given."""
+    g = world.group()
+    x = make(world.rank, n, torch.float32)
+    gen = g._barrier.gen
+    g.all_reduce(x, "sum")
+    barriers = g._barrier.gen - gen
+    right = close(x, reference("sum", [make(r, n, torch.float32) for r in range(world.size)]).float(), torch.float32)
+    seen = []
+    gen = g._barrier.gen
+    g.all_reduce(make(world.rank, n, torch.float32), "sum", across=lambda part: seen.append(part.numel()))
+    return barriers, right, g._barrier.gen - gen, seen
+
+
+@pytest.mark.parametrize("world_size, pair_oneshot, per_round", [(2, True, 1), (2, False, 2), (3, True, 2)])
+def test_a_pair_reduces_a_tensor_of_any_size_one_shot_a_barrier_per_slot(world_size, pair_oneshot, per_round):
+    """W=2: a private tensor larger than the one-shot limit goes one-shot all the same, a slot-sized chunk per
+    barrier; with ``pair_oneshot=False`` and in larger groups, reduce-scatter + all-gather meets twice a round.
+    With an ``across`` step every size takes reduce-scatter + all-gather: each rank passes on its own part of a
+    round, as a node-spanning group's rail must (one-shot would send the whole tensor from every rank)."""
+    config = RuntimeConfig(timeout_s=60, group=GroupConfig(slot_bytes=64 << 10, oneshot_max_bytes=4 << 10,
+                                                           pair_oneshot=pair_oneshot))
+    n = 5 * 16384 + 7  # five 64 KiB slots of float32 and 7 elements: six chunks (rounds)
+    results = launch(_one_large_all_reduce, world_size, n, start_method="fork", runtime=config)
+    for r, (barriers, right, across_barriers, seen) in enumerate(results):
+        assert right and barriers == 6 * per_round, (r, barriers)
+        parts = [even_split(min(16384, n - c0), world_size) for c0 in range(0, n, 16384)]
+        assert across_barriers == 12 and seen == [b[r + 1] - b[r] for b in parts], (r, across_barriers, seen)
+
+
 def _bitwise_identical(world):
     """Every rank must get the *same bits* (canonical fold order), else replicas drift apart.
 
@@ -259,7 +290,7 @@ def _bitwise_identical(world):
     out = []
     for dtype, bits in ((torch.float32, torch.int32), (torch.float64, torch.int64)):
         for op in ("sum", "mean", "max", "min"):
-            for n in (5, 1000, 3000, 70_000):  # one-shot (<= 4 KiB here) and reduce-scatter + all-gather
+            for n in (5, 1000, 3000, 70_000):  # one-shot (<= 4 KiB here; a pair's in 64 KiB chunks) and RS + AG
                 x = make(world.rank, n, dtype)
                 x[::3] = 0.0 if world.rank % 2 == 0 else -0.0
                 g.all_reduce(x, op)
@@ -267,9 +298,11 @@ def _bitwise_identical(world):
     return out
 
 
-@pytest.mark.parametrize("world_size", [2, 3, 4])
-def test_results_are_bitwise_identical_on_every_rank(world_size):
-    results = launch(_bitwise_identical, world_size, start_method="fork", runtime=SMALL)
+@pytest.mark.parametrize("world_size, pair_oneshot", [(2, True), (2, False), (3, True), (4, True)])
+def test_results_are_bitwise_identical_on_every_rank(world_size, pair_oneshot):
+    config = RuntimeConfig(timeout_s=60, group=GroupConfig(slot_bytes=64 << 10, oneshot_max_bytes=4 << 10,
+                                                           pair_oneshot=pair_oneshot))
+    results = launch(_bitwise_identical, world_size, start_method="fork", runtime=config)
     for r in range(1, world_size):
         for (dtype, op, n, a), (_, _, _, b) in zip(results[0], results[r]):
             assert torch.equal(a, b), (r, dtype, op, n)

@@ -156,13 +156,16 @@ def test_mismatched_collectives_raise_instead_of_corrupting():
         launch(_mismatch, 2, start_method="fork")
 
 
-def _size_mismatch(world):
-    world.group().all_reduce(torch.ones(4 + world.rank))
+def _size_mismatch(world, n):
+    world.group().all_reduce(torch.ones(n + world.rank))
 
 
-def test_mismatched_sizes_raise():
-    with pytest.raises(CollectiveMismatchError, match="numel=4.*numel=5|numel=5.*numel=4"):
-        launch(_size_mismatch, 2, start_method="fork")
+@pytest.mark.parametrize("n", [4, 300_000])
+def test_mismatched_sizes_raise(n):
+    """Also where the sizes differ only after the first slot of 1 MiB (a pair reduces any size one-shot, a chunk
+    per barrier: the first barrier announces the whole size)."""
+    with pytest.raises(CollectiveMismatchError, match=f"numel={n}.*numel={n + 1}|numel={n + 1}.*numel={n}"):
+        launch(_size_mismatch, 2, n, start_method="fork")
 
 
 def _site_mismatch(world, shared):
