@@ -29,6 +29,7 @@ from tests.helpers import loader, mnist_like
 
 ROOT = Path(__file__).resolve().parents[1]
 
+
 class Interrupted(MNISTClassifier):
     """Signals ``signum`` to ``to`` from rank 0 at step ``signal_at``; records every step rank 0 starts."""
 
