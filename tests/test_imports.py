@@ -82,3 +82,19 @@ def test_a_plugin_registers_once_whichever_loads_first(modules, first):
     after_import("heavy", lambda: importlib.import_module("plugin"))
     importlib.import_module(first)
     assert sys.modules["heavy"].REGISTRY == ["mine"]
+
+
+def test_an_import_that_fails_keeps_the_watch_for_the_next_try(modules):
+    """A first ``import lightning.pytorch`` that raises (a broken dependency, fixed later in the session) must not
+    cost the registration: the import that succeeds later still runs the hook, once."""
+    modules(heavy="raise ImportError('a dependency is missing')\n")
+    seen = []
+    after_import("heavy", lambda: seen.append("then"))
+    with pytest.raises(ImportError, match="a dependency is missing"):
+        importlib.import_module("heavy")
+    assert seen == [] and "heavy" not in sys.modules
+    assert [f for f in sys.meta_path if isinstance(f, _Watch)]
+    modules(heavy="DONE = True\n")
+    assert importlib.import_module("heavy").DONE
+    assert seen == ["then"]
+    assert not [f for f in sys.meta_path if isinstance(f, _Watch)]
