@@ -8,7 +8,8 @@ Columns (per message size N, float32, in-place sum):
 * ``shm``: ``Group.all_reduce`` on a private tensor, copied through scratch (one-shot up to 64 KiB; above,
   reduce-scatter + all-gather, except in a group of two, which stays one-shot in 1 MiB chunks);
 * ``shm RS+AG`` (W=2): the same with ``GroupConfig(pair_oneshot=False)``: reduce-scatter + all-gather
-  above 64 KiB, what a pair did before 2026-12-05 (run in the same rounds, alternating with ``shm``);
+  above 64 KiB, what a pair did before 2026-12-05 (timed in the same processes right before or after
+  ``shm``, the order alternating from round to round);
 * ``shm zero-copy``: the tensor already lives in shared memory (how DDP gradient buckets are reduced);
 * ``gloo``: ``torch.distributed.all_reduce`` with the gloo backend on the same machine;
 * ``channel round trip``: a message of N bytes from rank 0 to rank 1 through a point-to-point
@@ -38,13 +39,14 @@ import socket
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from lightning_shm.runtime import GroupConfig, RuntimeConfig, launch  # noqa: E402
+from lightning_shm.runtime import launch  # noqa: E402
 
 KiB, MiB = 1 << 10, 1 << 20
 FULL_SIZES = [4 * KiB, 16 * KiB, 64 * KiB, 256 * KiB, 1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB]
@@ -81,13 +83,24 @@ def _time_ops(fn: Any, reps: int) -> float:
 
 
 # ---------------------------------------------------------------------- workers
-def shm_worker(world: Any, sizes: list[int], quick: bool) -> dict[str, Any]:
+def shm_worker(world: Any, sizes: list[int], quick: bool, turn: int = 0) -> dict[str, Any]:
     g = world.group()
     out: dict[str, Any] = {"barrier": _time_ops(g.barrier, 2000 if quick else 10000)}
+    # a pair also times reduce-scatter + all-gather on the same tensor, in the same processes: measured in
+    # separate processes the two differed by 14-37% at sizes where both take the same path
+    default = g.config
+    paths = [("private", default)]
+    if g.size == 2:
+        paths.append(("rsag", replace(default, pair_oneshot=False)))
+    if turn % 2:  # alternate which goes first from round to round
+        paths.reverse()
     for n in sizes:
         x = torch.ones(n // 4)
-        g.barrier()
-        out[("private", n)] = _time_ops(lambda: g.all_reduce(x), reps_for(n, quick))
+        for key, config in paths:
+            g.config = config  # every member switches at the same point: the path is chosen alike
+            g.barrier()
+            out[(key, n)] = _time_ops(lambda: g.all_reduce(x), reps_for(n, quick))
+        g.config = default
         buf = g.alloc_shared(n // 4, torch.float32, tag=f"bench{n}")
         buf.local.fill_(1.0)
         g.barrier()
@@ -102,17 +115,6 @@ def shm_worker(world: Any, sizes: list[int], quick: bool) -> dict[str, Any]:
             x = torch.ones(n // 4)
             step = (lambda: (tx.send(x), rx.recv())) if me == 0 else (lambda: tx.send(rx.recv()))
             out[("channel", n)] = _time_ops(step, reps_for(n, quick))
-    return out
-
-
-def rsag_worker(world: Any, sizes: list[int], quick: bool) -> dict[str, Any]:
-    """The private all-reduce of :func:`shm_worker` under this world's group config (``pair_oneshot=False``)."""
-    g = world.group()
-    out: dict[str, Any] = {}
-    for n in sizes:
-        x = torch.ones(n // 4)
-        g.barrier()
-        out[("rsag", n)] = _time_ops(lambda: g.all_reduce(x), reps_for(n, quick))
     return out
 
 
@@ -155,12 +157,8 @@ def memcpy_times(sizes: list[int]) -> dict[int, float]:
 # ---------------------------------------------------------------------- driver
 def measure(world_size: int, sizes: list[int], rounds: int, quick: bool) -> dict[str, Any]:
     shm_runs, gloo_runs = [], []
-    rsag = RuntimeConfig(group=GroupConfig(pair_oneshot=False))
-    for _ in range(rounds):  # alternate so that machine noise hits both
-        shm_runs.append(max_over_ranks(launch(shm_worker, world_size, sizes, quick, start_method="fork")))
-        if world_size == 2:  # a pair's one-shot beside reduce-scatter + all-gather
-            shm_runs[-1].update(max_over_ranks(launch(rsag_worker, 2, sizes, quick, start_method="fork",
-                                                      runtime=rsag)))
+    for turn in range(rounds):  # alternate so that machine noise hits both
+        shm_runs.append(max_over_ranks(launch(shm_worker, world_size, sizes, quick, turn, start_method="fork")))
         gloo_runs.append(max_over_ranks(launch(gloo_worker, world_size, sizes, quick, free_port(),
                                                start_method="fork")))
     return {"shm": median_runs(shm_runs), "gloo": median_runs(gloo_runs)}
