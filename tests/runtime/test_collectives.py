@@ -6,6 +6,8 @@ with modest sizes; each rank regenerates every other rank's input from its seed 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -247,15 +249,20 @@ def test_large_all_reduce_with_default_config():
     assert launch(_default_config_large, 2, start_method="fork") == [True, True]
 
 
-def _one_large_all_reduce(world, n):
-    """One all_reduce of a private tensor of ``n`` float32 elements, then one with an ``across`` step (a node-spanning
-    group's): the barriers each took, whether the first is right, and the sizes the ``across`` step was given."""
-    g = world.group()
+def _barriers_and_result(world, g, n):
+    """One all_reduce of a private tensor of ``n`` float32 elements: the barriers it took, and whether it is right."""
     x = make(world.rank, n, torch.float32)
     gen = g._barrier.gen
     g.all_reduce(x, "sum")
-    barriers = g._barrier.gen - gen
     right = close(x, reference("sum", [make(r, n, torch.float32) for r in range(world.size)]).float(), torch.float32)
+    return g._barrier.gen - gen, right
+
+
+def _one_large_all_reduce(world, n):
+    """:func:`_barriers_and_result`, then one all_reduce with an ``across`` step (a node-spanning group's): its
+    barriers and the sizes the ``across`` step was given."""
+    g = world.group()
+    barriers, right = _barriers_and_result(world, g, n)
     seen = []
     gen = g._barrier.gen
     g.all_reduce(make(world.rank, n, torch.float32), "sum", across=lambda part: seen.append(part.numel()))
@@ -276,6 +283,23 @@ def test_a_pair_reduces_a_tensor_of_any_size_one_shot_a_barrier_per_slot(world_s
         assert right and barriers == 6 * per_round, (r, barriers)
         parts = [even_split(min(16384, n - c0), world_size) for c0 in range(0, n, 16384)]
         assert across_barriers == 12 and seen == [b[r + 1] - b[r] for b in parts], (r, across_barriers, seen)
+
+
+def _switched_paths(world, n):
+    g = world.group()
+    out = []
+    for pair_oneshot in (False, True, False):
+        g.config = dataclasses.replace(g.config, pair_oneshot=pair_oneshot)
+        out.append(_barriers_and_result(world, g, n))
+    return out
+
+
+def test_a_config_set_on_the_group_between_calls_picks_the_next_all_reduces_path():
+    """``bench_collectives`` times one-shot and reduce-scatter + all-gather in the same processes by setting
+    ``group.config`` on every member between calls: each call must take the path of the config it finds."""
+    n = 5 * 16384 + 7  # six 64 KiB chunks: 6 barriers one-shot, 12 as reduce-scatter + all-gather
+    for r, got in enumerate(launch(_switched_paths, 2, n, start_method="fork", runtime=SMALL)):
+        assert got == [(12, True), (6, True), (12, True)], (r, got)
 
 
 def _bitwise_identical(world):
