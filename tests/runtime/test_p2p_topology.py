@@ -136,6 +136,34 @@ def test_received_messages_are_copies_that_outlive_the_slot():
     assert freed == [True, True]
 
 
+def _same_slot_other_header(world):
+    """Messages through one slot whose headers differ from the slot's previous message in one word only: the
+    sender keeps a slot's header when its last message wrote the same words, so a header left stale would show
+    here as a wrong shape, dtype, tuple or gradient flag."""
+    ch = world.channel(0, 1, "headers", ChannelConfig(slots=1, slot_bytes=4096))
+    base = torch.arange(12.0).reshape(3, 4)
+    sent = [base, base.reshape(4, 3), base.reshape(12), base.view(torch.int32).reshape(3, 4),
+            base.requires_grad_(False).clone().requires_grad_(True), (base, base + 1), base + 2,
+            torch.arange(3000.0), base + 3, torch.empty(0, 4), base + 4, base.to(torch.float64)[:2]]
+    if world.rank == 0:
+        for obj in sent:
+            ch.send_obj(obj)
+        return None
+    got = [ch.recv_obj() for _ in sent]
+    ok = []
+    for a, b in zip(sent, got):
+        a = a if isinstance(a, tuple) else (a,)
+        b = b if isinstance(b, tuple) else (b,)
+        ok.append(len(a) == len(b) and all(x.dtype == y.dtype and x.shape == y.shape and torch.equal(x.detach(), y)
+                                           and x.requires_grad == y.requires_grad for x, y in zip(a, b)))
+    return ok
+
+
+def test_a_slot_reused_by_a_message_with_another_header_delivers_that_message():
+    _, ok = launch(_same_slot_other_header, 2, start_method="fork", runtime=RuntimeConfig(timeout_s=5.0))
+    assert ok == [True] * 12
+
+
 def _wrong_end(world):
     """Each end calls the other end's method: both must refuse at once, before touching the ring."""
     ch = world.channel(0, 1)

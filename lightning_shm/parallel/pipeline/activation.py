@@ -98,4 +98,6 @@ def input_grads(x: Activation) -> Activation:
 
 
 def requires_grad(a: Activation) -> bool:
+    if isinstance(a, torch.Tensor):  # the common case, asked twice per backward between two actions
+        return a.requires_grad
     return any(t.requires_grad for t in parts(a))

@@ -124,16 +124,20 @@ class PipelineEngine:
         self._param_ptrs = {p.untyped_storage().data_ptr() for ch in chunks.values() for p in ch.parameters()}
         # who takes a deferred weight gradient whose weight is not a leaf (FSDP's gathered parameters)
         self.held: Optional[HeldParameters] = None
-        self.timeline: list[Timed] = []
+        self._marks: list[tuple[str, int, int, float, float]] = []  # this step's actions: kind, mb, chunk, start, end
         self.peak_activation_bytes = 0
         # (m, c) -> x, out, and under checkpointing what the recomputation replays: forward's random state and
         # the chunk's buffers as forward found them (.buffers)
         self._store: dict[tuple[int, int], tuple[Any, Any, Optional[tuple[torch.Tensor, buffers.ForwardBuffers]]]] = {}
         self._updating: dict[int, set[int]] = {}  # chunk -> ids of the buffers its forwards were seen to update
         self._saved: dict[tuple[int, int], dict[int, int]] = {}  # (m, c) -> {storage ptr: bytes}
+        self._alive: list[tuple[tuple[dict[int, int], ...], Optional[dict[int, int]]]] = []  # see _update_peak
         self._stash: dict[tuple[int, int], list[tuple[nn.Parameter, torch.Tensor, torch.Tensor]]] = {}
         self.padded = PaddedWeights()  # SinkLinear's input gradients: one re-strided weight per step, every microbatch
         self._rows: dict[nn.Parameter, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # outside zero-bubble
+        # the storages the stash and the rows hold: bytes, and how many held tensors use each
+        self._held_bytes: dict[int, int] = {}
+        self._held_uses: dict[int, int] = {}
         self._current: Optional[tuple[int, int]] = None
         self._trainable: dict[int, bool] = {}  # checkpointing, per chunk this step: a parameter requiring a gradient?
         self._last_b: tuple[int, int] = (0, 0)
@@ -155,14 +159,16 @@ class PipelineEngine:
         self._reset()
         if self.checkpointing:  # whether a checkpointed chunk's output will need a gradient (see _forward)
             self._trainable = {c: any(p.requires_grad for p in ch.parameters()) for c, ch in self.chunks.items()}
+        run = {"F": self._forward, "B": self._backward, "W": self._weight}
         for a in (schedule or self.schedule).actions(self.pp_index):
-            {"F": self._forward, "B": self._backward, "W": self._weight}[a.kind](a, io, True)
+            run[a.kind](a, io, True)
         if self._rows:  # the products over every microbatch's rows still held
             t0 = time.perf_counter()
             for param in list(self._rows):
                 self._take_rows(param)
             self._record("W", *self._last_b, t0)
         self.padded.clear()
+        self._sum_peak()
         if self._store or self._stash:
             raise RuntimeError(f"pipeline rank {self.pp_index}: schedule left work undone {list(self._store)}")
 
@@ -182,18 +188,22 @@ class PipelineEngine:
         if self.zero_bubble:
             assert self._current is not None, "deferred weight gradient outside a B action"
             self._stash.setdefault(self._current, []).append((param, x, g))
+            self._hold(x, g)
             return
         if g.dtype != param.dtype:  # autocast: one rounded product per microbatch, as autograd's
             self._add_weight_grad(param, x, g)
             return
         rows = self._rows.setdefault(param, [])
         rows.append((x.reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1])))
+        self._hold(*rows[-1])
         if sum(a.numel() + b.numel() for a, b in rows) > self.stash_fraction * param.numel():
             self._take_rows(param)
 
     def _take_rows(self, param: nn.Parameter) -> None:
         """``param``'s gradient over every held microbatch's rows: one product ``cat(G)^T @ cat(X)``."""
         rows = self._rows.pop(param)
+        for pair in rows:
+            self._release(*pair)
         if len(rows) == 1:
             self._add_weight_grad(param, *rows[0])
         else:
@@ -296,30 +306,63 @@ class PipelineEngine:
         t0 = time.perf_counter()
         for param, x, g in self._stash.pop((a.mb, a.chunk), []):
             self._add_weight_grad(param, x, g)
+            self._release(x, g)
         self._record("W", a.mb, a.chunk, t0)
 
     # ------------------------------------------------------------------ bookkeeping
+    @property
+    def timeline(self) -> list[Timed]:
+        """This step's actions as timed (a new list each time it is read)."""
+        return [Timed(self.pp_index, Action(k, m, c), start, end) for k, m, c, start, end in self._marks]
+
     def _record(self, kind: str, mb: int, chunk: int, t0: float) -> None:
-        self.timeline.append(Timed(self.pp_index, Action(kind, mb, chunk), t0, time.perf_counter()))
+        self._marks.append((kind, mb, chunk, t0, time.perf_counter()))  # a plain tuple: this runs between actions
 
     def _update_peak(self) -> None:
-        alive: dict[int, int] = {}
-        for storages in self._saved.values():
-            alive.update(storages)
-        held = [(x, g) for items in self._stash.values() for _, x, g in items]
-        for x, g in held + [pair for rows in self._rows.values() for pair in rows]:
-            for t in (x, g):
-                alive[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        self.peak_activation_bytes = max(self.peak_activation_bytes, sum(alive.values()))
+        """Note what is alive now; :meth:`_sum_peak` adds it up once the step is over. Why not here: this runs
+        between two actions, where every microsecond delays the next one (and, on the slowest stage, the
+        step: 7-14 us per action on the 2-core VM). A ``_saved`` dict never changes once its forward is over;
+        the rows held for weight gradients are counted as they come and go (:meth:`_hold`)."""
+        self._alive.append((tuple(self._saved.values()), self._held_bytes.copy() if self._held_bytes else None))
+
+    def _hold(self, *tensors: torch.Tensor) -> None:
+        for t in tensors:
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+            uses = self._held_uses.get(ptr, 0)
+            if not uses:
+                self._held_bytes[ptr] = storage.nbytes()
+            self._held_uses[ptr] = uses + 1
+
+    def _release(self, *tensors: torch.Tensor) -> None:
+        for t in tensors:
+            ptr = t.untyped_storage().data_ptr()
+            uses = self._held_uses.pop(ptr) - 1
+            if uses:
+                self._held_uses[ptr] = uses
+            else:
+                del self._held_bytes[ptr]
+
+    def _sum_peak(self) -> None:
+        """:attr:`peak_activation_bytes`: the largest sum of the storages alive at once (each counted once)."""
+        for saved, held in self._alive:
+            alive: dict[int, int] = dict(held) if held else {}
+            for storages in saved:
+                alive.update(storages)
+            self.peak_activation_bytes = max(self.peak_activation_bytes, sum(alive.values()))
+        self._alive.clear()
 
     def _reset(self) -> None:
         self.padded.clear()
-        self.timeline = []
+        self._marks = []
         self.peak_activation_bytes = 0
+        self._alive.clear()
         self._store.clear()
         self._saved.clear()
         self._stash.clear()
         self._rows.clear()
+        self._held_bytes.clear()
+        self._held_uses.clear()
 
     def close(self) -> None:
         """Restore the Linear modules the engine patched (their weight gradients were its to take)."""
