@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -209,6 +210,23 @@ def _bench_module(monkeypatch):
     import bench_strategies
 
     return bench_strategies
+
+
+def test_collectives_time_the_call_alone_after_what_runs_before_it(monkeypatch):
+    """The zero-copy column rewrites the buffer before each timed all-reduce (as a backward writes a bucket):
+    that write must run before every call, and outside the time."""
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    import bench_collectives
+
+    order: list[str] = []
+
+    def before() -> None:
+        order.append("before")
+        time.sleep(0.02)
+
+    median = bench_collectives._time_ops(lambda: order.append("call"), 5, before=before)
+    assert order == ["before", "call"] * 8  # 3 warm-up calls, then 5 timed
+    assert median < 0.01
 
 
 def test_pipeline_table_reports_medians_over_steps_and_hand_overs(monkeypatch):
