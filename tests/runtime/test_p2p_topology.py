@@ -143,7 +143,7 @@ def _same_slot_other_header(world):
     ch = world.channel(0, 1, "headers", ChannelConfig(slots=1, slot_bytes=4096))
     base = torch.arange(12.0).reshape(3, 4)
     sent = [base, base.reshape(4, 3), base.reshape(12), base.view(torch.int32).reshape(3, 4),
-            base.requires_grad_(False).clone().requires_grad_(True), (base, base + 1), base + 2,
+            base.clone().requires_grad_(True), (base, base + 1), base + 2,
             torch.arange(3000.0), base + 3, torch.empty(0, 4), base + 4, base.to(torch.float64)[:2]]
     if world.rank == 0:
         for obj in sent:
