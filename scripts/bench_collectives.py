@@ -111,8 +111,6 @@ def shm_worker(world: Any, sizes: list[int], quick: bool, turn: int = 0) -> dict
             out[(key, n)] = _time_ops(lambda: g.all_reduce(x), reps_for(n, quick))
         g.config = default
         buf = g.alloc_shared(n // 4, torch.float32, tag=f"bench{n}")
-        buf.local.fill_(1.0)
-        g.barrier()
         src = torch.ones(n // 4)
 
         def written() -> None:  # as a backward writes a bucket: the peer's part comes out of the other core's cache
