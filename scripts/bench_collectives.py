@@ -45,7 +45,7 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -75,7 +75,7 @@ def reps_for(nbytes: int, quick: bool) -> int:
     return int(max(5, min(2000, budget / est)))
 
 
-def _time_ops(fn: Any, reps: int, before: Any = None) -> float:
+def _time_ops(fn: Callable[[], Any], reps: int, before: Optional[Callable[[], None]] = None) -> float:
     """Median seconds of one ``fn()``; ``before()``, if given, runs untimed before each call."""
     for _ in range(min(3, reps)):
         if before is not None:

@@ -158,6 +158,8 @@ class Channel:
         key = (slot, header)
         known = self._recvs.get(key)
         if known is None:
+            if len(self._recvs) >= _PLANS_MAX:
+                self._recvs.clear()
             known = self._recvs[key] = self._parse(slot, header)
         view, dtype, shape, nbytes, self._last_group, grad = known
         if out is not None:
@@ -195,8 +197,6 @@ class Channel:
         nbytes, dtype, ndim = words[0], _DTYPE_OF[words[1]], words[2]
         shape = tuple(words[3:3 + ndim])
         view = self._view(slot, dtype, shape) if 0 < nbytes <= self.config.slot_bytes else None
-        if len(self._recvs) >= _PLANS_MAX:
-            self._recvs.clear()
         return view, dtype, shape, nbytes, words[_GROUP], words[_GRAD] == 1
 
     def _publish(self, c: int, slot: int, header: bytes) -> None:

@@ -164,6 +164,26 @@ def test_a_slot_reused_by_a_message_with_another_header_delivers_that_message():
     assert ok == [True] * 12
 
 
+def _many_kinds(world):
+    """More kinds of message than an end keeps plans for: each end's cache stays bounded (emptied when full and
+    refilled), and every message still arrives as sent."""
+    ch = world.channel(0, 1, "kinds", ChannelConfig(slots=2, slot_bytes=4096))
+    sent = [torch.arange(float(k)).reshape(1, k) if k % 2 else torch.arange(k) for k in range(1, 150)]
+    sent += sent[:5]
+    if world.rank == 0:
+        for t in sent:
+            ch.send(t)
+        return len(ch._sends), []
+    ok = [torch.equal(ch.recv(), t) for t in sent]
+    return len(ch._recvs), ok
+
+
+def test_channels_keep_a_bounded_plan_per_kind_of_message_and_deliver_them_all():
+    (sends, _), (recvs, ok) = launch(_many_kinds, 2, start_method="fork", runtime=RuntimeConfig(timeout_s=5.0))
+    assert ok == [True] * 154
+    assert 0 < sends <= 64 and 0 < recvs <= 64, (sends, recvs)
+
+
 def _wrong_end(world):
     """Each end calls the other end's method: both must refuse at once, before touching the ring."""
     ch = world.channel(0, 1)
