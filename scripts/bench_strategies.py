@@ -583,14 +583,34 @@ def fast_start(specs: list[RunSpec]) -> list[RunSpec]:
     return specs
 
 
-def measure_interleaved(specs: list[RunSpec], repeats: int, by: str = "samples_per_s") -> dict[str, dict[str, Any]]:
-    """Each row's median run (by ``by``) over ``repeats`` rounds; every round measures every row once, so
-    drift on a shared machine hits every row alike."""
+def measure_rounds(specs: list[RunSpec], repeats: int) -> dict[str, list[dict[str, Any]]]:
+    """Every row's runs, round by round: each of ``repeats`` rounds measures every row once, in order."""
     runs: dict[str, list[dict[str, Any]]] = {s.row: [] for s in specs}
     for _ in range(repeats):
         for s in specs:
             runs[s.row].append(measure(s))
+    return runs
+
+
+def median_runs(runs: dict[str, list[dict[str, Any]]], by: str = "samples_per_s") -> dict[str, dict[str, Any]]:
+    """Each row's median run by ``by``."""
     return {row: sorted(r, key=lambda x: x[by])[len(r) // 2] for row, r in runs.items()}
+
+
+def measure_interleaved(specs: list[RunSpec], repeats: int, by: str = "samples_per_s") -> dict[str, dict[str, Any]]:
+    """Each row's median run (by ``by``) over ``repeats`` rounds; every round measures every row once, so
+    drift on a shared machine hits every row alike."""
+    return median_runs(measure_rounds(specs, repeats), by)
+
+
+def paired_ratios(runs: dict[str, list[dict[str, Any]]], ref: str, by: str = "samples_per_s") -> dict[str, float]:
+    """Each row's median over the rounds of its run divided by ``ref``'s run of the same round.
+
+    Why not one median divided by the other: this VM's speed moves by a third between runs minutes apart,
+    and the two medians may come from different rounds -- a fast round's ceiling over a slow round's row.
+    A row and the reference measured in one round saw closer speeds."""
+    return {row: statistics.median(r[by] / c[by] for r, c in zip(rs, runs[ref], strict=True))
+            for row, rs in runs.items()}
 
 
 def lockstep_note(result: dict[str, Any]) -> str:
@@ -1180,7 +1200,8 @@ SUMMARY_WANTED = {"reference": ("ddp", "tp", "ceiling", "lockstep"), "wide": ("d
 
 
 def summary(global_batch: int, repeats: int) -> None:
-    """The rows the performance targets name, medians of ``repeats`` interleaved runs, and one line.
+    """The rows the performance targets name, medians of ``repeats`` interleaved runs, and one line. Ratios
+    are medians of per-round ratios (:func:`paired_ratios`).
     The rows' workers are forked where that measures the same (:func:`fast_start`) to stay under 5
     minutes, as they use preloaded children (:class:`PreloadedChild`)."""
     from lightning_shm.parallel.pipeline import PipelineSchedule, Schedule
@@ -1190,15 +1211,15 @@ def summary(global_batch: int, repeats: int) -> None:
     bubble = PipelineSchedule(Schedule.ONE_F_ONE_B, 2, M, 1).formula_bubble()
     ratios: dict[str, dict[str, float]] = {}
     lines = [f"# Summary: W=2, global batch {global_batch}, {os.cpu_count()} cores, median of {repeats}\n",
-             "| model | row | samples/s | vs ceiling |", "|---|---|---:|---:|"]
+             "| model | row | samples/s (median) | vs ceiling (median of each round's ratio) |", "|---|---|---:|---:|"]
     for model, rows in wanted.items():
         warmup, steps = SUMMARY_STEPS[model]
         specs = fast_start([s for s in rows_for(model, 2, global_batch, warmup, steps) if key.get(s.row) in rows])
-        res = measure_interleaved(specs, repeats)
-        ceiling = res["ceiling (no comm)"]["samples_per_s"]
-        ratios[model] = {key[row]: r["samples_per_s"] / ceiling for row, r in res.items()}
-        lines += [f"| {model} | {row}{lockstep_note(r)} | {r['samples_per_s']:,.0f} | "
-                  f"{r['samples_per_s'] / ceiling:.2f}x |" for row, r in res.items()]
+        runs = measure_rounds(specs, repeats)
+        res, paired = median_runs(runs), paired_ratios(runs, "ceiling (no comm)")
+        ratios[model] = {key[row]: paired[row] for row in res}
+        lines += [f"| {model} | {row}{lockstep_note(r)} | {r['samples_per_s']:,.0f} | {paired[row]:.2f}x |"
+                  for row, r in res.items()]
     spawn, server = "shm_ddp (spawn)", "shm_ddp (forkserver, the default)"
     # the line reports spawn's first fit and the fork server's second: no more fits than that
     fixed = {**fixed_costs(repeats, fits=1, rows=[spawn]), **fixed_costs(repeats, fits=2, rows=[server])}

@@ -313,6 +313,20 @@ def test_summary_rows_exist_and_its_pipeline_row_cuts_the_wide_linear(monkeypatc
             assert pp["split_linear"] is True and pp["microbatches"] == bench.SUMMARY_M, pp
 
 
+def test_summary_ratios_divide_each_round_by_its_own_ceiling(monkeypatch):
+    """The machine slows down between rounds: the ceiling's median comes from its third round and the row's
+    from its second, so one median over the other (54 / 80 = 0.675) mixes two speeds; the row ran at 0.9 of
+    the ceiling in two of the three rounds, which is what the summary reports."""
+    bench = _bench_module(monkeypatch)
+    runs = {"ceiling": [{"samples_per_s": v} for v in (100.0, 60.0, 80.0)],
+            "row": [{"samples_per_s": v} for v in (90.0, 54.0, 40.0)]}
+    assert bench.median_runs(runs)["row"]["samples_per_s"] / bench.median_runs(runs)["ceiling"]["samples_per_s"] \
+        == pytest.approx(0.675)
+    assert bench.paired_ratios(runs, "ceiling") == pytest.approx({"ceiling": 1.0, "row": 0.9})
+    with pytest.raises(ValueError):  # rounds must pair up
+        bench.paired_ratios({"ceiling": runs["ceiling"], "row": runs["row"][:2]}, "ceiling")
+
+
 def test_reference_rows_put_the_former_tp_pair_beside_the_derived_plan(monkeypatch):
     """The reference MLP's derived plan gathers its first Linear; the extra row runs the column -> row pair
     it had before, so one run compares both (the wide MLP derives that pair itself: no extra row)."""
