@@ -23,7 +23,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from lightning_shm.runtime.group import Group, SharedBuffer
-from lightning_shm.runtime.ops import ReduceOp, check_reducible
+from lightning_shm.runtime.ops import ReduceOp, check_reducible, divide_
 from lightning_shm.runtime.rail import Rail
 
 
@@ -72,7 +72,7 @@ class NodeSpanningGroup:
         node_op = ReduceOp.SUM if op in (ReduceOp.SUM, ReduceOp.MEAN) else op
         self.local.all_reduce(tensor, node_op, across=lambda part: self.rail.all_reduce(part, node_op))
         if op == ReduceOp.MEAN:
-            tensor.div_(self.size)
+            divide_(tensor, self.size)
         return tensor
 
     def reduce_scatter(self, tensor: torch.Tensor, op: Any = "sum", out: Optional[torch.Tensor] = None,

@@ -143,6 +143,17 @@ def even_split(n: int, parts: int) -> list[int]:
     return bounds
 
 
+def divide_(t: torch.Tensor, size: int) -> torch.Tensor:
+    """``t /= size`` in place: a mean's last step. ``size`` a power of two: ``t *= 1 / size`` instead -- the
+    same bits (the reciprocal is exact, and both operations round the same exact quotient, subnormals
+    included), at half the time on cached data: one thread here, half of the reference MLP's gradient
+    bucket (109,349 float32) after the add: add + div 49-58 us, add + mul 34-40 us. Other sizes and
+    complex tensors divide."""
+    if size & (size - 1) == 0 and t.is_floating_point():
+        return t.mul_(1.0 / size)
+    return t.div_(size)
+
+
 def fold_onto_own(op: ReduceOp, srcs: Sequence[torch.Tensor], own: int, out: torch.Tensor) -> None:
     """:func:`fold` into ``out`` that already holds ``srcs[own]`` (this member's contribution): the
     one-shot all-reduce's last step.
@@ -158,7 +169,7 @@ def fold_onto_own(op: ReduceOp, srcs: Sequence[torch.Tensor], own: int, out: tor
         for s in srcs[2:]:
             out.add_(s)
         if op is _MEAN:
-            out.div_(len(srcs))
+            divide_(out, len(srcs))
     else:
         fold(op, srcs, out, len(srcs))
 
@@ -178,7 +189,7 @@ def fold(op: ReduceOp, srcs: Sequence[torch.Tensor], out: torch.Tensor, size: in
         for s in srcs[1:]:
             acc.add_(s)
         if op is _MEAN:
-            acc.div_(size)
+            divide_(acc, size)
         out.copy_(acc)
         return
     if op in _ADDITIVE:
@@ -186,7 +197,7 @@ def fold(op: ReduceOp, srcs: Sequence[torch.Tensor], out: torch.Tensor, size: in
         for s in srcs[2:]:
             out.add_(s)
         if op is _MEAN:
-            out.div_(size)
+            divide_(out, size)
     elif op is _MAX:
         torch.maximum(srcs[0], srcs[1], out=out)
         for s in srcs[2:]:

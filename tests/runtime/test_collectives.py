@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from lightning_shm.runtime import GroupConfig, RuntimeConfig, launch
-from lightning_shm.runtime.ops import even_split
+from lightning_shm.runtime.ops import divide_, even_split
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.int64]
 SMALL = RuntimeConfig(timeout_s=60, group=GroupConfig(slot_bytes=64 << 10, oneshot_max_bytes=4 << 10))
@@ -330,6 +330,25 @@ def test_results_are_bitwise_identical_on_every_rank(world_size, pair_oneshot):
     for r in range(1, world_size):
         for (dtype, op, n, a), (_, _, _, b) in zip(results[0], results[r]):
             assert torch.equal(a, b), (r, dtype, op, n)
+
+
+@pytest.mark.parametrize("dtype, bits", [(torch.float32, torch.int32), (torch.float64, torch.int64),
+                                         (torch.bfloat16, torch.int16), (torch.float16, torch.int16)])
+def test_a_mean_divides_by_a_power_of_two_to_the_same_bits_as_a_division(dtype, bits):
+    """``divide_`` multiplies by ``1 / size`` where that is exact (a power of two) and divides otherwise: every
+    bit pattern of the dtype -- subnormals, infinities, signed zeros, the largest values -- must come out as
+    ``x / size`` does (NaNs as NaN). At sizes 3, 5, 6, 7 a multiplication would differ in the last bit."""
+    g = torch.Generator().manual_seed(0)
+    info = torch.iinfo(bits)
+    x = torch.randint(info.min, info.max, (200_000,), generator=g, dtype=torch.int64).to(bits).view(dtype)
+    specials = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), torch.finfo(dtype).max, torch.finfo(dtype).tiny,
+                             torch.finfo(dtype).tiny / 3, -torch.finfo(dtype).tiny / 7], dtype=dtype)
+    x = torch.cat([x, specials])
+    for size in range(1, 9):
+        got, want = divide_(x.clone(), size), x / size
+        assert torch.equal(got.isnan(), want.isnan()), size
+        keep = ~want.isnan()
+        assert torch.equal(got[keep].view(bits), want[keep].view(bits)), (dtype, size)
 
 
 def _non_contiguous(world):
