@@ -613,6 +613,18 @@ def paired_ratios(runs: dict[str, list[dict[str, Any]]], ref: str, by: str = "sa
             for row, rs in runs.items()}
 
 
+def throughput_rows(runs: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """A throughput table from every row's runs (:func:`measure_rounds`): each row's median run, and its ratios
+    to single, ddp_spawn and the ceiling as medians of each round's ratio (:func:`paired_ratios`)."""
+    refs = ("single", "ddp_spawn (gloo)", "ceiling (no comm)")
+    vs = {ref: paired_ratios(runs, ref) for ref in refs if ref in runs}
+    lines = ["| row | samples/s | step ms | vs single | vs ddp_spawn | vs ceiling |", "|---|---:|---:|---:|---:|---:|"]
+    for row, r in median_runs(runs).items():
+        ratios = " | ".join(f"{vs[ref][row]:.2f}x" if ref in vs else "n/a" for ref in refs)
+        lines.append(f"| {row}{lockstep_note(r)} | {r['samples_per_s']:,.0f} | {r['step_ms']:.2f} | {ratios} |")
+    return lines
+
+
 def lockstep_note(result: dict[str, Any]) -> str:
     """What the lock-step ceiling's barriers did: how many per step, and each rank's wait in them."""
     waited = result.get("waited_ms_per_step")
@@ -699,7 +711,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     repeats = args.repeats or (1 if args.quick else 3)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     lines = [f"# Training throughput, W={args.world_size}, global batch {args.global_batch}, "
-             f"{os.cpu_count()} cores, median of {repeats}\n"]
+             f"{os.cpu_count()} cores, median of {repeats}; each ratio the median of its rounds' ratios\n"]
     plot_data = {}
     t_start = time.time()
     for model in [] if args.no_throughput else args.models:
@@ -708,20 +720,9 @@ def main(argv: Optional[list[str]] = None) -> None:
         n_steps = args.steps or n_steps
         specs = fast_start([s for s in rows_for(model, args.world_size, args.global_batch, warmup, n_steps)
                             if args.rows is None or s.row.startswith(("single", "ceiling", *args.rows))])
-        res = measure_interleaved(specs, repeats)
-        single, ceiling = res["single"]["samples_per_s"], res["ceiling (no comm)"]["samples_per_s"]
-        gloo = res.get("ddp_spawn (gloo)", {}).get("samples_per_s", float("nan"))
-        lines += [f"## {describe(model)}\n",
-                  "| row | samples/s | step ms | vs single | vs ddp_spawn | vs ceiling |",
-                  "|---|---:|---:|---:|---:|---:|"]
-        for s in specs:
-            r = res[s.row]
-            sps = r["samples_per_s"]
-            vs_gloo = f"{sps / gloo:.2f}x" if gloo == gloo else "n/a"
-            lines.append(f"| {s.row}{lockstep_note(r)} | {sps:,.0f} | {r['step_ms']:.2f} | {sps / single:.2f}x | "
-                         f"{vs_gloo} | {sps / ceiling:.2f}x |")
-        lines.append("")
-        plot_data[model] = {s.row: res[s.row]["samples_per_s"] for s in specs}
+        runs = measure_rounds(specs, repeats)
+        lines += [f"## {describe(model)}\n", *throughput_rows(runs), ""]
+        plot_data[model] = {row: r["samples_per_s"] for row, r in median_runs(runs).items()}
     tables = [] if args.no_memory else args.tables
     if "memory" in tables:
         lines.append(memory_table([2, 4], args.models))
@@ -797,16 +798,17 @@ def layouts_table(model: str, global_batch: int, repeats: int, quick: bool) -> s
         specs.append(RunSpec(layout_name(dp, tp, pp, how), "shm_model_parallel", 4, model, global_batch, warmup,
                              steps, strategy_kwargs=kw, data_parallel=dp))
     specs.append(RunSpec("ceiling (no comm)", "ceiling", 4, model, global_batch, warmup, steps))
-    med = {row: r["samples_per_s"] for row, r in measure_interleaved(specs, repeats).items()}
-    ceiling = med["ceiling (no comm)"]
+    runs = measure_rounds(specs, repeats)
+    med = {row: r["samples_per_s"] for row, r in median_runs(runs).items()}
+    ceiling, vs_ceiling = med["ceiling (no comm)"], paired_ratios(runs, "ceiling (no comm)")
     lines = [f"## Composed layouts, W=4 ({describe(model)}, global batch {global_batch}, {os.cpu_count()} cores, "
-             f"median of {repeats})\n",
+             f"median of {repeats}; vs ceiling: the median of each round's ratio)\n",
              "| layout | persistent MiB per rank (params + grads + Adam) | of one process | samples/s | vs ceiling |",
              "|---|---:|---:|---:|---:|"]
     for (dp, tp, pp, how), s in zip(LAYOUTS, specs):
         mem = max(launch(layout_memory_worker, 4, MODELS[model], dp, tp, pp, how, start_method="fork"))
         lines.append(f"| {s.row} | {mem / 2**20:,.1f} | {mem / full:.3f} | {med[s.row]:,.0f} | "
-                     f"{med[s.row] / ceiling:.2f}x |")
+                     f"{vs_ceiling[s.row]:.2f}x |")
     lines.append(f"| ceiling (4 independent processes) | {full / 2**20:,.1f} | 1.000 | {ceiling:,.0f} | 1.00x |")
     return "\n".join(lines) + "\n"
 

@@ -327,6 +327,25 @@ def test_summary_ratios_divide_each_round_by_its_own_ceiling(monkeypatch):
         bench.paired_ratios({"ceiling": runs["ceiling"], "row": runs["row"][:2]}, "ceiling")
 
 
+def test_throughput_table_ratios_are_each_rounds_ratio(monkeypatch):
+    """The main tables pair rounds as the summary does: a row that ran at 0.9 of the ceiling and 1.5x ddp_spawn
+    in two of three rounds shows 0.90x and 1.50x, not one median over another (54 / 80 = 0.68x); without a
+    ddp_spawn row that column says n/a. Samples/s and step ms are the row's median run."""
+    bench = _bench_module(monkeypatch)
+
+    def runs_of(values: tuple[float, ...]) -> list[dict[str, float]]:
+        return [{"samples_per_s": v, "step_ms": 1000.0 / v} for v in values]
+
+    runs = {"single": runs_of((50.0, 30.0, 40.0)), "ddp_spawn (gloo)": runs_of((60.0, 36.0, 40.0)),
+            "row": runs_of((90.0, 54.0, 40.0)), "ceiling (no comm)": runs_of((100.0, 60.0, 80.0))}
+    cells = {c[0]: c[1:] for c in ([x.strip() for x in line.strip("|").split("|")]
+                                   for line in bench.throughput_rows(runs)[2:])}
+    assert cells["row"] == ["54", "18.52", "1.80x", "1.50x", "0.90x"]
+    assert cells["ceiling (no comm)"][-1] == "1.00x"
+    del runs["ddp_spawn (gloo)"]
+    assert [line.split("|")[5].strip() for line in bench.throughput_rows(runs)[2:]] == ["n/a"] * 3
+
+
 def test_reference_rows_put_the_former_tp_pair_beside_the_derived_plan(monkeypatch):
     """The reference MLP's derived plan gathers its first Linear; the extra row runs the column -> row pair
     it had before, so one run compares both (the wide MLP derives that pair itself: no extra row)."""
