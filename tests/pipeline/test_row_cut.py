@@ -80,18 +80,28 @@ def test_only_a_linear_can_be_cut_and_only_into_a_head_and_a_tail():
 @pytest.mark.parametrize("schedule, M, v, P", [("1f1b", 4, 1, 2), ("zero_bubble", 4, 1, 2),
                                                 ("interleaved_1f1b", 4, 2, 2), ("gpipe", 4, 1, 3)])
 def test_engine_with_a_cut_linear_equals_one_process(schedule, M, v, P):
+    """Balanced by parameter counts: the plan is the same every run. By measured time a slow moment of this
+    machine once left the cut out (the timed costs moved enough that no row cut gained)."""
     reference = reference_params(ROWS, steps=3, batch=64)
     results = launch(train_pipeline, P, ROWS, schedule, M, v, 3, 64, return_params=True, split_linear=True,
-                     start_method="fork")
+                     balance="params", start_method="fork")
     pieces: dict[str, list[torch.Tensor]] = {}
     for r in sorted(results, key=lambda r: r.rank):
         for k, t in r.params.items():
             pieces.setdefault(k, []).append(t)
     assert any(len(ts) == 2 for ts in pieces.values()), "no Linear was cut"
+    chunks = PipelineSchedule(Schedule.parse(schedule), P, M, v).chunks
+    [(layer, row)] = [c for c in plan_cuts(build_mlp(ROWS), chunks, stages=P, split_linear=True)[0] if c[1]]
+    assert [t.shape[0] for t in pieces[f"{layer}.weight"]] == [row, ROWS[0] - row]  # the parameter-count plan
     got = {k: torch.cat(ts) for k, ts in pieces.items()}
     assert set(got) == set(reference)
     for k in reference:
         torch.testing.assert_close(got[k], reference[k], rtol=0, atol=1e-5)
+
+
+def test_the_driver_refuses_an_unknown_balance():
+    with pytest.raises(ValueError, match="balance must be 'time' or 'params', got 'flops'"):
+        train_pipeline(None, ROWS, "1f1b", 4, balance="flops")  # before it touches the world
 
 
 class _OneChunkIO:

@@ -58,18 +58,22 @@ class _PlainIO:
 def train_pipeline(world: World, hidden: list[int], schedule: str, microbatches: int, virtual: int = 1,
                    steps: int = 5, batch: int = 256, lr: float = 0.05, checkpointing: bool = False,
                    seed: int = 0, return_params: bool = False,
-                   split_points: Optional[list[int]] = None, split_linear: bool = False) -> DriverResult:
+                   split_points: Optional[list[int]] = None, split_linear: bool = False,
+                   balance: str = "time") -> DriverResult:
     """Train ``steps`` SGD steps of the MLP pipelined over all ranks of ``world`` (pp = world size).
 
-    ``split_points``: fixed chunk starts; default: balanced by measured layer time, which varies
-    from run to run (use fixed points where a test compares per-stage measurements). ``split_linear``:
-    a boundary may fall inside a Linear (:mod:`.row_cut`)."""
+    ``split_points``: fixed chunk starts; default: balanced by ``balance`` -- "time", the layers' measured
+    time, which varies from run to run (use fixed points where a test compares per-stage measurements), or
+    "params", their parameter counts (the same plan every run). ``split_linear``: a boundary may fall inside
+    a Linear (:mod:`.row_cut`)."""
+    if balance not in ("time", "params"):
+        raise ValueError(f"balance must be 'time' or 'params', got {balance!r}")
     P = world.size
     sched = PipelineSchedule(Schedule.parse(schedule), P, microbatches, virtual)
     torch.manual_seed(seed)
     seq = build_mlp(hidden)
     g = world.group()
-    sample = torch.randn(64, 784)
+    sample = torch.randn(64, 784) if balance == "time" else None
     cuts = plan_cuts(seq, sched.chunks, split_points, sample, stages=P, split_linear=split_linear)[0] \
         if world.rank == 0 else None
     layers, starts = apply_row_cuts(layers_of(seq), g.broadcast_object(cuts, src_member=0))
