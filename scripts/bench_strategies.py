@@ -941,9 +941,8 @@ def prefetch_table(models: list[str], global_batch: int, steps: int, repeats: in
                                             1, start_method="fork")[0])
             med = {mode: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for mode, rs in res.items()}
             off, on, view = med["copy"], med["prefetch"], med["view"]
-            # a speed-up: the median of each round's copy step over its prefetch (view) step, as paired_ratios pairs
-            faster = {mode: paired_ratios({"copy": res["copy"], mode: res[mode]}, mode, by="step_ms")["copy"]
-                      for mode in ("prefetch", "view")}
+            # a speed-up: the median over the repeats of copy's step over the mode's step in the same repeat
+            faster = {mode: paired_ratios(res, mode, by="step_ms")["copy"] for mode in ("prefetch", "view")}
             note = "a core free" if w < (os.cpu_count() or 1) else "no core free"
             units = "per layer" if policy is None else f">= {policy:,} params"
             lines.append(f"| {model} | {units} | {w} x 1 ({note}) | {off['step_ms']:.1f} | {on['step_ms']:.1f} | "

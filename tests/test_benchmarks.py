@@ -346,6 +346,23 @@ def test_throughput_table_ratios_are_each_rounds_ratio(monkeypatch):
     assert [line.split("|")[5].strip() for line in bench.throughput_rows(runs)[2:]] == ["n/a"] * 3
 
 
+def test_prefetch_speed_ups_are_each_repeats_ratio(monkeypatch):
+    """The prefetch table's speed-ups pair repeats too: copy's step over prefetch's (view's) step of the same
+    repeat, the median over the repeats -- 2.00x and 4.00x here, where one median over another gives 1.20x and
+    2.40x. Its step columns stay each mode's median step."""
+    bench = _bench_module(monkeypatch)
+    import lightning_shm.runtime as runtime
+
+    per_repeat = {"copy": (10.0, 6.0, 3.0), "prefetch": (5.0, 3.0, 9.0), "view": (2.5, 1.5, 4.0)}
+    steps = {mode: iter(v * 2) for mode, v in per_repeat.items()}  # W=2, then W=1
+    monkeypatch.setattr(runtime, "launch", lambda fn, w, model, policy, mode, *a, **k: [
+        {"step_ms": next(steps[mode]), "gather_ms": 1.0, "peak_mib": 0.0}])
+    monkeypatch.setattr(bench.os, "cpu_count", lambda: 2)
+    rows = [line for line in bench.prefetch_table(["reference"], 256, 4, 3).splitlines() if line.startswith("| ref")]
+    row = [c.strip() for c in rows[0].strip("|").split("|")]  # W=2, the first configuration
+    assert row[3:8] == ["6.0", "5.0", "2.00x", "2.5", "4.00x"], row
+
+
 def test_reference_rows_put_the_former_tp_pair_beside_the_derived_plan(monkeypatch):
     """The reference MLP's derived plan gathers its first Linear; the extra row runs the column -> row pair
     it had before, so one run compares both (the wide MLP derives that pair itself: no extra row)."""
