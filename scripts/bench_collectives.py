@@ -25,6 +25,12 @@ Columns (per message size N, float32, in-place sum):
   and for the zero-copy path. A private tensor must also be copied into shared memory and its
   result copied out, twice the traffic of the zero-copy path. Either can pass 1.0 where the W ranks'
   cores together copy faster than one: each rank handles only its 1/W of the data.
+* ``floor`` (W=2, sizes up to a slot): what any all-reduce of a private tensor costs a member at least, the sum
+  of three medians timed in the same processes -- its N bytes copied into shared memory, one barrier, and the
+  peer's N bytes read across the cores right after the peer wrote them (:func:`pair_floors`); ``of floor`` =
+  floor / shm time; ``bound / floor`` = the most "of bound" any algorithm reaches on this machine: reading
+  from the other core's cache is slower than the single-core copy the bound counts. ``zero-copy floor``: the
+  same without the copy in (the tensor is in shared memory already), against the zero-copy column.
 
 Ours and gloo are measured in alternating rounds and the medians are reported, so a shared noisy
 machine affects both alike. The last line is machine-readable::
@@ -32,7 +38,9 @@ machine affects both alike. The last line is machine-readable::
     summary: allreduce_4KiB_us=... allreduce_1MiB_us=... allreduce_64MiB_ms=... speedup_vs_gloo_1MiB=...
              speedup_vs_gloo_64MiB=... barrier_us=... channel_roundtrip_64KiB_us=... fraction_of_bound_64MiB=...
              fraction_of_bound_1MiB=...
-             zero_copy_of_bound_64MiB=... zero_copy_of_bound_1MiB=... rsag_vs_oneshot_1MiB=... barrier_w4_us=...
+             zero_copy_of_bound_64MiB=... zero_copy_of_bound_1MiB=... rsag_vs_oneshot_1MiB=...
+             floor_4KiB_us=... floor_1MiB_us=... of_floor_1MiB=... bound_over_floor_1MiB=...
+             zero_copy_of_floor_1MiB=... bound_over_zero_copy_floor_1MiB=... barrier_w4_us=...
 """
 
 from __future__ import annotations
@@ -118,6 +126,9 @@ def shm_worker(world: Any, sizes: list[int], quick: bool, turn: int = 0) -> dict
             g.barrier()
 
         out[("zero_copy", n)] = _time_ops(lambda: g.all_reduce(buf.local), reps_for(n, quick), before=written)
+        if g.size == 2 and n <= g.config.slot_bytes:
+            floors = pair_floors(g, buf, src, reps_for(n, quick), out["barrier"])
+            out[("floor", n)], out[("zero_copy_floor", n)] = floors
         g.release_shared(buf)
     for n in sizes:  # point-to-point: a message from rank 0 to rank 1 and back (a pipeline's hand-over, twice)
         out[("channel", n)] = 0.0
@@ -129,6 +140,28 @@ def shm_worker(world: Any, sizes: list[int], quick: bool, turn: int = 0) -> dict
             step = (lambda: (tx.send(x), rx.recv())) if me == 0 else (lambda: tx.send(rx.recv()))
             out[("channel", n)] = _time_ops(step, reps_for(n, quick))
     return out
+
+
+def pair_floors(g: Any, buf: Any, src: torch.Tensor, reps: int, barrier_s: float) -> tuple[float, float]:
+    """What any all-reduce of ``src``'s size costs a member of a pair at least, for a private tensor and for one
+    already in shared memory (zero-copy). Both need one barrier (``barrier_s``, timed alone) and the peer's N
+    bytes read across the cores just after the peer wrote them: each member needs N bytes' worth of the peer's
+    contribution, raw or partly reduced, and they sit in the other core's cache. A private tensor's N bytes
+    must first be copied into shared memory (timed warm, into this member's region of ``buf``). Returns
+    (copy in + barrier + cross-core read, barrier + cross-core read), sums of medians. Measured for sizes up
+    to a slot (one chunk), where the copies stay in cache as the one-shot's do; ``bound / floor`` is then the
+    most "of bound" any algorithm can reach on this machine.
+    """
+    peer = buf.region(1 - g.index)
+    dst = torch.empty_like(src)
+    copy_in = _time_ops(lambda: buf.local.copy_(src), reps)
+
+    def written() -> None:  # the peer's bytes come out of the other core's cache, as after its copy-in
+        buf.local.copy_(src)
+        g.barrier()
+
+    cross_read = _time_ops(lambda: dst.copy_(peer), reps, before=written)
+    return copy_in + barrier_s + cross_read, barrier_s + cross_read
 
 
 def gloo_worker(world: Any, sizes: list[int], quick: bool, port: int) -> dict[str, Any]:
@@ -192,18 +225,26 @@ def table(world_size: int, sizes: list[int], res: dict[str, Any], copy: dict[int
         f"W={world_size}: barrier {shm['barrier'] * 1e6:.1f} us (shm) vs {gloo['barrier'] * 1e6:.1f} us (gloo)",
         "",
         "| size | shm | shm RS+AG | shm zero-copy | gloo | speed-up vs gloo | shm algbw GB/s | memcpy GB/s | bound "
-        "| of bound | zero-copy of bound | channel round trip (rank 0 -> 1 -> 0) |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| of bound | floor | of floor | bound / floor | zero-copy of bound | zero-copy floor | zero-copy of floor "
+        "| bound / zero-copy floor | channel round trip (rank 0 -> 1 -> 0) |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for n in sizes:
         t, z, g = shm[("private", n)], shm[("zero_copy", n)], gloo[("private", n)]
         rs = fmt_t(shm[("rsag", n)]) if ("rsag", n) in shm else "--"
+        floor, zfloor = (_floor_cells(shm.get((key, n)), took, copy[n]) for key, took in
+                         (("floor", t), ("zero_copy_floor", z)))
         lines.append(
             f"| {fmt_size(n)} | {fmt_t(t)} | {rs} | {fmt_t(z)} | {fmt_t(g)} | {g / t:.1f}x | {n / t / 1e9:.2f} | "
-            f"{n / copy[n] / 1e9:.1f} | {fmt_t(copy[n])} | {copy[n] / t:.2f} | {copy[n] / z:.2f} | "
-            f"{fmt_t(shm[('channel', n)])} |"
+            f"{n / copy[n] / 1e9:.1f} | {fmt_t(copy[n])} | {copy[n] / t:.2f} | {floor} | {copy[n] / z:.2f} | "
+            f"{zfloor} | {fmt_t(shm[('channel', n)])} |"
         )
     return "\n".join(lines)
+
+
+def _floor_cells(floor: Optional[float], took: float, bound: float) -> str:
+    """A floor, the time against it (1.0 = at the floor) and the most "of bound" it allows; "--" where unmeasured."""
+    return "-- | -- | --" if floor is None else f"{fmt_t(floor)} | {floor / took:.2f} | {bound / floor:.2f}"
 
 
 def fmt_t(seconds: float) -> str:
@@ -223,6 +264,10 @@ def plot(path: Path, sizes: list[int], results: dict[int, dict[str, Any]], copy:
         ax.plot(xs, [res["shm"][("zero_copy", n)] * 1e6 for n in sizes], "^--", label=f"shm zero-copy W={w}")
         ax.plot(xs, [res["gloo"][("private", n)] * 1e6 for n in sizes], "s-", label=f"gloo W={w}")
     ax.plot(xs, [copy[n] * 1e6 for n in sizes], "k:", label="traffic bound (1 memcpy)")
+    floors = [(n / KiB, res["shm"][("floor", n)] * 1e6) for w, res in results.items() for n in sizes
+              if ("floor", n) in res["shm"]]
+    if floors:
+        ax.plot(*zip(*floors), "kx", label="floor of a private tensor, W=2 (copy in + barrier + cross-core read)")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("message size (KiB, float32)")
@@ -281,6 +326,12 @@ def main(argv: Optional[list[str]] = None) -> None:
         "zero_copy_of_bound_64MiB": copy.get(64 * MiB, float("nan")) / at(64 * MiB, "zero_copy"),
         "zero_copy_of_bound_1MiB": copy.get(MiB, float("nan")) / at(MiB, "zero_copy"),
         "rsag_vs_oneshot_1MiB": at(MiB, "rsag") / at(MiB),
+        "floor_4KiB_us": at(4 * KiB, "floor") * 1e6,
+        "floor_1MiB_us": at(MiB, "floor") * 1e6,
+        "of_floor_1MiB": at(MiB, "floor") / at(MiB),
+        "bound_over_floor_1MiB": copy.get(MiB, float("nan")) / at(MiB, "floor"),
+        "zero_copy_of_floor_1MiB": at(MiB, "zero_copy_floor") / at(MiB, "zero_copy"),
+        "bound_over_zero_copy_floor_1MiB": copy.get(MiB, float("nan")) / at(MiB, "zero_copy_floor"),
     }
     if 4 in results:
         summary["barrier_w4_us"] = results[4]["shm"]["barrier"] * 1e6

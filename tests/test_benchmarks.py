@@ -81,6 +81,26 @@ def test_bench_collectives_prints_table_plot_and_summary(scripts_run):
     row = next(line for line in out.splitlines() if line.startswith("| 64KiB |"))
     assert row.split("|")[3].strip().endswith(" us"), row  # W=2: reduce-scatter + all-gather beside the one-shot
     assert (scripts_run[1] / "collectives.png").stat().st_size > 1000
+    # the pair's floor (copy in + barrier + cross-core read) and the ratios printed beside it
+    header = next(line for line in out.splitlines() if line.startswith("| size |"))
+    col = {name.strip(): i for i, name in enumerate(header.split("|"))}
+    for size in ("4KiB", "64KiB"):
+        cells = next(line for line in out.splitlines() if line.startswith(f"| {size} |")).split("|")
+        shm, floor, bound, zc, zfloor = (_us(cells[col[k]]) for k in ("shm", "floor", "bound", "shm zero-copy",
+                                                                      "zero-copy floor"))
+        assert floor > zfloor >= float(pairs["barrier_us"]) * 0.999, cells  # both include one barrier
+        assert float(cells[col["of floor"]]) == pytest.approx(floor / shm, rel=0.02, abs=0.011), cells
+        assert float(cells[col["bound / floor"]]) == pytest.approx(bound / floor, rel=0.02, abs=0.011), cells
+        assert float(cells[col["zero-copy of floor"]]) == pytest.approx(zfloor / zc, rel=0.02, abs=0.011), cells
+        assert float(cells[col["bound / zero-copy floor"]]) == pytest.approx(bound / zfloor, rel=0.02, abs=0.011), cells
+    assert float(pairs["floor_4KiB_us"]) == pytest.approx(_us(
+        next(line for line in out.splitlines() if line.startswith("| 4KiB |")).split("|")[col["floor"]]), rel=0.01)
+
+
+def _us(cell: str) -> float:
+    """A printed time ("12.3 us" or "1.20 ms") in microseconds."""
+    value, unit = cell.split()
+    return float(value) * {"us": 1.0, "ms": 1e3}[unit]
 
 
 def _section(out: str, heading: str) -> str:
@@ -227,6 +247,45 @@ def test_collectives_time_the_call_alone_after_what_runs_before_it(monkeypatch):
     median = bench_collectives._time_ops(lambda: order.append("call"), 5, before=before)
     assert order == ["before", "call"] * 8  # 3 warm-up calls, then 5 timed
     assert median < 0.01
+
+
+def test_a_pairs_floor_copies_in_waits_once_and_reads_what_the_peer_wrote(monkeypatch):
+    """The floor columns: this member's bytes into its region (a private tensor's only), plus one barrier, plus the
+    peer's region read just after the peer wrote it (the fake barrier is where the peer's write lands) -- not
+    this member's own."""
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    import bench_collectives
+    import torch
+
+    class Pair:  # member 1 of a pair; the peer writes 5s into its region before each barrier
+        index = 1
+
+        def __init__(self) -> None:
+            self.regions = [torch.zeros(8), torch.zeros(8)]
+            self.local = self.regions[1]
+
+        def region(self, member: int) -> torch.Tensor:
+            return self.regions[member]
+
+        def barrier(self) -> None:
+            self.regions[0].fill_(5.0)
+
+    calls: list[tuple[bool, torch.Tensor]] = []
+
+    def one_call(fn, reps, before=None):  # runs once; returns a fixed "time" per call, in order
+        if before is not None:
+            before()
+        calls.append((before is not None, fn().clone()))
+        return [1.0, 10.0][len(calls) - 1]
+
+    monkeypatch.setattr(bench_collectives, "_time_ops", one_call)
+    pair = Pair()
+    src = torch.arange(8.0)
+    assert bench_collectives.pair_floors(pair, pair, src, 3, barrier_s=100.0) == (111.0, 110.0)
+    (rewrote_first, copied_in), (rewrote, read) = calls
+    assert not rewrote_first and torch.equal(copied_in, src)  # my bytes into my region, nothing before it
+    assert rewrote and torch.equal(read, torch.full((8,), 5.0))  # after the peer's write: its region, not mine
+    assert torch.equal(pair.local, src)
 
 
 def test_pipeline_table_reports_medians_over_steps_and_hand_overs(monkeypatch):
