@@ -11,6 +11,10 @@ Rows (same global batch everywhere, synthetic MNIST-shaped data held in memory):
 * ``shm_ddp``: this project, W processes;
 * ``ceiling``: W independent single-process trainings (batch = global / W, cores // W threads each)
   running concurrently -- no communication at all: the limit for W ranks on this machine;
+* ``single`` and ``ceiling`` keep freed memory in the process as the strategies' workers do
+  (``RuntimeConfig.keep_freed_memory``): without it their every step faults in fresh pages for its
+  large gradients, which the ratios against them would count as the strategies' gain (``ddp_spawn``
+  runs as Lightning runs it);
 * ``ceiling, lock-step``: the same W trainings, made to wait for each other (a shared-memory barrier)
   where shm_ddp's ranks do -- after the loss (the logged ``sync_dist`` value) and after backward (the
   gradient all-reduce) --, still without moving any data: the limit for a *synchronous* strategy
@@ -242,7 +246,13 @@ def run_one(spec: RunSpec) -> dict[str, Any]:
     sys.path.insert(0, str(ROOT))
     import lightning_shm  # noqa: F401
     from lightning_shm.models import MNISTClassifier
+    from lightning_shm.runtime.launcher import _keep_freed_memory
 
+    if spec.strategy in ("single", "ceiling"):
+        # the memory policy of the strategies' workers (RuntimeConfig.keep_freed_memory), before anything large is
+        # allocated: otherwise these rows fault in fresh pages for every step's gradients and the ratios against
+        # them count that as the strategies' gain
+        _keep_freed_memory()
     replicas = 1 if spec.strategy == "single" else (spec.data_parallel or spec.devices)
     per_rank = spec.global_batch // replicas
     # an MNIST-sized training set, the same array in every row and process (epochs repeat as needed):

@@ -169,6 +169,30 @@ def test_measured_rows_fork_their_workers_only_where_each_gets_one_thread(monkey
     assert not any("start_method" in s.strategy_kwargs for s in bench.fast_start(bench.rows_for("wide", 2, 8, 1, 1)))
 
 
+@pytest.mark.parametrize("strategy", ["single", "ceiling"])
+def test_the_reference_rows_keep_freed_memory_as_the_workers_do(monkeypatch, tmp_path, strategy):
+    """The single and ceiling rows run plain Lightning in one process; they take the strategies' workers' memory
+    policy (``RuntimeConfig.keep_freed_memory``) before building anything, or each of their steps faults in fresh
+    pages for its gradients (the wide MLP's ceiling ran ~20% slower that way) and the ratios against them count
+    it as the strategies' gain."""
+    bench = _bench_module(monkeypatch)
+    import lightning_shm.models
+    from lightning_shm.runtime import launcher
+
+    events: list[str] = []
+    monkeypatch.setattr(launcher, "_keep_freed_memory", lambda: events.append("keep freed memory"))
+
+    class Recorded(lightning_shm.models.MNISTClassifier):
+        def __init__(self, **kwargs) -> None:
+            events.append("model")
+            super().__init__(**kwargs)
+
+    monkeypatch.setattr(lightning_shm.models, "MNISTClassifier", Recorded)
+    spec = bench.RunSpec(strategy, strategy, 1, "reference", 32, 1, 2, barrier_dir=str(tmp_path))
+    assert bench.run_one(spec)["samples_per_s"] > 0
+    assert events == ["keep freed memory", "model"]
+
+
 def test_bench_strategies_splits_steps_into_phases(strategies_run):
     out = _section(strategies_run[0], "Where a step goes")
     rows = {}
