@@ -34,9 +34,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from lightning_shm.runtime.launcher import _keep_freed_memory  # noqa: E402
+from lightning_shm.runtime.launcher import keep_freed_memory  # noqa: E402
 
-_keep_freed_memory()  # before torch allocates: like a worker
+keep_freed_memory()  # before torch allocates: like a worker
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402

@@ -246,13 +246,13 @@ def run_one(spec: RunSpec) -> dict[str, Any]:
     sys.path.insert(0, str(ROOT))
     import lightning_shm  # noqa: F401
     from lightning_shm.models import MNISTClassifier
-    from lightning_shm.runtime.launcher import _keep_freed_memory
+    from lightning_shm.runtime.launcher import keep_freed_memory
 
     if spec.strategy in ("single", "ceiling"):
         # the memory policy of the strategies' workers (RuntimeConfig.keep_freed_memory), before anything large is
         # allocated: otherwise these rows fault in fresh pages for every step's gradients and the ratios against
         # them count that as the strategies' gain
-        _keep_freed_memory()
+        keep_freed_memory()
     replicas = 1 if spec.strategy == "single" else (spec.data_parallel or spec.devices)
     per_rank = spec.global_batch // replicas
     # an MNIST-sized training set, the same array in every row and process (epochs repeat as needed):

@@ -184,7 +184,7 @@ def test_the_reference_rows_keep_freed_memory_as_the_workers_do(monkeypatch, tmp
     from lightning_shm.runtime import launcher
 
     events: list[str] = []
-    monkeypatch.setattr(launcher, "_keep_freed_memory", lambda: events.append("keep freed memory"))
+    monkeypatch.setattr(launcher, "keep_freed_memory", lambda: events.append("keep freed memory"))
 
     class Recorded(lightning_shm.models.MNISTClassifier):
         def __init__(self, **kwargs) -> None:

@@ -425,7 +425,7 @@ def _worker_entry(a: _WorkerArgs, conn: Connection, job: Any, stderr: Optional[C
     _start_children_as_the_user_would(a.mp_start_method)
     stacks.register(a.stack_path)
     if a.runtime.keep_freed_memory:
-        _keep_freed_memory()
+        keep_freed_memory()
     import torch
 
     torch.set_num_threads(a.threads)
@@ -470,14 +470,15 @@ def _default_sigterm() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # allowed in any forked child: its one thread is its main thread
 
 
-def _keep_freed_memory() -> None:
+def keep_freed_memory() -> None:
     """Make glibc keep freed large blocks in the heap instead of returning them to the OS.
 
     Training allocates and frees the same large tensors every step (gradients, FSDP's gathered
     units). glibc serves blocks over its mmap threshold (at most 32 MiB) with fresh mappings and
     unmaps them on free, so each step faults every page in again: a 64 MiB copy into fresh memory
     takes ~28 ms here, into reused memory ~5 ms. Like a caching allocator, the worker's footprint
-    then stays at its peak instead of breathing with every step.
+    then stays at its peak instead of breathing with every step. Public: the benchmarks' one-process
+    rows call it too, so that they run under the workers' policy.
     """
     with contextlib.suppress(Exception):
         libc = ctypes.CDLL(None)
