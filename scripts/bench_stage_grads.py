@@ -4,6 +4,7 @@ one in-place product per microbatch) against autograd's, side by side.
     python scripts/bench_stage_grads.py           # four layer sizes, M = 4 and 8, 4 alternating repeats (~1 min)
     python scripts/bench_stage_grads.py --quick   # one small layer, two repeats
     python scripts/bench_stage_grads.py --bound   # the wide MLP, per-sample cost by microbatch size (~1 min)
+    python scripts/bench_stage_grads.py --record  # what the engine's activation-memory record costs a step (~1 min)
 
 A stage back-propagates M microbatches per step. Autograd computes each Linear's weight gradient as
 a fresh ``grad_output^T @ input`` per microbatch and adds it to ``.grad``. The engine (through
@@ -23,6 +24,10 @@ the ceiling with autograd's Linear, the stage through the engine, with and witho
 weight copies of ``linear_grads.PaddedWeights``) gives ``e = 2 x ceiling step / stage-like step``: the
 pipeline's per-sample compute against the ceiling's, so ``samples/s <= e x (1 - bubble) x ceiling``
 even with balanced stages and free hand-overs. Steps of all rows alternate; medians.
+
+``--record``: the engine's step with and without ``track_activation_memory`` (a Python hook on every tensor
+autograd saves, called again when backward unpacks it), alternating step by step on one engine; the
+strategies build their engines without it.
 """
 
 from __future__ import annotations
@@ -109,13 +114,51 @@ def microbatch_bound(hidden: list[int], global_batch: int, rounds: int) -> None:
         print(f"| {name} | {n // M} x {M} | {med[name]:.1f} | {e:.2f} |")
 
 
+def record_cost(global_batch: int, rounds: int) -> None:
+    """The ``--record`` table (module docstring): one stage holding the whole model, 1F1B."""
+    from lightning_shm.models import MNISTClassifier
+
+    models = {"MLP 512 x 8": {"arch": "mlp", "hidden_sizes": [512] * 8}, "transformer": {"arch": "transformer"}}
+    print(f"## The activation-memory record: one stage, 1F1B, global batch {global_batch}, 1 thread; ms per step, "
+          f"median of {rounds} alternating steps each\n")
+    print("| model | M | saved tensors per microbatch | recorded | not recorded | the record's cost |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name, kw in models.items():
+        torch.manual_seed(0)
+        net = MNISTClassifier(**kw).net
+        x, y = torch.randn(global_batch, 1, 28, 28), torch.randint(0, 10, (global_batch,))
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(1) or t, lambda t: t):
+            net(x[:global_batch // 4])
+        for M in (4, 8):
+            engine = PipelineEngine({0: net}, PipelineSchedule(Schedule.ONE_F_ONE_B, 1, M, 1), 0, [0], world=None)
+            times: dict[bool, list[float]] = {True: [], False: []}
+            try:
+                for i in range(rounds + 1):
+                    for track in (True, False) if i % 2 else (False, True):
+                        engine.tracks_memory = track
+                        net.zero_grad(set_to_none=True)
+                        t0 = time.perf_counter()
+                        engine.train_step(_PlainIO(x, y, M))
+                        if i:  # the first round warms up
+                            times[track].append(time.perf_counter() - t0)
+            finally:
+                engine.close()
+            on, off = (statistics.median(times[t]) * 1e3 for t in (True, False))
+            print(f"| {name} | {M} | {len(saved)} | {on:.2f} | {off:.2f} | {(on - off) / off:+.1%} |")
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--repeats", type=int, default=None)
     p.add_argument("--bound", action="store_true", help="the per-sample cost table of the wide MLP (module docstring)")
+    p.add_argument("--record", action="store_true", help="the activation-memory record's cost (module docstring)")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
+    if args.record:
+        record_cost(64 if args.quick else 256, args.repeats or (2 if args.quick else 30))
+        return
     if args.bound:
         microbatch_bound([256, 64] if args.quick else [4096, 4096], 256, args.repeats or (2 if args.quick else 8))
         return

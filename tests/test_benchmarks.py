@@ -30,6 +30,7 @@ _SCRIPTS = {  # the runs of the scripts that train without Lightning's fit, for 
                       "--out-dir", "OUT"],
     "stage_grads": ["scripts/bench_stage_grads.py", "--quick"],
     "stage_grads_bound": ["scripts/bench_stage_grads.py", "--bound", "--quick"],
+    "stage_grads_record": ["scripts/bench_stage_grads.py", "--record", "--quick"],
 }
 _RUN_IN_ONE_INTERPRETER = """
 import json, runpy, sys, traceback
@@ -471,6 +472,19 @@ def test_bench_stage_grads_prints_both_variants(scripts_run):
     out = printed(scripts_run, "stage_grads")
     rows = [line for line in out.splitlines() if re.match(r"\| \(256, 512\) \| 64 \| [48] \|", line)]
     assert len(rows) == 2 and all(line.rstrip().endswith("x |") for line in rows)
+
+
+def test_bench_stage_grads_prints_what_the_activation_record_costs(scripts_run):
+    out = printed(scripts_run, "stage_grads_record")
+    rows = [[x.strip() for x in line.strip().strip("|").split("|")] for line in out.splitlines()
+            if line.startswith("| MLP") or line.startswith("| transformer")]
+    assert [(r[0], r[1]) for r in rows] == [(m, M) for m in ("MLP 512 x 8", "transformer") for M in ("4", "8")], out
+    for _, _, saved, on, off, cost in rows:
+        assert int(saved) > 0 and float(on) > 0 and float(off) > 0
+        # the printed cost is the difference of the printed times (each rounded to 0.01 ms) over the second
+        low, high = (float(on) - 0.005 - float(off) - 0.005) / (float(off) + 0.005), \
+            (float(on) + 0.005 - float(off) + 0.005) / (float(off) - 0.005)
+        assert low - 0.0005 <= float(cost.rstrip("%")) / 100 <= high + 0.0005, (on, off, cost)
 
 
 def test_bench_stage_grads_prints_the_microbatch_bound(scripts_run):

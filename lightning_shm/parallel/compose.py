@@ -377,7 +377,8 @@ def parallelize(module: nn.Module, config: ParallelConfig, world: World, groups:
         # last: it patches the Linear layers it runs (zero-bubble) and knows their storages
         engine = PipelineEngine(stage.chunks, config.pipeline, groups.coords.pp, list(groups.pp.ranks), world,
                                 tag=f"pp-dp{groups.coords.dp}-tp{groups.coords.tp}",
-                                activation_checkpointing=config.activation_checkpointing)
+                                activation_checkpointing=config.activation_checkpointing,
+                                track_activation_memory=False)  # no step reads it; it costs every forward
         engine.held = fsdp
     state = ModelState(module, plain_keys, plain_params, placements, stages=groups.pp if topo.pp > 1 else None,
                        before_load=fsdp.before_shards_written if fsdp is not None else None,

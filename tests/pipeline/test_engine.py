@@ -161,6 +161,42 @@ def test_gpipe_holds_more_activations_than_1f1b():
         assert g.peak_activation_bytes > 1.5 * o.peak_activation_bytes
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
+def test_activation_memory_is_recorded_only_by_an_engine_asked_to(schedule):
+    """Recording what autograd saves hooks every saved tensor (a Python call in forward, another in backward):
+    an engine built without ``track_activation_memory`` runs its chunks with no such hook, records nothing,
+    refuses to report a peak it did not measure -- and computes the same gradients, bit for bit."""
+
+    class Probe(_PlainIO):  # the last chunk runs inside the step: whatever hooks autograd has there
+        def last_forward(self, mb, x, chunk):
+            hooked.append(torch._C._autograd._top_saved_tensors_default_hooks(False) is not None)
+            noted.append(len(engine._alive))  # what the step has noted so far for its peak
+            return super().last_forward(mb, x, chunk)
+
+    torch.manual_seed(0)
+    x, y = torch.randn(16, 20), torch.randint(0, 5, (16,))
+    grads = {}
+    for track in (True, False):
+        torch.manual_seed(1)
+        net = build_mlp([32, 16], in_features=20, num_classes=5)
+        engine = PipelineEngine({0: net}, PipelineSchedule(Schedule.parse(schedule), 1, 4, 1), 0, [0], world=None,
+                                track_activation_memory=track)
+        engine.in_place_min_numel = 0  # the weight-gradient rows are held too (counted only when tracked)
+        hooked, noted = [], []
+        engine.train_step(Probe(x, y, 4))
+        assert hooked == [track] * 4 and (noted[-1] > 0) == track
+        if track:
+            assert engine.peak_activation_bytes > 0
+        else:
+            with pytest.raises(RuntimeError, match="track_activation_memory=True"):
+                engine.peak_activation_bytes
+            assert not engine._alive and not engine._saved and not engine._held_bytes  # nothing recorded
+        grads[track] = [p.grad.clone() for p in net.parameters()]
+        engine.close()
+    for a, b in zip(grads[True], grads[False]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 def test_zero_bubble_weight_passes_free_their_stash_within_1f1b_memory():
     """ZB-H1 runs each W soon after its B (in the steady state): at most P microbatches are between
     their F and their W on any stage -- 1F1B's peak, which its first stage holds -- so the

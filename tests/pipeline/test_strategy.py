@@ -439,6 +439,24 @@ def test_checkpointing_runs_the_step_once_per_microbatch(schedule):
     torch.testing.assert_close(flat_params(got), flat_params(ref), rtol=0, atol=1e-9)
 
 
+class _SavedTensorHooks(MNISTClassifier):
+    """Logs whether autograd's saved tensors pass through a Python hook where the step runs its layers."""
+
+    def training_step(self, batch, batch_idx):
+        self.log("hooked", float(torch._C._autograd._top_saved_tensors_default_hooks(False) is not None))
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("strategy", ["shm_pipeline", "shm_model_parallel"])
+def test_the_strategies_stages_run_without_a_hook_on_saved_tensors(strategy):
+    """The engine's activation-memory record hooks every saved tensor (a Python call each way); no step reads it,
+    so the strategies' engines leave it off (the runtime-only driver turns it on for the schedules table)."""
+    kind = pp(2) if strategy == "shm_pipeline" else SHMModelParallel(start_method="fork", data_parallel_size=1,
+                                                                      pipeline_parallel_size=2, microbatches=4)
+    t, _ = fit_seeded(_SavedTensorHooks, kind, 2, GLOBAL_BATCH)
+    assert logged_floats(t)["hooked"] == 0.0
+
+
 def test_accumulation_averages_over_micro_steps_as_one_process_does():
     """Clipping by value, unlike by norm, does not hide gradients that are twice too large."""
     kw = dict(accumulate=2, gradient_clip_val=0.01, gradient_clip_algorithm="value")

@@ -16,13 +16,15 @@ Data movement per action (chunk c of V, microbatch m)::
        other schedules: recorded for the step-end products
 
 ``act[c]`` / ``grad[c]`` are point-to-point channels between the ranks of chunks c and c+1: no
-barrier, no other rank involved. Every compute action is timed into :attr:`timeline`; the bytes of
-storages autograd saves for backward are recorded per (m, c) to report peak activation memory; a
-storage shared by several microbatches (the batch they were cut from) counts once.
+barrier, no other rank involved. Every compute action is timed into :attr:`timeline`. With
+``track_activation_memory`` the bytes of storages autograd saves for backward are recorded per (m, c) to
+report peak activation memory; a storage shared by several microbatches (the batch they were cut from)
+counts once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any, ContextManager, Optional, Protocol
 
@@ -62,6 +64,10 @@ class HeldParameters(Protocol):
     def grad_sink(self, tensor: torch.Tensor, grad: torch.Tensor) -> bool: ...
 
 
+def _unpack(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
 def _stage_linear_forward(module: nn.Linear | LinearRows, engine: "PipelineEngine", x: torch.Tensor) -> torch.Tensor:
     w = module.weight
     # autograd's path for a weight with live hooks (they must see its gradient; a strategy's training step
@@ -85,6 +91,12 @@ class PipelineEngine:
     (``scripts/bench_stage_grads.py``: Linear(784, 256) as fast as autograd gathered, slower with one
     product per microbatch; Linear(1024, 1024) and larger faster either way).
 
+    ``track_activation_memory`` (``tracks_memory``, may change between steps): record what autograd saves, for
+    :attr:`peak_activation_bytes`. It costs a Python call per saved tensor in forward and another in backward
+    (``scripts/bench_stage_grads.py --record``: 2-7% of a step of the 512-wide MLP, up to 5% of the
+    transformer's), so the strategies, whose steps read no such figure, leave it off; the runtime-only driver
+    (the schedules table) keeps it on.
+
     ``stash_fraction``: outside zero-bubble, a taken weight's (input, grad_output) rows are kept
     across microbatches -- up to this fraction of the weight's element count -- and its gradient is
     taken as one product over all of them. Why: per microbatch, ``G^T @ X`` is a thin product whose
@@ -99,9 +111,10 @@ class PipelineEngine:
 
     def __init__(self, chunks: dict[int, nn.Module], schedule: PipelineSchedule, pp_index: int, pp_ranks: list[int],
                  world: World, tag: str = "pp", activation_checkpointing: bool = False,
-                 channel: Optional[ChannelConfig] = None) -> None:
+                 channel: Optional[ChannelConfig] = None, track_activation_memory: bool = True) -> None:
         self.chunks, self.schedule, self.pp_index = chunks, schedule, pp_index
         self.checkpointing = activation_checkpointing
+        self.tracks_memory = track_activation_memory
         V = schedule.chunks
         me = pp_ranks[pp_index]
         rank_of = [pp_ranks[schedule.rank_of(c)] for c in range(V)]
@@ -125,7 +138,7 @@ class PipelineEngine:
         # who takes a deferred weight gradient whose weight is not a leaf (FSDP's gathered parameters)
         self.held: Optional[HeldParameters] = None
         self._marks: list[tuple[str, int, int, float, float]] = []  # this step's actions: kind, mb, chunk, start, end
-        self.peak_activation_bytes = 0
+        self._peak = 0
         # (m, c) -> x, out, and under checkpointing what the recomputation replays: forward's random state and
         # the chunk's buffers as forward found them (.buffers)
         self._store: dict[tuple[int, int], tuple[Any, Any, Optional[tuple[torch.Tensor, buffers.ForwardBuffers]]]] = {}
@@ -233,13 +246,16 @@ class PipelineEngine:
             x = self.act_in[c].recv_obj()
         chunk = self.chunks[c]
         saved: dict[int, int] = {}
+        if self.tracks_memory:
+            def pack(t: torch.Tensor) -> torch.Tensor:
+                storage = t.untyped_storage()
+                if storage.data_ptr() not in self._param_ptrs:
+                    saved[storage.data_ptr()] = storage.nbytes()
+                return t
 
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            storage = t.untyped_storage()
-            if storage.data_ptr() not in self._param_ptrs:
-                saved[storage.data_ptr()] = storage.nbytes()
-            return t
-
+            tracked: ContextManager[Any] = torch.autograd.graph.saved_tensors_hooks(pack, _unpack)
+        else:
+            tracked = contextlib.nullcontext()
         t0 = time.perf_counter()
         checkpointed = training and self.checkpointing and not last  # recomputed in backward; not the last chunk:
         # the step runs around it, whose effects (a metric's update, a list append) must happen once
@@ -249,7 +265,7 @@ class PipelineEngine:
         rng = torch.get_rng_state() if checkpointed else None
         around = buffers.ForwardBuffers(chunk, self._updating.get(c)) if checkpointed else None
         grad_ctx = torch.enable_grad() if keep_graph else torch.no_grad()
-        with grad_ctx, io.forward_context(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with grad_ctx, io.forward_context(), tracked:
             if keep_graph and c > 0:
                 inp = act.entries(x)  # its first layer may change it in place (ReLU(inplace=True)): not the leaf
             elif checkpointed:
@@ -268,10 +284,11 @@ class PipelineEngine:
                 self._updating.setdefault(c, set()).update(id(b) for b, _ in around.changed().in_place)
                 replay = (rng, around)
             self._store[(m, c)] = (x, out, replay)
-            if checkpointed:  # only the chunk input is kept
-                saved = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in act.parts(x)}
-            self._saved[(m, c)] = saved
-            self._update_peak()
+            if self.tracks_memory:
+                if checkpointed:  # only the chunk input is kept
+                    saved = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in act.parts(x)}
+                self._saved[(m, c)] = saved
+                self._update_peak()
 
     def _backward(self, a: Action, io: StageIO, training: bool) -> None:
         m, c = a.mb, a.chunk
@@ -299,7 +316,7 @@ class PipelineEngine:
         self._record("B", m, c, t0)
         if c > 0 and act.requires_grad(x):
             self.grad_out[c].send_obj(act.input_grads(x))
-        if self._stash or self._rows:
+        if self.tracks_memory and (self._stash or self._rows):
             self._update_peak()
 
     def _weight(self, a: Action, io: StageIO, training: bool) -> None:
@@ -315,6 +332,15 @@ class PipelineEngine:
         """This step's actions as timed (a new list each time it is read)."""
         return [Timed(self.pp_index, Action(k, m, c), start, end) for k, m, c, start, end in self._marks]
 
+    @property
+    def peak_activation_bytes(self) -> int:
+        """The most activation memory this rank held at once in the last step: the storages autograd saved for
+        backward, and the weight-gradient rows held for later products (each storage counted once)."""
+        if not self.tracks_memory:
+            raise RuntimeError("peak_activation_bytes is recorded only by an engine built with "
+                               "track_activation_memory=True")
+        return self._peak
+
     def _record(self, kind: str, mb: int, chunk: int, t0: float) -> None:
         self._marks.append((kind, mb, chunk, t0, time.perf_counter()))  # a plain tuple: this runs between actions
 
@@ -326,6 +352,8 @@ class PipelineEngine:
         self._alive.append((tuple(self._saved.values()), self._held_bytes.copy() if self._held_bytes else None))
 
     def _hold(self, *tensors: torch.Tensor) -> None:
+        if not self.tracks_memory:
+            return
         for t in tensors:
             storage = t.untyped_storage()
             ptr = storage.data_ptr()
@@ -335,6 +363,8 @@ class PipelineEngine:
             self._held_uses[ptr] = uses + 1
 
     def _release(self, *tensors: torch.Tensor) -> None:
+        if not self.tracks_memory:
+            return
         for t in tensors:
             ptr = t.untyped_storage().data_ptr()
             uses = self._held_uses.pop(ptr) - 1
@@ -349,13 +379,13 @@ class PipelineEngine:
             alive: dict[int, int] = dict(held) if held else {}
             for storages in saved:
                 alive.update(storages)
-            self.peak_activation_bytes = max(self.peak_activation_bytes, sum(alive.values()))
+            self._peak = max(self._peak, sum(alive.values()))
         self._alive.clear()
 
     def _reset(self) -> None:
         self.padded.clear()
         self._marks = []
-        self.peak_activation_bytes = 0
+        self._peak = 0
         self._alive.clear()
         self._store.clear()
         self._saved.clear()
