@@ -1126,11 +1126,14 @@ def pipeline_table(stages: list[int], microbatches: list[int], batch: int, steps
     """Per schedule: throughput, measured vs ideal bubble, hand-overs, peak activation memory per stage.
 
     Bubbles are medians over the steps after the first, each step against the ideal at its own
-    stage times: one step's timeline moves by points on a VM whose vCPUs stall now and then."""
+    stage times: one step's timeline moves by points on a VM whose vCPUs stall now and then. "Of which
+    the delays": the same simulation paying each step's median hand-over and time between actions --
+    how much of "measured - that" those two account for."""
     sys.path.insert(0, str(ROOT))
     from lightning_shm.parallel.pipeline import (
         PipelineSchedule,
         Schedule,
+        between_actions,
         bubble_fraction,
         handover_delays,
         measured_costs,
@@ -1142,8 +1145,9 @@ def pipeline_table(stages: list[int], microbatches: list[int], batch: int, steps
     lines = [f"## Pipeline schedules (runtime only; MLP {PIPE_HIDDEN[0]}x{len(PIPE_HIDDEN)}, batch {batch}, "
              f"{os.cpu_count()} cores, medians of {steps - 1} steps)\n",
              "| schedule | P | M | samples/s | measured bubble | ideal at the measured stage times | measured - that "
-             "| hand-over (us) | ideal bubble | textbook | peak activations per stage (MiB) |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "| hand-over (us) | between actions (us) | of which the delays | ideal bubble | textbook "
+             "| peak activations per stage (MiB) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     med = statistics.median
     for P in stages:
         for M in microbatches:
@@ -1155,17 +1159,24 @@ def pipeline_table(stages: list[int], microbatches: list[int], batch: int, steps
                     continue
                 res = launch(train_pipeline, P, PIPE_HIDDEN, kind.value, M, v, steps, batch, start_method="fork")
                 step = med(max(r.step_seconds[i] for r in res) for i in range(1, steps))
-                bubble, at_costs, handover = [], [], []
+                bubble, at_costs, handover, between, delays = [], [], [], [], []
                 for i in range(1, steps):
                     recs = [rec for r in res for rec in r.timelines[i]]
+                    costs = measured_costs(recs)
                     bubble.append(bubble_fraction(recs))
-                    at_costs.append(bubble_fraction(simulate(sched, measured_costs(recs))))  # this step's (im)balance
-                    handover += handover_delays(sched, recs)
+                    at_costs.append(bubble_fraction(simulate(sched, costs)))  # this step's (im)balance
+                    step_hand = handover_delays(sched, recs) or [0.0]
+                    step_between = between_actions(sched, recs) or [0.0]
+                    handover += step_hand
+                    between += step_between
+                    delays.append(bubble_fraction(simulate(sched, costs, med(step_hand), med(step_between)))
+                                  - at_costs[-1])
                 gap = med(b - a for b, a in zip(bubble, at_costs))
                 mem = " / ".join(f"{r.peak_activation_bytes / 2**20:.1f}" for r in res)
                 lines.append(f"| {kind.value} | {P} | {M} | {batch / step:,.0f} | {med(bubble):.1%} "
                              f"| {med(at_costs):.1%} | {gap * 100:+.1f} | {med(handover) * 1e6:,.0f} "
-                             f"| {sched.ideal_bubble():.1%} | {sched.formula_bubble():.1%} | {mem} |")
+                             f"| {med(between) * 1e6:,.0f} | {med(delays) * 100:+.1f} | {sched.ideal_bubble():.1%} "
+                             f"| {sched.formula_bubble():.1%} | {mem} |")
     return "\n".join(lines) + "\n"
 
 

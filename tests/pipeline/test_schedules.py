@@ -14,6 +14,7 @@ from lightning_shm.parallel.pipeline import (
     Schedule,
     Timed,
     balanced_split,
+    between_actions,
     bubble_fraction,
     handover_delays,
     measured_costs,
@@ -168,6 +169,28 @@ def test_simulate_takes_measured_per_chunk_costs():
     assert measured_costs(timeline) == costs
     jittered = [Timed(t.rank, t.action, t.start, t.end + (0.5 if t.action.mb == 0 else 0.0)) for t in timeline]
     assert measured_costs(jittered) == costs  # one slow microbatch does not move the median
+
+
+def test_simulate_pays_the_hand_overs_and_the_time_between_actions_a_run_pays():
+    """GPipe P=2, M=1 by hand (F and B cost 1): stage 1's F starts a hand-over h after stage 0's F, its B a
+    between-actions b after its own F, and stage 0's B h after stage 1's B (stage 0's F ended long before):
+    makespan 4 + 2h + b. What :func:`between_actions` reads off a timeline is the b of every action whose
+    inputs were there when the rank's previous action ended, in every schedule."""
+    s = PipelineSchedule(Schedule.GPIPE, 2, 1)
+    h, b = 0.25, 0.125
+    timeline = simulate(s, {"F": 1.0, "B": 1.0}, handover=h, between=b)
+    assert {(t.rank, t.kind): t.start for t in timeline} == pytest.approx(
+        {(0, "F"): 0.0, (1, "F"): 1 + h, (1, "B"): 2 + h + b, (0, "B"): 3 + 2 * h + b})
+    assert max(t.end for t in timeline) == pytest.approx(4 + 2 * h + b)
+    assert between_actions(s, timeline) == pytest.approx([b])  # stage 0's B waited for stage 1: not counted
+    for kind in Schedule:
+        sched = PipelineSchedule(kind, 2, 4, 2 if kind == Schedule.INTERLEAVED_1F1B else 1)
+        costs = {"F": 1.0, "B": 2.0, "W": 1.0}
+        gaps = between_actions(sched, simulate(sched, costs, between=b))
+        assert len(gaps) >= 4 and gaps == pytest.approx([b] * len(gaps)), kind
+        ideal = bubble_fraction(simulate(sched, costs))
+        assert bubble_fraction(simulate(sched, costs, handover=h, between=b)) > ideal
+        assert bubble_fraction(simulate(sched, costs, handover=0.0, between=0.0)) == pytest.approx(ideal)
 
 
 def test_handover_delays_are_the_waits_on_another_rank_beyond_the_ideal():

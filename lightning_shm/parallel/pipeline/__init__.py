@@ -5,6 +5,7 @@ from lightning_shm.parallel.pipeline.schedules import (
     PipelineSchedule,
     Schedule,
     Timed,
+    between_actions,
     bubble_fraction,
     handover_delays,
     measured_costs,
@@ -15,6 +16,6 @@ from lightning_shm.parallel.pipeline.stage import CapturedInput, PipelineStage
 
 __all__ = [
     "Action", "CapturedInput", "PipelineEngine", "PipelineSchedule", "PipelineStage",
-    "Schedule", "StageIO", "Timed", "balanced_split", "bubble_fraction", "handover_delays", "layer_costs_by_time",
-    "measured_costs", "plan_chunks", "simulate", "split_batch",
+    "Schedule", "StageIO", "Timed", "balanced_split", "between_actions", "bubble_fraction", "handover_delays",
+    "layer_costs_by_time", "measured_costs", "plan_chunks", "simulate", "split_batch",
 ]

@@ -16,7 +16,10 @@ M microbatches, v chunks per rank (V = P*v chunks, chunk c on rank c % P).
   (P-1)(T_F+T_B+T_W) to (P-1)(T_F+T_B-T_W).
 
 :func:`simulate` runs any schedule with given action costs and no communication delay: it checks
-that the dependencies can be met (no deadlock) and gives the ideal bubble fraction.
+that the dependencies can be met (no deadlock) and gives the ideal bubble fraction. Given the delays a
+run pays -- between an action and the one on another rank waiting for its output
+(:func:`handover_delays`), and between two actions of a rank where nothing was waited for
+(:func:`between_actions`) -- it says how much of a measured bubble those delays account for.
 """
 
 from __future__ import annotations
@@ -217,11 +220,15 @@ class Timed(NamedTuple):
         return self.action.chunk
 
 
-def simulate(schedule: PipelineSchedule, costs: Mapping[Any, float]) -> list[Timed]:
+def simulate(schedule: PipelineSchedule, costs: Mapping[Any, float], handover: float = 0.0,
+             between: float = 0.0) -> list[Timed]:
     """Play every rank's action list with the given costs; raise if the schedule deadlocks.
 
     ``costs`` maps a kind (``"F"``) to its cost, or ``(chunk, kind)`` to one chunk's cost (measured
-    per-stage times: the ideal of the schedule on *these* stages, whatever their imbalance)."""
+    per-stage times: the ideal of the schedule on *these* stages, whatever their imbalance).
+    ``handover``: the delay from an action's end to the start of an action on another rank that needs
+    its output; ``between``: the delay from a rank's action to its next one, whatever it waits for (both
+    0: the ideal)."""
     V = schedule.chunks
     queues = {r: schedule.actions(r) for r in range(schedule.stages)}
     pos = {r: 0 for r in queues}
@@ -236,7 +243,8 @@ def simulate(schedule: PipelineSchedule, costs: Mapping[Any, float]) -> list[Tim
             a = q[pos[r]]
             deps = _deps(a, V)
             if all(d in done for d in deps):
-                start = max([free[r]] + [done[d] for d in deps])
+                start = max([free[r] + (between if pos[r] else 0.0)]
+                            + [done[d] + (handover if schedule.rank_of(d[2]) != r else 0.0) for d in deps])
                 cost = costs[(a.chunk, a.kind)] if (a.chunk, a.kind) in costs else costs[a.kind]
                 end = start + cost
                 done[(a.kind, a.mb, a.chunk)] = end
@@ -270,6 +278,21 @@ def bubble_fraction(timeline: Sequence[Timed]) -> float:
     t1 = max(t.end for t in timeline)
     busy = sum(t.end - t.start for t in timeline)
     return 1.0 - busy / (len(ranks) * (t1 - t0)) if t1 > t0 else 0.0
+
+
+def between_actions(schedule: PipelineSchedule, timeline: Sequence[Timed]) -> list[float]:
+    """For each two consecutive actions of a rank where the second's inputs were there before the first ended:
+    the time between them. Nothing was waited for, so it is the rank's own cost per action -- the first's
+    bookkeeping and the send of its output, the receive (a copy) of the second's input -- which the
+    simulated ideal does not pay."""
+    end = {(t.kind, t.mb, t.chunk): t.end for t in timeline}
+    out: list[float] = []
+    for r in sorted({t.rank for t in timeline}):
+        mine = sorted((t for t in timeline if t.rank == r), key=lambda t: t.start)
+        for a, b in zip(mine, mine[1:]):
+            if all(end.get(d, float("inf")) <= a.end for d in _deps(b.action, schedule.chunks)):
+                out.append(b.start - a.end)
+    return out
 
 
 def measured_costs(timeline: Sequence[Timed]) -> dict[tuple[int, str], float]:
