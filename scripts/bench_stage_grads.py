@@ -4,6 +4,7 @@ one in-place product per microbatch) against autograd's, side by side.
     python scripts/bench_stage_grads.py           # four layer sizes, M = 4 and 8, 4 alternating repeats (~1 min)
     python scripts/bench_stage_grads.py --quick   # one small layer, two repeats
     python scripts/bench_stage_grads.py --bound   # the wide MLP, per-sample cost by microbatch size (~1 min)
+    python scripts/bench_stage_grads.py --bound --transformer   # the same for the small transformer
     python scripts/bench_stage_grads.py --record  # what the engine's activation-memory record costs a step (~1 min)
 
 A stage back-propagates M microbatches per step. Autograd computes each Linear's weight gradient as
@@ -74,13 +75,13 @@ def step_ms(net: nn.Module, x: torch.Tensor, y: torch.Tensor, M: int, mode: str,
 MODES = ("gathered", "per microbatch", "autograd")
 
 
-def microbatch_bound(hidden: list[int], global_batch: int, rounds: int) -> None:
-    """The ``--bound`` table (module docstring)."""
-    from lightning_shm.models import build_mlp
+def microbatch_bound(hidden: list[int] | None, global_batch: int, rounds: int) -> None:
+    """The ``--bound`` table (module docstring); ``hidden`` None: the transformer."""
+    from lightning_shm.models import MNISTClassifier, build_mlp
     from lightning_shm.parallel.linear_grads import PaddedWeights
 
     torch.manual_seed(0)
-    net = build_mlp(hidden)
+    net = build_mlp(hidden) if hidden is not None else MNISTClassifier(arch="transformer").net
     opt = torch.optim.SGD(net.parameters(), lr=0.0)  # the step's memory traffic, weights unchanged
     # the second row: what the ceiling would gain from the copies (it trains with stock PyTorch)
     rows = {"ceiling rank (autograd)": (global_batch // 2, 1, None),
@@ -105,7 +106,8 @@ def microbatch_bound(hidden: list[int], global_batch: int, rounds: int) -> None:
             engine.close()
     med = {name: statistics.median(t) * 1e3 for name, t in times.items()}
     ceiling = med["ceiling rank (autograd)"]
-    print(f"## Per-sample cost at the pipeline's microbatch size: MLP {hidden}, global batch {global_batch}, "
+    model = f"MLP {hidden}" if hidden is not None else "transformer"
+    print(f"## Per-sample cost at the pipeline's microbatch size: {model}, global batch {global_batch}, "
           f"1 thread; ms per step, median of {rounds}\n")
     print("| row | rows x microbatches | step ms | e = 2 x ceiling / step (ceiling rows: ceiling / step) |")
     print("|---|---|---:|---:|")
@@ -154,13 +156,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=None)
     p.add_argument("--bound", action="store_true", help="the per-sample cost table of the wide MLP (module docstring)")
     p.add_argument("--record", action="store_true", help="the activation-memory record's cost (module docstring)")
+    p.add_argument("--transformer", action="store_true", help="--bound: the small transformer instead of the MLP")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     if args.record:
         record_cost(64 if args.quick else 256, args.repeats or (2 if args.quick else 30))
         return
     if args.bound:
-        microbatch_bound([256, 64] if args.quick else [4096, 4096], 256, args.repeats or (2 if args.quick else 8))
+        hidden = None if args.transformer else [256, 64] if args.quick else [4096, 4096]
+        microbatch_bound(hidden, 256, args.repeats or (2 if args.quick else 8))
         return
     shapes = [(256, 512, 64)] if args.quick else [(784, 256, 64), (1024, 1024, 64), (2048, 4096, 128),
                                                    (4096, 4096, 128)]

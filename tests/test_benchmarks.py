@@ -30,6 +30,7 @@ _SCRIPTS = {  # the runs of the scripts that train without Lightning's fit, for 
                       "--out-dir", "OUT"],
     "stage_grads": ["scripts/bench_stage_grads.py", "--quick"],
     "stage_grads_bound": ["scripts/bench_stage_grads.py", "--bound", "--quick"],
+    "stage_grads_bound_transformer": ["scripts/bench_stage_grads.py", "--bound", "--transformer", "--repeats", "1"],
     "stage_grads_record": ["scripts/bench_stage_grads.py", "--record", "--quick"],
 }
 _RUN_IN_ONE_INTERPRETER = """
@@ -490,8 +491,11 @@ def test_bench_stage_grads_prints_what_the_activation_record_costs(scripts_run):
         assert low - 0.0005 <= float(cost.rstrip("%")) / 100 <= high + 0.0005, (on, off, cost)
 
 
-def test_bench_stage_grads_prints_the_microbatch_bound(scripts_run):
-    out = printed(scripts_run, "stage_grads_bound")
+@pytest.mark.parametrize("key, model", [("stage_grads_bound", "MLP [256, 64]"),
+                                        ("stage_grads_bound_transformer", "transformer")])
+def test_bench_stage_grads_prints_the_microbatch_bound(scripts_run, key, model):
+    out = printed(scripts_run, key)
+    assert f"microbatch size: {model}, global batch 256" in out, out
     rows = {c[0]: c[1:] for c in ([x.strip() for x in line.strip("|").split("|")] for line in out.splitlines())
             if len(c) == 4 and (c[0].startswith("ceiling") or c[0].startswith("stage-like"))}
     assert rows["ceiling rank (autograd)"] == ["128 x 1", rows["ceiling rank (autograd)"][1], "1.00"], out
