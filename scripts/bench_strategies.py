@@ -1165,12 +1165,11 @@ def pipeline_table(stages: list[int], microbatches: list[int], batch: int, steps
                     costs = measured_costs(recs)
                     bubble.append(bubble_fraction(recs))
                     at_costs.append(bubble_fraction(simulate(sched, costs)))  # this step's (im)balance
-                    step_hand = handover_delays(sched, recs) or [0.0]
-                    step_between = between_actions(sched, recs) or [0.0]
+                    step_hand, step_between = handover_delays(sched, recs), between_actions(sched, recs)
                     handover += step_hand
                     between += step_between
-                    delays.append(bubble_fraction(simulate(sched, costs, med(step_hand), med(step_between)))
-                                  - at_costs[-1])
+                    paid = [med(d) if d else 0.0 for d in (step_hand, step_between)]  # a step without any: none
+                    delays.append(bubble_fraction(simulate(sched, costs, *paid)) - at_costs[-1])
                 gap = med(b - a for b, a in zip(bubble, at_costs))
                 mem = " / ".join(f"{r.peak_activation_bytes / 2**20:.1f}" for r in res)
                 lines.append(f"| {kind.value} | {P} | {M} | {batch / step:,.0f} | {med(bubble):.1%} "

@@ -192,6 +192,12 @@ def test_activation_memory_is_recorded_only_by_an_engine_asked_to(schedule):
                 engine.peak_activation_bytes
             assert not engine._alive and not engine._saved and not engine._held_bytes  # nothing recorded
         grads[track] = [p.grad.clone() for p in net.parameters()]
+        if not track:  # switched on between steps (as bench_stage_grads.py --record does): the next step records
+            engine.tracks_memory = True
+            hooked, noted = [], []
+            net.zero_grad(set_to_none=True)
+            engine.train_step(Probe(x, y, 4))
+            assert hooked == [True] * 4 and noted[-1] > 0 and engine.peak_activation_bytes > 0
         engine.close()
     for a, b in zip(grads[True], grads[False]):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
