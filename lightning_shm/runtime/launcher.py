@@ -99,6 +99,7 @@ class _Failure:
     at: float
     exc: BaseException
     secondary: bool  # a consequence of another failure (PeerAbortedError)
+    frames: tuple[tuple[str, int, str], ...] = ()  # where the worker raised it, innermost first
 
 
 @dataclass(frozen=True)
@@ -321,8 +322,9 @@ class Launcher:
                 elif kind == "done":
                     results[rank] = msg[1]
                 elif kind == "error":
-                    exc = _rebuild(rank, *msg[1:])
-                    failures.append(_Failure(rank, time.monotonic(), exc, isinstance(exc, PeerAbortedError)))
+                    exc = _rebuild(rank, *msg[1:5])
+                    failures.append(_Failure(rank, time.monotonic(), exc, isinstance(exc, PeerAbortedError),
+                                             tuple(msg[5])))
         except (EOFError, OSError):
             open_conns.pop(rank, None)
 
@@ -361,9 +363,12 @@ class Launcher:
         if others:
             first.exc.add_note(f"(ranks {others} stopped because rank {first.rank} failed)")
         if isinstance(first.exc, BarrierTimeoutError):
+            raised = {f.rank: f.frames for f in failures}
             for rank in first.exc.missing:
-                if where.get(rank):
-                    first.exc.add_note(stacks.describe(rank, where[rank]))
+                # a rank that failed too may have exited before its stack was asked for: where it raised then
+                frames = where.get(rank) or raised.get(rank)
+                if frames:
+                    first.exc.add_note(stacks.describe(rank, list(frames)))
         return first.exc
 
     # ------------------------------------------------------------------ cleanup
@@ -518,13 +523,14 @@ def _fast_exit(code: int, run_atexit: bool) -> None:
 
 def _report(conn: Connection, e: BaseException) -> None:
     tb = traceback.format_exc()
+    frames = [(f.filename, f.lineno or 0, f.name) for f in reversed(traceback.extract_tb(e.__traceback__))]
     try:
         payload: Optional[bytes] = pickle.dumps(e)
         pickle.loads(payload)
     except Exception:
         payload = None
     with contextlib.suppress(Exception):
-        send(conn, ("error", payload, f"{type(e).__module__}.{type(e).__qualname__}", str(e), tb))
+        send(conn, ("error", payload, f"{type(e).__module__}.{type(e).__qualname__}", str(e), tb, frames))
 
 
 def _die_with_parent(parent_pid: int, direct: bool = True) -> None:

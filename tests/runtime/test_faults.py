@@ -9,6 +9,7 @@ processes on a loaded 2-core machine does not count against the limit.
 from __future__ import annotations
 
 import os
+import pickle
 import re
 import shutil
 import signal
@@ -100,6 +101,33 @@ def test_timeout_names_the_missing_rank_and_where_it_was():
     assert where, info.value.__notes__
     first_frame = where[0].splitlines()[1]
     assert "test_faults.py" in first_frame and "in _stuck_in_user_code" in first_frame, where[0]
+
+
+def _raise_in_a_step():
+    raise RuntimeError("a worker's own failure")
+
+
+def test_a_missing_rank_that_failed_too_is_placed_where_it_raised():
+    """The timeout names where each missing rank was, from a stack dump asked for as the run stops. A rank that had
+    failed too may have exited before it could be asked -- in a CI run, the third rank of a deadlock, found by
+    each rank of the cycle: the note was missing. Its report says where it raised: that frame stands in."""
+    from multiprocessing import Pipe
+
+    from lightning_shm.runtime.launcher import Launcher, _Failure, _report
+
+    ours, theirs = Pipe()
+    try:
+        _raise_in_a_step()
+    except RuntimeError as e:
+        _report(theirs, e)
+    sent = pickle.loads(ours.recv_bytes())
+    assert sent[0] == "error" and sent[5][0][2] == "_raise_in_a_step"  # innermost frame first
+    timeout = BarrierTimeoutError("rank 1 timed out waiting", [0, 2])
+    failures = [_Failure(1, 1.0, timeout, False), _Failure(2, 1.1, RuntimeError("x"), False, tuple(sent[5]))]
+    exc = Launcher._primary_error(failures, {0: [("/user/train.py", 7, "loop")]})  # rank 0 still ran: dumped
+    notes = {n.split(" was here")[0]: n for n in exc.__notes__ if " was here" in n}
+    assert set(notes) == {"rank 0", "rank 2"}, exc.__notes__
+    assert "in loop" in notes["rank 0"] and "in _raise_in_a_step" in notes["rank 2"].splitlines()[1], notes
 
 
 def _sleep_with_stack_handler(path: str, w: int) -> None:
