@@ -365,15 +365,63 @@ def _stage_of_a_tie(world):
                         training=True, log=logged.append)
     held = sorted(n for n, _ in model.named_parameters() if n in ("net.0.weight", "net.8.weight"))
     return held, state.outside.names, [state.state.copies(p) for n, p in model.named_parameters() if n in held], \
-        [m for m in logged if "tied" in m]
+        [m for m in logged if "tied" in m], sorted(state.outside.tie_groups)
 
 
 def test_each_stage_holding_a_tied_layer_keeps_a_copy_counted_twice_and_logged():
     first, last = launch(_stage_of_a_tie, 2, start_method="fork")
+    assert first[4] == last[4] == []  # held by every stage: in the pipeline group's all-reduce, no group of its own
     assert first[:3] == (["net.0.weight"], ["net.0.weight"], [2])
     assert last[:3] == (["net.8.weight"], ["net.8.weight"], [2])
     assert first[3] == ["pipeline: tied weights ['net.0.weight'] sit on several stages: each keeps a copy, and the "
                         "stages sum their gradients every step"]
+
+
+class ThreeTiesOnFourStages(MNISTClassifier):
+    """Eight Linear layers, two per stage at P=4, with three ties between stages: net.0 = net.7 (stages 0 and 3),
+    net.1 = net.4 (0 and 2), net.5 = net.6 (2 and 3) -- overlapping holder sets, stage 1 holding none."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.net = nn.Sequential(*(nn.Linear(16, 16, bias=False) for _ in range(8)))
+        for a, b in ((0, 7), (1, 4), (5, 6)):
+            self.net[b].weight = self.net[a].weight
+
+
+def _sum_ties_over_their_holders(world):
+    torch.manual_seed(0)
+    model = ThreeTiesOnFourStages()
+    groups = Topology(world.size, dp=1, tp=1, pp=4).groups(world)
+    state = parallelize(model, ParallelConfig(1, 1, 4, split_points=[2, 4, 6], microbatches=4), world, groups,
+                        training=True, log=lambda _: None)
+    held = dict(model.named_parameters())
+    for p in held.values():
+        p.grad = torch.full_like(p, float(world.rank + 1))  # stage s's part of each gradient: s + 1 everywhere
+    before = dict(groups.pp.traffic)
+    state.outside.sum_grads()
+    sums = {n: sorted(set(p.grad.flatten().tolist())) for n, p in held.items()}
+    pp_bytes = groups.pp.traffic.get("all_reduce", 0) - before.get("all_reduce", 0)
+    ties = {h: (list(g.ranks), g.traffic.get("all_reduce", 0)) for h, g in state.outside.tie_groups.items()}
+    return sums, pp_bytes, ties
+
+
+def test_a_tie_on_some_stages_is_summed_over_those_alone():
+    """Megatron's embedding group: a tie's gradient is summed over the stages holding it, in a group of theirs;
+    a stage holding none takes no part (until 2026-12-06 it added zeros to the pipeline group's all-reduce, the
+    tie's bytes passing through every stage). Overlapping holder sets run one after another in one order."""
+    results = launch(_sum_ties_over_their_holders, 4, start_method="fork")
+    flag = 4  # one float32 used-flag per tied weight rides with its gradient
+    one = 16 * 16 * 4 + flag
+    expected = [  # per stage: the summed gradient of each tied weight it holds, its tie groups and their bytes
+        ({"net.0.weight": [5.0], "net.1.weight": [4.0]}, {(0, 2): ([0, 2], one), (0, 3): ([0, 3], one)}),
+        ({"net.2.weight": [2.0], "net.3.weight": [2.0]}, {}),  # untied: its own gradient, untouched
+        ({"net.4.weight": [4.0], "net.5.weight": [7.0]}, {(0, 2): ([0, 2], one), (2, 3): ([2, 3], one)}),
+        ({"net.6.weight": [7.0], "net.7.weight": [5.0]}, {(0, 3): ([0, 3], one), (2, 3): ([2, 3], one)}),
+    ]
+    for stage, ((sums, pp_bytes, ties), (want_sums, want_ties)) in enumerate(zip(results, expected)):
+        assert sums == want_sums, stage
+        assert ties == want_ties, stage
+        assert pp_bytes == 0, stage  # no parameter outside the Sequential: nothing over the whole pipeline group
 
 
 class _Backbone(nn.Module):

@@ -38,7 +38,7 @@ from lightning_shm.parallel.fsdp.unit import check_gather
 from lightning_shm.parallel.optimizers import check_optimizers
 from lightning_shm.parallel.pipeline import PipelineEngine, PipelineSchedule, PipelineStage, Schedule
 from lightning_shm.parallel.pipeline.copies import SequentialCopies
-from lightning_shm.parallel.pipeline.outside import OutsideParameters, held_apart
+from lightning_shm.parallel.pipeline.outside import Holders, OutsideParameters, held_apart
 from lightning_shm.parallel.pipeline.row_cut import apply_row_cuts, plan_cuts, stage_rows
 from lightning_shm.parallel.pipeline.split import attributes_kept, plan_chunks, validate_split_points
 from lightning_shm.parallel.placement import Placement
@@ -332,7 +332,7 @@ def parallelize(module: nn.Module, config: ParallelConfig, world: World, groups:
     # sum its gradients (found on the whole model: a stage may hold one of the holders); else a unit gathers it
     tied = tied_outside(module, config.sequential) if topo.pp > 1 else set()
     outside = None
-    apart: list[tuple[nn.Parameter, int]] = []
+    apart: list[tuple[nn.Parameter, Holders]] = []
     if topo.pp > 1:
         copies = SequentialCopies(module, find_sequential(module, config.sequential)[0])  # before the cut
         if copies.frozen and world.rank == 0:
@@ -371,7 +371,11 @@ def parallelize(module: nn.Module, config: ParallelConfig, world: World, groups:
             if topo.pp == 1:  # a pipeline engine takes its Linear layers' weight gradients itself
                 reducer.route_linears(module.modules())
     if stage is not None:  # a copy on every stage (or each holding one), the gradients summed over the stages
-        outside = OutsideParameters(module, stage, groups.pp, apart)
+        # a tie held by some stages is summed over those alone (Megatron's embedding group): only they create it
+        pp_ranks = groups.pp.ranks
+        tie_groups = {h: world.group([pp_ranks[i] for i in h], name="tie") for h in {h for _, h in apart}
+                      if groups.pp.index in h and len(h) < groups.pp.size}
+        outside = OutsideParameters(module, stage, groups.pp, apart, tie_groups)
         placements = {**placements, **{n: placements.get(n, Placement()).replicated(outside.stages_holding[n])
                                        for n in outside.names}}
         # last: it patches the Linear layers it runs (zero-bubble) and knows their storages
