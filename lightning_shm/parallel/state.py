@@ -148,6 +148,18 @@ class ModelState:
         rows = self.stage_rows.get(name)
         return shape if rows is None else torch.Size((rows[2], *shape[1:]))
 
+    def piece(self, t: torch.Tensor) -> Optional["Piece"]:
+        """Where ``t`` is a parameter of the module (or views exactly its elements: ``p.data``) that this rank
+        holds less than the whole of: its name, the whole shape and how to cut this rank's piece from a whole
+        tensor. Else None. Local (not collective)."""
+        for name, p in self.module.named_parameters():
+            if p is t or same_elements(p, t):
+                full = self.full_shape(name, p)
+                if full == p.shape:
+                    return None
+                return Piece(name, full, lambda whole, name=name: self.localize({name: whole}, [name])[name])
+        return None
+
     # ------------------------------------------------------------------ the module
     def full_state_dict(self) -> dict[str, Any]:
         return self.consolidate(self.module.state_dict())
@@ -205,6 +217,23 @@ class ModelState:
             return v.clone() if torch.is_tensor(v) else v
 
         load_plain_optimizer_state(optimizer, full, self.module, self._plain_ids(optimizer), convert)
+
+
+def same_elements(p: torch.Tensor, t: torch.Tensor) -> bool:
+    """``t`` views exactly ``p``'s elements (``p.data``, ``p.detach()``)."""
+    if t.device != p.device or t.is_meta or p.is_meta:
+        return False
+    return (t.shape == p.shape and t.stride() == p.stride() and t.storage_offset() == p.storage_offset()
+            and t.untyped_storage().data_ptr() == p.untyped_storage().data_ptr())
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A parameter this rank holds part of (:meth:`ModelState.piece`): ``cut(whole)`` gives this rank's part."""
+
+    name: str
+    full_shape: torch.Size
+    cut: Callable[[torch.Tensor], torch.Tensor]
 
 
 def _follows(value: Any, param: torch.Tensor) -> bool:

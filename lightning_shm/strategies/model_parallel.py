@@ -45,6 +45,7 @@ from lightning_shm.parallel.compose import ParallelConfig, ParallelState, parall
 from lightning_shm.parallel.ddp import broadcast_module_state, broadcast_tensors
 from lightning_shm.parallel.fsdp import UnitPolicy
 from lightning_shm.parallel.fsdp.policy import PolicyFn
+from lightning_shm.parallel.init import initialised_as_whole
 from lightning_shm.parallel.outside_reads import (
     differentiations,
     explain_failure,
@@ -219,6 +220,12 @@ class SHMModelParallel(SHMStrategyBase):
         # parameters every rank holds (layers the module also keeps under a second name, a tied embedding)
         self._grads_split = bool(self.group.vote_max(int(not all(state.copies(p) == W for p in module.parameters()))))
         self._install_clipping()
+        if self._grads_split:  # a hook initialising parameters again draws as one process (pieces) or says why not
+            def warn(message: str) -> None:
+                if self.global_rank == 0:
+                    warnings.warn(message, stacklevel=user_stacklevel())
+
+            self._exit.enter_context(initialised_as_whole(state, self.parallel.stage, warn))
         self.attach_metrics()
 
     def _setup_optimizers_naming_a_frozen_stage(self, trainer: "pl.Trainer") -> None:
