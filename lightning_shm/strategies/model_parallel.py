@@ -75,6 +75,7 @@ from lightning_shm.strategies.prediction_writers import mute_writers, unmute_wri
 from lightning_shm.strategies.summary import full_model_summary
 from lightning_shm.strategies.swa import adapt_swa
 from lightning_shm.strategies.torch_distributed import user_stacklevel
+from lightning_shm.strategies.whole_loads import whole_loads_explained
 
 _ELEMENTWISE_FRONT = (nn.Flatten, nn.Identity, nn.Dropout, nn.ReLU)
 
@@ -226,6 +227,7 @@ class SHMModelParallel(SHMStrategyBase):
                     warnings.warn(message, stacklevel=user_stacklevel())
 
             self._exit.enter_context(initialised_as_whole(state, self.parallel.stage, warn))
+            self._exit.enter_context(whole_loads_explained(module, self._layout()))
         self.attach_metrics()
 
     def _setup_optimizers_naming_a_frozen_stage(self, trainer: "pl.Trainer") -> None:
