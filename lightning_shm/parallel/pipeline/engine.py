@@ -245,8 +245,9 @@ class PipelineEngine:
         else:
             x = self.act_in[c].recv_obj()
         chunk = self.chunks[c]
-        saved: dict[int, int] = {}
         if self.tracks_memory:
+            saved: dict[int, int] = {}
+
             def pack(t: torch.Tensor) -> torch.Tensor:
                 storage = t.untyped_storage()
                 if storage.data_ptr() not in self._param_ptrs:

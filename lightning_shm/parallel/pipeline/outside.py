@@ -97,9 +97,6 @@ class OutsideParameters:
                 self.apart.append(p)
             else:
                 self.ties.setdefault(holders, []).append(p)
-        missing = sorted(set(self.ties) - set(tie_groups or {}))
-        if missing:
-            raise ValueError(f"no group passed for the tied weights' holders {missing} (pipeline members)")
         self.tie_groups = {h: (tie_groups or {})[h] for h in sorted(self.ties)}  # one order on every rank
         self.group = group
 
