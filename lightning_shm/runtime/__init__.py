@@ -9,6 +9,7 @@ from lightning_shm.runtime.errors import (
     CollectiveMismatchError,
     NodeStoppedError,
     PeerAbortedError,
+    PeerFailedError,
     SharedMemoryFullError,
     SHMRuntimeError,
     WorkerDiedError,
@@ -28,7 +29,7 @@ from lightning_shm.runtime.world import RuntimeConfig, World
 __all__ = [
     "BarrierTimeoutError", "Channel", "ChannelConfig", "CollectiveMismatchError", "Coords", "DeadlockError", "Group",
     "GroupConfig", "LaunchConfig", "Launcher", "NodeLayout", "NodeSpanningGroup", "NodeStoppedError", "ParallelGroups",
-    "PeerAbortedError", "Rail", "ReduceOp", "RuntimeConfig",
+    "PeerAbortedError", "PeerFailedError", "Rail", "ReduceOp", "RuntimeConfig",
     "SHMRuntimeError", "Segment", "SharedBuffer", "SharedMemoryFullError", "Topology", "WaitPolicy",
     "WorkerDiedError", "WorkerTraceback", "World", "connect_rail", "even_split", "launch", "sweep_stale",
 ]

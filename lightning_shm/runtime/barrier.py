@@ -31,15 +31,17 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from lightning_shm.runtime.deadlock import collective
-from lightning_shm.runtime.errors import CollectiveMismatchError
-from lightning_shm.runtime.ops import arg_name, dtype_name, op_name
+from lightning_shm.runtime.deadlock import FAILED, collective
+from lightning_shm.runtime.errors import CollectiveMismatchError, PeerAbortedError
+from lightning_shm.runtime.ops import Coll, arg_name, barrier_reason, dtype_name, op_name
 from lightning_shm.runtime.wait import Waiter
 
 ROW_WORDS = 16
 DESC_FIELDS = ("seq", "coll", "dtype", "numel", "arg")  # arg: the collective's own argument (reduce op, source)
 _DESC_BASE = (1, 4)  # word offset of the descriptor slot for even / odd generations
 _FIELD_WORD = {"numel": 1, "arg": 2}  # word of a descriptor field after the key
+# the reason of the barrier a member enters after an error of its own (:meth:`Group.agree_failed`)
+FAILED_REASON = barrier_reason("a rank failed and waits for the others to fail at the same point")
 
 
 def _unkey(key: int) -> tuple[int, int, int]:
@@ -80,12 +82,14 @@ class Barrier:
         for j, row in self._peers:
             if w[row] < g:
                 self._waiter.wait_ge(w, row, g, lambda: self._timeout_message(g, seq, coll, timeout_s),
-                                     lambda: self.missing(g), timeout_s, collective(coll))
+                                     lambda: self.missing(g), timeout_s,
+                                     FAILED if arg == FAILED_REASON and coll == Coll.BARRIER else collective(coll))
         if check:
             base = _DESC_BASE[g & 1]
             for j, row in self._peers:
                 p = row + base
-                if w[p] != key or (check_numel and w[p + 1] != numel) or (check_arg and w[p + 2] != arg):
+                if w[p] != key or (check_numel and w[p + 1] != numel) or \
+                        (w[p + 2] != arg and (check_arg or w[p + 2] == FAILED_REASON)):  # (any barrier but that one)
                     self._mismatch(j, p, (seq, coll, dtype, numel, arg))
         return g
 
@@ -100,6 +104,9 @@ class Barrier:
         w = self._w
         mine = dict(zip(DESC_FIELDS, mine_fields))
         theirs = dict(zip(DESC_FIELDS, (*_unkey(w[p]), w[p + 1], w[p + 2])))
+        if _failed(theirs) and not _failed(mine):  # the consequence of its error, which the launcher reports
+            raise PeerAbortedError(f"{self._label}: rank {self._ranks[j]} failed (it stopped at its error while rank "
+                                   f"{self._ranks[self._index]} entered {_fmt(mine)})")
         raise CollectiveMismatchError(
             f"{self._label}: rank {self._ranks[self._index]} entered {_fmt(mine)} but rank "
             f"{self._ranks[j]} entered "
@@ -119,6 +126,10 @@ class Barrier:
             f"{waited:g} s on rank {self._ranks[self._index]}: rank(s) {missing} "
             f"did not arrive"
         )
+
+
+def _failed(d: dict) -> bool:
+    return d["coll"] == Coll.BARRIER and d["arg"] == FAILED_REASON
 
 
 def _fmt(d: dict) -> str:

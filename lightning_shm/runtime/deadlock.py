@@ -10,7 +10,8 @@ rank writes that into its row of the control segment, which every worker maps::
 
     control row 1 + r (rank r; word 0 is its stop request, see world.py):
         [1] version  -- +1 whenever what follows changes: a rank that waits on and on keeps it
-        [2] kind     -- 0 not waiting, 1 a collective (+ 16 x its op code), 2 a receive, 3 a send
+        [2] kind     -- 0 not waiting, 1 a collective (+ 16 x its op code), 2 a receive, 3 a send,
+                        4 a rank that failed, waiting for the others to fail too (Group.agree_failed)
         [3..15]      -- the ranks it waits for, a bit each (62 per word)
 
 and every ``check_s`` it follows those edges from itself. For these waits a cycle is a deadlock: a rank in a
@@ -33,8 +34,8 @@ from lightning_shm.runtime.ops import op_name
 
 VERSION, KIND, MASK0 = 1, 2, 3  # words of a rank's control row
 BITS = 62  # per mask word (signed int64 words: stay clear of the sign bit)
-COLLECTIVE, RECEIVE, SEND = 1, 2, 3
-KIND_NAMES = {COLLECTIVE: "a collective", RECEIVE: "a receive", SEND: "a send"}
+COLLECTIVE, RECEIVE, SEND, FAILED = 1, 2, 3, 4
+KIND_NAMES = {COLLECTIVE: "a collective", RECEIVE: "a receive", SEND: "a send", FAILED: "its error's handling"}
 
 
 def collective(coll: int) -> int:
@@ -98,6 +99,10 @@ class WaitBoard:
         if w[row + VERSION] != version:
             return None
         return version, kind, ranks
+
+    def failed(self, ranks: Sequence[int]) -> list[int]:
+        """Those of ``ranks`` that failed and wait for the others to fail too (kind ``FAILED``)."""
+        return [r for r in ranks if 0 <= r < len(self._rows) and self._w[self._rows[r] + KIND] == FAILED]
 
     def cycle(self) -> Optional[Snapshot]:
         """The waits of the ranks on a cycle through this rank (depth-first along the published edges)."""

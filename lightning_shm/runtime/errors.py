@@ -24,6 +24,20 @@ class PeerAbortedError(SHMRuntimeError):
     """
 
 
+class PeerFailedError(PeerAbortedError):
+    """Raised in a rank waiting for ``rank``, which failed and waits for the others to fail too
+    (:meth:`~lightning_shm.runtime.group.Group.agree_failed`). ``joinable``: this rank waited in a channel (a
+    pipeline's hand-over), which leaves no collective half done: it stands where the failed rank stands and may
+    agree with it; in a collective its group is mid-way, and it only reports."""
+
+    def __init__(self, message: str, rank: int = -1, joinable: bool = False) -> None:
+        super().__init__(message)
+        self.rank, self.joinable = rank, joinable
+
+    def __reduce__(self) -> Any:
+        return (type(self), (self.args[0] if self.args else "", self.rank, self.joinable), self.__dict__)
+
+
 class BarrierTimeoutError(SHMRuntimeError, TimeoutError):
     """A wait exceeded its timeout; the message names the ranks that did not arrive (``missing``)."""
 

@@ -44,7 +44,8 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from lightning_shm.runtime.barrier import ROW_WORDS, Barrier
+from lightning_shm.runtime.barrier import FAILED_REASON, ROW_WORDS, Barrier
+from lightning_shm.runtime.errors import BarrierTimeoutError, CollectiveMismatchError, PeerAbortedError
 from lightning_shm.runtime.ops import SHARED_FLAG as _SHARED_FLAG
 from lightning_shm.runtime.ops import SITE as _SITE
 from lightning_shm.runtime.ops import Coll, ReduceOp, check_reducible, dtype_code, even_split, fold, fold_onto_own
@@ -245,6 +246,24 @@ class Group:
         self._seq += 1
         g = self._barrier.wait(self._seq, Coll.VOTE, 0, 0, value, check_arg=False)
         return max(self._barrier.peer_field(j, g, "arg") for j in range(self.size))
+
+    def agree_failed(self, step: int, timeout_s: float) -> bool:
+        """Called by a member after an error of its own: True if every member failed too, at the same ``step`` (an
+        int >= 0 the caller counts alike on every member), and arrived here within ``timeout_s`` -- then they
+        stand at the same point and may still run collectives together (a checkpoint of the state at the
+        error). False otherwise, and the caller reports its error at once. A member that meets this barrier in
+        another collective raises :class:`PeerAbortedError` there: this member's error is the cause, and the
+        launcher reports that one; one waiting for this member elsewhere (another group's collective, a channel)
+        raises :class:`PeerFailedError` within its wait policy's ``check_s`` -- from a channel it may join here.
+        A member computing on without a collective leaves this one waiting ``timeout_s`` at most."""
+        if self.size == 1:
+            return True
+        self._seq += 1
+        try:
+            self._barrier.wait(self._seq, _BARRIER, 0, step, FAILED_REASON, timeout_s=timeout_s)
+        except (BarrierTimeoutError, CollectiveMismatchError, PeerAbortedError):
+            return False
+        return True
 
     # ------------------------------------------------------------------ all-reduce
     def all_reduce(self, tensor: torch.Tensor, op: Any = "sum",

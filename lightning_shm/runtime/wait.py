@@ -14,7 +14,8 @@ every one of them
 * raises :class:`PeerAbortedError` within one back-off period of the main process setting the
   abort flag (a worker died), and :class:`BarrierTimeoutError` after ``timeout_s``;
 * while it sleeps, says whom it waits for (:mod:`.deadlock`) and raises :class:`DeadlockError` once
-  it has waited ``deadlock_s`` in an unchanged cycle of ranks waiting for each other;
+  it has waited ``deadlock_s`` in an unchanged cycle of ranks waiting for each other, and
+  :class:`PeerFailedError` within ``check_s`` of a rank it waits for failing (``Group.agree_failed``);
 * notices that its parent (the main process) has died, and stops instead of waiting forever.
 """
 
@@ -25,8 +26,17 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
-from lightning_shm.runtime.deadlock import COLLECTIVE, DeadlockError, WaitBoard, deadlock_message
-from lightning_shm.runtime.errors import BarrierTimeoutError, PeerAbortedError
+from lightning_shm.runtime.deadlock import (
+    COLLECTIVE,
+    FAILED,
+    RECEIVE,
+    SEND,
+    DeadlockError,
+    WaitBoard,
+    deadlock_message,
+    kind_name,
+)
+from lightning_shm.runtime.errors import BarrierTimeoutError, PeerAbortedError, PeerFailedError
 
 
 @dataclass(frozen=True)
@@ -116,7 +126,13 @@ class Waiter:
                 if board is not None and now >= check_at:
                     check_at = now + self.policy.check_s
                     assert missing is not None
-                    board.publish(kind, missing())
+                    waited = missing()
+                    board.publish(kind, waited)
+                    failed = board.failed(waited) if kind != FAILED else []
+                    if failed:
+                        raise PeerFailedError(f"rank {failed[0]} failed: it stopped at its error while this rank "
+                                              f"waited for it in {kind_name(kind)}", failed[0],
+                                              joinable=kind in (RECEIVE, SEND))
                     seen = board.cycle()
                     looks += 1
                     if seen is None or seen != cycle:

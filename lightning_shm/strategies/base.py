@@ -249,11 +249,15 @@ class SHMStrategyBase(ParallelStrategy):
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         """In the main process while Lightning handles a failure or stop that happened in the workers, nothing
-        is written: the workers ran ``on_exception`` themselves (a stop) or hold no consistent state (a
-        failure), and the main process's copy must not overwrite what they wrote."""
+        is written: it holds the state from before the run. The workers ran ``on_exception`` themselves where
+        every rank stopped at the same point -- a stop, or an error of every rank at the same step
+        (:mod:`.on_exception`) -- and what they wrote must not be overwritten; after an error of some ranks only
+        there is no state every rank stands at, and nothing is written."""
         if self._world is None and self.workers_handled_failure:
-            rank_zero_info(f"lightning_shm: not writing {filepath} from the main process: the run stopped in the "
-                           "workers, which saved what their callbacks asked for")
+            rank_zero_info(f"lightning_shm: not writing {filepath} from the main process, which holds the state from "
+                           "before the run: the workers ran the callbacks' on_exception where every rank stopped at "
+                           "the same step (a stop, or the same error on every rank), and none after an error of "
+                           "some ranks only")
             return
         super().save_checkpoint(self.plain_checkpoint(checkpoint), filepath, storage_options=storage_options)
 

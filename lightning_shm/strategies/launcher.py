@@ -48,6 +48,7 @@ from lightning_shm.strategies.main_state import (
     gathered_attributes,
     restore_trainer,
 )
+from lightning_shm.strategies.on_exception import on_exception_where_all_failed
 
 _METRICS = ("callback_metrics", "logged_metrics", "progress_bar_metrics")
 # what the fork server imports once, so that no worker of any later fit imports it again
@@ -204,18 +205,21 @@ def _run_in_worker(world: World, launcher: SHMLauncher, trainer: Optional["pl.Tr
     try:
         try:
             results = function(*args, **kwargs)
-        except (KeyboardInterrupt, SIGTERMException) as exc:
-            if not strategy.stop_agreed:
-                raise  # not a stop every rank agreed on: report it like any other failure
-            # every rank is here at the same step: Lightning's own interrupt handling, as in one process
-            call._interrupt(trainer, exc)
-            trainer._teardown()
-            results = None
         except _TunerExitException:  # Tuner.lr_find found the rate (every rank): finish as Lightning's entry point
             call._call_teardown_hook(trainer)
             trainer._teardown()
             trainer.state.status, trainer.state.stage = TrainerStatus.FINISHED, None
             results, tuned = None, True
+        except BaseException as exc:
+            if not (isinstance(exc, (KeyboardInterrupt, SIGTERMException)) and strategy.stop_agreed):
+                # a failure (a stop no rank agreed on included): handled here only where every rank failed
+                if strategy.num_nodes == 1:
+                    on_exception_where_all_failed(trainer, world.world_group, exc)
+                raise
+            # every rank is here at the same step: Lightning's own interrupt handling, as in one process
+            call._interrupt(trainer, exc)
+            trainer._teardown()
+            results = None
         return launcher._collect_results(trainer, results, strategy.stop_agreed, tuned)
     finally:
         strategy.detach_world()

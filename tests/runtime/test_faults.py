@@ -25,6 +25,7 @@ import torch
 from lightning_shm.runtime import (
     BarrierTimeoutError,
     CollectiveMismatchError,
+    PeerFailedError,
     RuntimeConfig,
     SharedMemoryFullError,
     WorkerDiedError,
@@ -230,6 +231,76 @@ def test_a_member_meeting_a_barrier_in_another_collective_says_why_the_barrier_w
                        ) as info:
         launch(_barrier_and_reduce, 2, start_method="fork")
     assert {info.value.mine["coll"], info.value.theirs["coll"]} == {Coll.BARRIER, Coll.ALL_REDUCE}
+
+
+def _all_fail(world):
+    g = world.group()
+    agreed = g.agree_failed(step=5, timeout_s=10.0)
+    return agreed, float(g.all_reduce(torch.ones(3) * (world.rank + 1)).sum())  # collectives still run together
+
+
+def _fail_at_step(world):
+    return world.group().agree_failed(step=world.rank, timeout_s=10.0)
+
+
+def test_ranks_that_all_failed_at_the_same_step_agree_and_still_run_collectives():
+    assert launch(_all_fail, 3, start_method="fork") == [(True, 18.0)] * 3
+    assert launch(_fail_at_step, 2, start_method="fork") == [False, False]  # not the same step: nothing to share
+
+
+def _one_fails(world, where, seen):
+    g = world.group()
+    g.barrier()
+    if world.rank == 1:
+        agreed = g.agree_failed(step=0, timeout_s=30.0)
+        raise ValueError(f"rank 1's own error, agreed={agreed} at={time.time()}")
+    try:
+        if where == "collective":  # rank 0 meets rank 1's failure barrier in the same group
+            g.all_reduce(torch.ones(4))
+        elif where == "barrier":  # ... which matches no other barrier, whatever its reason
+            g.barrier()
+        elif where == "other group":  # ... or waits for rank 1 in another group
+            world.group(name="other").all_reduce(torch.ones(4))
+        else:  # ... or in a channel from rank 1
+            world.channel(1, 0, "x").recv()
+    except Exception as e:
+        Path(seen).write_text(f"{type(e).__name__}: {e}")
+        raise
+
+
+@pytest.mark.parametrize("where, consequence", [
+    ("collective", "PeerAbortedError: group [0, 1]: rank 1 failed"),
+    ("barrier", "PeerAbortedError: group [0, 1]: rank 1 failed"),
+    ("other group", "PeerFailedError: rank 1 failed: it stopped at its error while this rank waited for it in a "
+                    "collective (all_reduce)"),
+    ("channel", "PeerFailedError: rank 1 failed: it stopped at its error while this rank waited for it in a receive")])
+def test_a_rank_failing_alone_is_reported_at_once_and_the_waiting_rank_as_its_consequence(tmp_path, where,
+                                                                                          consequence):
+    """The others never fail: rank 1 does not wait for them (30 s here), rank 0's wait ends as a consequence
+    (PeerAbortedError, or PeerFailedError within check_s where it waits elsewhere), and the report is rank 1's."""
+    seen = tmp_path / "rank0.txt"
+    with pytest.raises(ValueError, match="rank 1's own error, agreed=False") as info:
+        launch(_one_fails, 2, where, str(seen), start_method="fork")
+    assert time.time() - _at(info.value) < LIMIT_S
+    assert "(ranks [0] stopped because rank 1 failed)" in info.value.__notes__
+    assert seen.read_text().startswith(consequence), seen.read_text()
+
+
+def _join_from_a_channel(world):
+    g = world.group()
+    if world.rank == 0:
+        return g.agree_failed(step=2, timeout_s=30.0), None
+    try:
+        world.channel(0, 1, "act").recv()  # a pipeline's last stage, waiting for an activation never sent
+    except PeerFailedError as e:
+        return g.agree_failed(step=2, timeout_s=30.0), (e.rank, e.joinable)
+    return None, None
+
+
+def test_a_rank_waiting_in_a_channel_for_a_failed_rank_joins_it():
+    t0 = time.monotonic()
+    assert launch(_join_from_a_channel, 2, start_method="fork") == [(True, None), (True, (0, True))]
+    assert time.monotonic() - t0 < 10
 
 
 def _exit_silently(world):
