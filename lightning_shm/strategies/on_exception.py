@@ -29,8 +29,9 @@ from lightning_shm.runtime import Group
 from lightning_shm.runtime.errors import PeerFailedError, SHMRuntimeError
 
 # How long a failed rank waits for the others to fail too. They reach the same point within the step's skew
-# between ranks (milliseconds here); a rank that has not failed is told at its next collective with this one.
-AGREE_WITHIN_S = 2.0
+# between ranks (milliseconds here); a rank that has not failed is told at its next collective with this one,
+# and only one computing on for longer without any delays the report, by this much.
+AGREE_WITHIN_S = 1.0
 
 
 def on_exception_where_all_failed(trainer: "pl.Trainer", group: Group, exc: BaseException) -> None:
