@@ -263,6 +263,7 @@ class Group:
             self._barrier.wait(self._seq, _BARRIER, 0, step, FAILED_REASON, timeout_s=timeout_s)
         except (BarrierTimeoutError, CollectiveMismatchError, PeerAbortedError):
             return False
+        self._waiter.agreed_failed = True  # the others' marks of waiting here may outlive it (a rank not yet awake)
         return True
 
     # ------------------------------------------------------------------ all-reduce

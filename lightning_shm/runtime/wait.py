@@ -81,6 +81,8 @@ class Waiter:
         self.policy = policy
         self._ppid = os.getppid()
         self.board: Optional[WaitBoard] = None  # set by the World: where this rank says whom it waits for
+        # past Group.agree_failed: every rank failed, and a rank still marked as waiting there is only not awake yet
+        self.agreed_failed = False
 
     def aborted(self) -> bool:
         return bool(self._abort[self._abort_idx])
@@ -128,7 +130,7 @@ class Waiter:
                     assert missing is not None
                     waited = missing()
                     board.publish(kind, waited)
-                    failed = board.failed(waited) if kind != FAILED else []
+                    failed = board.failed(waited) if kind != FAILED and not self.agreed_failed else []
                     if failed:
                         raise PeerFailedError(f"rank {failed[0]} failed: it stopped at its error while this rank "
                                               f"waited for it in {kind_name(kind)}", failed[0],

@@ -32,6 +32,7 @@ from lightning_shm.runtime import (
     launch,
     stacks,
 )
+from lightning_shm.runtime.deadlock import FAILED
 from lightning_shm.runtime.ops import Coll, barrier_reason, site_of
 from lightning_shm.runtime.segment import PREFIX, SHM_DIR, Segment, check_free_space, list_owned, sweep_stale
 
@@ -246,6 +247,22 @@ def _fail_at_step(world):
 def test_ranks_that_all_failed_at_the_same_step_agree_and_still_run_collectives():
     assert launch(_all_fail, 3, start_method="fork") == [(True, 18.0)] * 3
     assert launch(_fail_at_step, 2, start_method="fork") == [False, False]  # not the same step: nothing to share
+
+
+def _stale_mark(world):
+    g = world.group()
+    assert g.agree_failed(step=1, timeout_s=10.0)
+    if world.rank == 1:  # as if not yet awake in agree_failed's wait: its mark there outlives the barrier
+        world.waiter.board.publish(FAILED, [0])
+        time.sleep(0.6)  # longer than check_s: rank 0 reads the board while it waits below
+        world.waiter.board.clear()
+    return float(g.all_reduce(torch.ones(2)).sum())  # a collective of their failure handling (a checkpoint's)
+
+
+def test_after_agreeing_a_rank_still_marked_as_failed_is_waited_for():
+    """Seen 1 run in 8 at dp2 x pp2 on 2 cores: the checkpoint's first collective raised PeerFailedError, the
+    mark of a rank that had not yet woken up from the agreement read as a new failure."""
+    assert launch(_stale_mark, 2, start_method="fork") == [4.0, 4.0]
 
 
 def _one_fails(world, where, seen):
