@@ -235,6 +235,26 @@ def test_a_custom_sampler_sharding_by_global_rank_is_refused(tp, pp):
             _OwnShardingSampler())
 
 
+class _UnevenShards(MNISTClassifier):
+    """Cuts its dataset by data-parallel rank itself, rank r taking 24 * (4 + r) samples: 8 and 10 batches of 12."""
+
+    def train_dataloader(self):
+        rank = self.trainer.strategy.distributed_sampler_kwargs["rank"]
+        return DataLoader(torch.utils.data.Subset(mnist_like(24 * 8), range(24 * (4 + rank))), batch_size=12)
+
+
+@pytest.mark.parametrize("dp, pp", [(2, 1), (2, 2)])
+def test_data_parallel_ranks_with_epochs_of_different_lengths_are_refused_at_the_start(dp, pp):
+    """Their epochs would end at different steps: the run stopped there with a CollectiveMismatchError naming two
+    collectives (vote and all_reduce), not why."""
+    with pytest.raises(ValueError, match=r"gives the data-parallel ranks \[8, 10\] batches per epoch"):
+        trainer(strategy=mp(dp, 1, pp), devices=dp * pp, max_epochs=1, use_distributed_sampler=False).fit(
+            _UnevenShards())
+    t = trainer(strategy=mp(dp, 1, pp), devices=dp * pp, max_steps=4, use_distributed_sampler=False)
+    t.fit(_UnevenShards())  # ends before the shorter epoch does
+    assert t.global_step == 4
+
+
 class _Stream(torch.utils.data.IterableDataset):
     """A stream that shards itself: every ``world``-th sample from ``rank``; with ``noise`` each sample's image gets
     noise drawn by (global rank, index), as a loader worker's random augmentation seeded per rank does."""

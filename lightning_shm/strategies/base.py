@@ -42,6 +42,7 @@ from lightning_shm.runtime.launcher import START_METHODS
 from lightning_shm.runtime.segment import check_free_space
 from lightning_shm.runtime.world import control_bytes
 from lightning_shm.strategies import collectives, throughput
+from lightning_shm.strategies.epoch_lengths import check_equal_epochs
 from lightning_shm.strategies.launcher import SHMLauncher
 from lightning_shm.strategies.predictions import merge_predictions
 from lightning_shm.strategies.torch_distributed import warn_on_user_checks
@@ -232,6 +233,8 @@ class SHMStrategyBase(ParallelStrategy):
 
     def on_train_start(self) -> None:
         self._loop_start()
+        if self._world is not None and self.lightning_module is not None:
+            check_equal_epochs(self.lightning_module.trainer, self.data_parallel_group())
 
     def on_validation_start(self) -> None:
         self._loop_start()
