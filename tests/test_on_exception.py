@@ -113,3 +113,20 @@ def test_a_rank_failing_alone_writes_no_checkpoint(tmp_path, caplog):
         ckpt, seen = fit_failing(tmp_path, make(), devices, GLOBAL_BATCH // dp, last_only=True)
     assert ckpt is None and seen == []
     assert "not writing" in caplog.text and "none after an error of some ranks only" in caplog.text
+
+
+class _FailsToo(Callback):
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        if "LIGHTNING_SHM_RANK" in os.environ:
+            raise OSError("the disk is full")
+
+
+def test_an_error_of_the_workers_on_exception_is_a_note_of_the_runs_error(tmp_path):
+    """One process would raise the callback's error, its own as context; the workers keep the run's error and
+    say what the handling raised."""
+    make, devices, dp = layouts("ddp")["ddp"]
+    pl.seed_everything(SEED)
+    t = trainer(strategy=make(), devices=devices, max_epochs=1, callbacks=[_FailsToo()])
+    with pytest.raises(ValueError, match=f"bad batch {FAIL_AT}") as info:
+        t.fit(FailsAtStep(), loader(mnist_like(GLOBAL_BATCH * 6, seed=1), GLOBAL_BATCH // dp))
+    assert "lightning_shm: on_exception in the workers failed too: OSError: the disk is full" in info.value.__notes__
