@@ -150,3 +150,33 @@ def test_second_signal_stops_at_once(tmp_path):
     out = subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 1, out.stderr[-3000:]
     assert "rank 0 was here" in out.stderr and "in training_step" in out.stderr, out.stderr[-3000:]
+
+
+def _a_trainer_call_then_a_stack_request(path: str) -> None:
+    from lightning_shm.runtime import stacks
+    from lightning_shm.strategies.launcher import _StopRequestConnector
+
+    stacks.register(path)  # as every worker does at start
+    connector = _StopRequestConnector(pl.Trainer(logger=False), world=None)  # type: ignore[arg-type]
+    connector.register_signal_handlers()  # a Trainer call's start ...
+    connector.teardown()  # ... and its end: Lightning puts back "every signal's handler"
+    os.kill(os.getpid(), stacks.DUMP_SIGNAL)  # what the main process sends when another rank fails
+    time.sleep(0.2)
+
+
+def test_a_worker_answers_a_stack_request_after_its_trainer_call_ended(tmp_path):
+    """Lightning's teardown re-installed the handler Python saw for every signal -- the default, for the one
+    faulthandler installs in C --, so the main process's stack request killed a rank whose fit had ended while
+    another one failed (seen: "worker rank 0 was killed by signal SIGUSR2" beside a collective mismatch)."""
+    import multiprocessing as mp
+
+    from lightning_shm.runtime import stacks
+
+    path = tmp_path / "stack"
+    path.write_bytes(b"\0" * 65536)
+    child = mp.get_context("fork").Process(target=_a_trainer_call_then_a_stack_request, args=(str(path),))
+    child.start()
+    child.join(30)
+    assert child.exitcode == 0, f"the stack request ended the worker (exit code {child.exitcode})"
+    frames = stacks.parse(path.read_bytes().rstrip(b"\0").decode())
+    assert any(f[2] == "_a_trainer_call_then_a_stack_request" for f in frames), frames

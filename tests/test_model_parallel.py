@@ -14,9 +14,10 @@ from torch.utils.data import DataLoader
 
 from lightning_shm import SHMModelParallel
 from lightning_shm.models import MNISTClassifier
-from lightning_shm.runtime import DeadlockError, Topology, launch
+from lightning_shm.runtime import CollectiveMismatchError, DeadlockError, Topology, launch
 from tests.helpers import (
     GLOBAL_BATCH,
+    LAYOUTS,
     SEED,
     SchedClassifier,
     check_plain_checkpoint,
@@ -363,3 +364,46 @@ def test_ranks_that_took_different_paths_stop_with_a_deadlock_not_at_the_timeout
     # rank 0's stack -- the worker's own traceback if it found the cycle first, else where the launcher saw it
     said = "\n".join(info.value.__notes__) + str(info.value.__cause__)
     assert "in on_train_batch_end" in said and "was here" in said, said
+    # and where each rank's loop stood, the reported rank's and those on the cycle with it
+    assert "rank 0 was in `fit`, its train loop (epoch 0, global step 2)" in said, said
+
+
+class _StopsOnRankZero(pl.Callback):
+    """A stop decided from a rank's own values (a loss the step did not sync): rank 0 alone stops."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_rank == 0 and batch_idx == 2:
+            trainer.should_stop = True
+
+
+@pytest.mark.parametrize("layout, validates", [("ddp", True), ("fsdp", True), ("pp2-1f1b", True), ("ddp", False)])
+def test_a_stop_decided_on_some_ranks_only_is_reported_with_each_ranks_loop_position(layout, validates):
+    """Rank 0 goes on to the validation before a stop (or, without one, to the end of its fit and the gathers of what
+    the main process gets back), rank 1 to its next step: the collectives they meet differ by layout (a metric's
+    all-reduce against the gradients', a vote against a barrier, a loader's gathers), and the error names those
+    alone -- Lightning's ``ddp`` waits there until its timeout. The report now holds both ranks' loop positions,
+    the stopping rank's with what to do."""
+    make, devices, dp = LAYOUTS[layout]
+    val = [loader(mnist_like(48), 24 // dp)] if validates else []
+    with pytest.raises(CollectiveMismatchError) as info:
+        trainer(strategy=make(), devices=devices, max_epochs=2, callbacks=[_StopsOnRankZero()]).fit(
+            MNISTClassifier(), loader(mnist_like(96), 24 // dp), *val)
+    said = "\n".join(info.value.__notes__)
+    where = ("was in `fit`, its validate loop (epoch 0, global step 3)" if validates else
+             "had finished `fit` and was gathering what the main process gets back (epoch 1, global step 3)")
+    assert f"rank 0 {where}, trainer.should_stop=True -- a stop: " in said, said
+    assert "reduce_boolean_decision(stop, all=False)" in said
+    assert "rank 1 was in `fit`, its train loop (epoch 0, global step 3), trainer.should_stop=False" in said, said
+    assert "rank 1 was here" in said or "rank 0 was here" in said  # the other rank's call beside the reported one
+
+
+def test_a_loop_position_that_cannot_be_read_leaves_the_error_it_explains():
+    from lightning_shm.strategies.loop_position import note_loop_position
+
+    exc = CollectiveMismatchError("the ranks' collectives differ")
+    note_loop_position(object(), exc)  # no Trainer state to read: a note says so, the error stays the same
+    assert exc.__notes__ == ["(this rank's loop position could not be read: AttributeError: 'object' object has no "
+                             "attribute 'state')"]
+    other = ValueError("the step's own error")
+    note_loop_position(object(), other)  # not an error of ranks taking different paths: nothing added
+    assert not hasattr(other, "__notes__")

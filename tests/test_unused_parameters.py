@@ -132,6 +132,9 @@ def test_a_unit_per_expert_that_ranks_skip_differently_is_refused_naming_the_uni
     per_expert = SHMFSDPStrategy(start_method="fork", unit_policy=lambda name, m: name.startswith("net.3.experts."))
     with pytest.raises(CollectiveMismatchError, match=r"(?s)site=.*reduced in different orders on the ranks \(this "
                                                       r"rank reduced unit 'net\.3\.experts\.\d'; another unit "
-                                                      r"'net\.3\.experts\.\d'\)"):
+                                                      r"'net\.3\.experts\.\d'\)") as info:
         fit_seeded(MixtureOfExperts, per_expert, 2, GLOBAL_BATCH // 2, samples=GLOBAL_BATCH * 4)
+    # the unit's own message keeps the rank it met, so the report shows where that one was (the other unit)
+    other = info.value.peer
+    assert other in (0, 1) and any(n.startswith(f"rank {other} was here") for n in info.value.__notes__)
 

@@ -111,7 +111,7 @@ class Barrier:
             f"{self._label}: rank {self._ranks[self._index]} entered {_fmt(mine)} but rank "
             f"{self._ranks[j]} entered "
             f"{_fmt(theirs)}. Every rank of a group must call the same collectives in the same "
-            f"order with matching dtypes and sizes.", mine, theirs
+            f"order with matching dtypes and sizes.", mine, theirs, self._ranks[j]
         )
 
     def missing(self, g: int) -> list[int]:

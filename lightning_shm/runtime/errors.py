@@ -51,15 +51,16 @@ class BarrierTimeoutError(SHMRuntimeError, TimeoutError):
 
 class CollectiveMismatchError(SHMRuntimeError):
     """Ranks of one group entered different collectives (kind, dtype, size, reduce op or source, sequence number).
-    ``mine`` / ``theirs``: the two descriptors (seq, coll, dtype, numel, arg), for callers that say it their way."""
+    ``mine`` / ``theirs``: the two descriptors (seq, coll, dtype, numel, arg), for callers that say it their way;
+    ``peer``: the global rank that entered ``theirs`` (the launcher adds where that rank was to the report)."""
 
     def __init__(self, message: str, mine: Optional[dict[str, int]] = None,
-                 theirs: Optional[dict[str, int]] = None) -> None:
+                 theirs: Optional[dict[str, int]] = None, peer: int = -1) -> None:
         super().__init__(message)
-        self.mine, self.theirs = mine or {}, theirs or {}
+        self.mine, self.theirs, self.peer = mine or {}, theirs or {}, peer
 
     def __reduce__(self) -> Any:  # keep the descriptors (and notes) across the pipe to the main process
-        return (type(self), (self.args[0] if self.args else "", self.mine, self.theirs), self.__dict__)
+        return (type(self), (self.args[0] if self.args else "", self.mine, self.theirs, self.peer), self.__dict__)
 
 
 class WorkerDiedError(SHMRuntimeError):

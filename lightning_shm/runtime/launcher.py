@@ -16,7 +16,8 @@ The main process:
    the abort flag -- every waiting rank raises :class:`PeerAbortedError` within milliseconds --,
    gives them ``abort_grace_s`` to report, SIGKILLs the rest and re-raises the failing worker's own
    exception (same type and message, its traceback text as ``__cause__``; a timeout adds where the
-   ranks it waited for were), or :class:`WorkerDiedError` with the worker's last stderr lines.
+   ranks it waited for were, a collective mismatch where the other rank was and what it noted of its
+   program's state), or :class:`WorkerDiedError` with the worker's last stderr lines.
    All of it within ~2 s of the failure;
 5. SIGINT / SIGTERM: with ``graceful_stop`` the first one becomes a stop request the workers agree
    on at their next safe point (:meth:`World.stop_requested`, :meth:`Group.vote_max`) and unwind
@@ -51,10 +52,16 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 from lightning_shm.runtime import forkserver, stacks
-from lightning_shm.runtime.errors import BarrierTimeoutError, PeerAbortedError, WorkerDiedError, WorkerTraceback
+from lightning_shm.runtime.errors import (
+    BarrierTimeoutError,
+    CollectiveMismatchError,
+    PeerAbortedError,
+    WorkerDiedError,
+    WorkerTraceback,
+)
 from lightning_shm.runtime.messages import send
 from lightning_shm.runtime.relay import StderrRelay
 from lightning_shm.runtime.segment import SHM_DIR, Segment, close_inherited_owner_lock, sweep_stale
@@ -362,13 +369,16 @@ class Launcher:
         others = sorted({f.rank for f in failures} - {first.rank})
         if others:
             first.exc.add_note(f"(ranks {others} stopped because rank {first.rank} failed)")
+        raised = {f.rank: f for f in failures}
         if isinstance(first.exc, BarrierTimeoutError):
-            raised = {f.rank: f.frames for f in failures}
             for rank in first.exc.missing:
                 # a rank that failed too may have exited before its stack was asked for: where it raised then
-                frames = where.get(rank) or raised.get(rank)
-                if frames:
-                    first.exc.add_note(stacks.describe(rank, list(frames)))
+                _add_peer(first.exc, rank, where.get(rank) or (raised[rank].frames if rank in raised else ()),
+                          raised.get(rank))
+        elif isinstance(first.exc, CollectiveMismatchError) and first.exc.peer in raised:
+            # the other side of a mismatch meets it at the same generation and raises too: where it raised is
+            # the call it made instead
+            _add_peer(first.exc, first.exc.peer, raised[first.exc.peer].frames, raised[first.exc.peer])
         return first.exc
 
     # ------------------------------------------------------------------ cleanup
@@ -572,8 +582,24 @@ def _rebuild(rank: int, payload: Optional[bytes], type_name: str, message: str, 
     if exc is None:
         exc = RuntimeError(f"{type_name}: {message}")
     exc.__cause__ = WorkerTraceback(f"\n\nTraceback in worker rank {rank}:\n{tb}")
-    exc.add_note(f"raised in lightning_shm worker rank {rank}")
+    exc.add_note(_raised_in(rank))
     return exc
+
+
+def _add_peer(exc: BaseException, rank: int, frames: Sequence[tuple[str, int, str]],
+              failure: Optional[_Failure]) -> None:
+    """Beside the reported error: where another rank involved was, and what the layer above noted on its own
+    error there (a Trainer's loop position: the two ranks' paths side by side)."""
+    if frames:
+        exc.add_note(stacks.describe(rank, list(frames)))
+    if failure is not None:
+        for note in getattr(failure.exc, "__notes__", ()):
+            if note != _raised_in(rank):
+                exc.add_note(note)
+
+
+def _raised_in(rank: int) -> str:
+    return f"raised in lightning_shm worker rank {rank}"
 
 
 def _died(rank: int, proc: mp.process.BaseProcess) -> WorkerDiedError:

@@ -39,7 +39,8 @@ from lightning.pytorch.trainer.states import TrainerFn, TrainerState, TrainerSta
 from lightning.pytorch.utilities.exceptions import SIGTERMException, _TunerExitException
 from lightning_utilities.core.apply_func import apply_to_collection
 
-from lightning_shm.runtime import LaunchConfig, Launcher, World
+from lightning_shm.runtime import LaunchConfig, Launcher, World, stacks
+from lightning_shm.strategies.loop_position import note_loop_position
 from lightning_shm.strategies.main_state import (
     apply_found_learning_rates,
     apply_gathered_attributes,
@@ -178,7 +179,13 @@ class SHMLauncher(_Launcher):
 class _StopRequestConnector(_SignalConnector):
     """Lightning's signal handling in a worker: a SIGTERM the worker receives itself (e.g. the scheduler
     signals every process of the job) becomes a stop request that all ranks agree on, instead of a flag
-    each rank would act on at a different step."""
+    each rank would act on at a different step.
+
+    The runtime's stack-dump signal is left out of what Lightning's ``teardown`` puts back: faulthandler
+    installed its handler in C, where Python's ``signal.getsignal`` sees the default, so restoring "every
+    signal as it was" at the end of each Trainer call installed the default action -- and the main process's
+    request for this rank's stack, when another rank failed after this one's fit ended, killed it (seen:
+    "worker rank 0 was killed by signal SIGUSR2" beside a collective mismatch, its own report lost)."""
 
     def __init__(self, trainer: "pl.Trainer", world: World) -> None:
         super().__init__(trainer)
@@ -187,6 +194,7 @@ class _StopRequestConnector(_SignalConnector):
     def register_signal_handlers(self) -> None:
         self.received_sigterm = False
         self._original_handlers = self._get_current_signal_handlers()
+        self._original_handlers.pop(stacks.DUMP_SIGNAL, None)
         self._register_signal(signal.SIGTERM, lambda signum, frame: self._world.request_stop(signum))
 
 
@@ -212,6 +220,7 @@ def _run_in_worker(world: World, launcher: SHMLauncher, trainer: Optional["pl.Tr
             results, tuned = None, True
         except BaseException as exc:
             if not (isinstance(exc, (KeyboardInterrupt, SIGTERMException)) and strategy.stop_agreed):
+                note_loop_position(trainer, exc)
                 # a failure (a stop no rank agreed on included): handled here only where every rank failed
                 if strategy.num_nodes == 1:
                     on_exception_where_all_failed(trainer, world.world_group, exc)
@@ -220,7 +229,11 @@ def _run_in_worker(world: World, launcher: SHMLauncher, trainer: Optional["pl.Tr
             call._interrupt(trainer, exc)
             trainer._teardown()
             results = None
-        return launcher._collect_results(trainer, results, strategy.stop_agreed, tuned)
+        try:
+            return launcher._collect_results(trainer, results, strategy.stop_agreed, tuned)
+        except BaseException as exc:  # collectives: a rank that ended its fit alone meets the others' steps here
+            note_loop_position(trainer, exc)
+            raise
     finally:
         strategy.detach_world()
 

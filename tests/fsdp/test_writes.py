@@ -4,6 +4,7 @@ while the others read every rank's rows without a collective: the writes must be
 from __future__ import annotations
 
 import copy
+import re
 import time
 from typing import Any
 
@@ -103,9 +104,14 @@ class OnlyRankZeroShrinks(ShrinksARowBlockEachBatch):
 def test_a_write_on_some_ranks_only_stops_with_the_reason(gather):
     """Rank 0 waits for the others to write their rows before reading them; rank 1 goes on into the next collective.
     Whichever raises first names the write (the one process's model does not exist: its rows differ by rank)."""
-    with pytest.raises(CollectiveMismatchError, match=r"wrote its rows of (FSDP unit 'net.4'|a parameter) in place"):
+    with pytest.raises(CollectiveMismatchError, match=r"wrote its rows of (FSDP unit 'net.4'|a parameter) in place"
+                       ) as info:
         fit_seeded(lambda: OnlyRankZeroShrinks("step"), SHMFSDPStrategy(start_method="fork", gather=gather), 2,
                    GLOBAL_BATCH // 2)
+    # the unit's message keeps the rank it met: the report shows that rank's call and loop position beside it
+    notes = "\n".join(info.value.__notes__)
+    other = 1 - int(re.search(r"raised in lightning_shm worker rank (\d)", notes).group(1))
+    assert info.value.peer == other and f"rank {other} was here" in notes, notes
 
 
 def _barriers_before_forwards(world, gather):

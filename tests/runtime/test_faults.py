@@ -186,6 +186,38 @@ def test_mismatched_collectives_raise_instead_of_corrupting():
         launch(_mismatch, 2, start_method="fork")
 
 
+def _reduce_here(g):
+    g.all_reduce(torch.ones(4))
+
+
+def _broadcast_here(g):
+    g.broadcast(torch.ones(4), src_member=0)
+
+
+def _mismatch_noted(world):
+    try:
+        (_reduce_here if world.rank == 0 else _broadcast_here)(world.group())
+    except CollectiveMismatchError as e:
+        e.add_note(f"member {world.rank}'s program stood at its step {3 + world.rank}")  # as the layer above notes
+        raise
+
+
+def test_a_mismatch_is_reported_with_where_the_other_rank_was_and_what_it_noted():
+    """Both members meet the mismatch and raise; the report is the first one's, and the other one's call and notes
+    (a Trainer's loop position, from the layer above) stand beside it, so the two paths read side by side."""
+    with pytest.raises(CollectiveMismatchError) as info:
+        launch(_mismatch_noted, 2, start_method="fork")
+    me = int(re.search(r"raised in lightning_shm worker rank (\d)", "\n".join(info.value.__notes__)).group(1))
+    other = 1 - me
+    assert info.value.peer == other
+    notes = info.value.__notes__
+    assert f"member {me}'s program stood at its step {3 + me}" in notes
+    assert f"member {other}'s program stood at its step {3 + other}" in notes, notes
+    where = [n for n in notes if n.startswith(f"rank {other} was here")]
+    assert where and f"in {('_reduce_here', '_broadcast_here')[other]}" in where[0].splitlines()[1], notes
+    assert f"raised in lightning_shm worker rank {other}" not in notes  # the launcher's own line, not the peer's note
+
+
 def _size_mismatch(world, n):
     world.group().all_reduce(torch.ones(n + world.rank))
 

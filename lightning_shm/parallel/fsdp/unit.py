@@ -275,7 +275,7 @@ class FSDPUnit:
                 "for the others to write theirs before reading them; another rank went on to another collective. "
                 "Every rank must write its rows of a parameter at the same point (a change on some ranks only -- "
                 "under `if self.global_rank == 0` -- leaves the ranks' rows of one model inconsistent).",
-                e.mine, e.theirs) from e
+                e.mine, e.theirs, e.peer) from e
 
     # ------------------------------------------------------------------ gather / free
     def copy_shards_into(self, flat: torch.Tensor) -> None:
@@ -384,7 +384,7 @@ class FSDPUnit:
                 + [flags], "mean", sizes=[[k * b.row_numel for k in b.rows] for _, b, _ in taken] + [[len(taken)] * W],
                 across=self.across, site=self.index + 1)
         except CollectiveMismatchError as e:
-            raise CollectiveMismatchError(self._out_of_order(e), e.mine, e.theirs) from e
+            raise CollectiveMismatchError(self._out_of_order(e), e.mine, e.theirs, e.peer) from e
         for (i, b, _), part, anywhere in zip(taken, parts, parts[-1].tolist()):
             if anywhere > 0:
                 out[i] = part.view(b.rows[r], *b.shape[1:])

@@ -1,0 +1,50 @@
+"""Where a rank's Trainer stood when the runtime stopped it for taking another path than the others.
+
+A :class:`CollectiveMismatchError`, a deadlock or a timeout names the collectives or waits that met, in the
+runtime's terms; the cause is usually a decision of the program taken on some ranks only. The commonest: a
+callback or hook setting ``trainer.should_stop`` from a rank's own values::
+
+    rank 0: step 3, should_stop = True -> validation before the stop -> its metrics' all-reduce (numel=1)
+    rank 1: step 3                     -> step 4's backward          -> the gradients' all-reduce
+
+Each rank notes where its loop stood (stage, epoch, step, ``should_stop``); the launcher puts the other
+rank's note and stack beside the reported error, so the two paths read side by side.
+"""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
+
+from lightning_shm.runtime.errors import BarrierTimeoutError, CollectiveMismatchError, PeerAbortedError
+
+# a deadlock is a timeout reported early; a rank the others' report names may have been stopped by the abort
+_DIVERGED = (CollectiveMismatchError, BarrierTimeoutError, PeerAbortedError)
+
+
+def note_loop_position(trainer: "pl.Trainer", exc: BaseException) -> None:
+    """Add this rank's loop position to ``exc`` if it says the ranks took different paths (or, stopped by the
+    abort, may be one the report names: the launcher shows a rank's notes only beside an error naming it)."""
+    if not isinstance(exc, _DIVERGED):
+        return
+    try:
+        exc.add_note(_position(trainer))
+    except Exception as e:  # noqa: BLE001 - a note must never replace the error it explains
+        exc.add_note(f"(this rank's loop position could not be read: {type(e).__name__}: {e})")
+
+
+def _position(trainer: "pl.Trainer") -> str:
+    fn, stage, status = trainer.state.fn, trainer.state.stage, trainer.state.status
+    call = f"`{fn.value}`" if fn is not None else "no Trainer call"
+    if status == TrainerStatus.FINISHED:
+        where = f"had finished {call} and was gathering what the main process gets back"
+    else:
+        where = f"was in {call}, " + (f"its {stage.value} loop" if stage is not None else "outside its loops")
+    note = (f"rank {trainer.global_rank} {where} (epoch {trainer.current_epoch}, global step {trainer.global_step}), "
+            f"trainer.should_stop={trainer.should_stop}")
+    if trainer.should_stop and fn == TrainerFn.FITTING:
+        note += (" -- a stop: the validation and epoch-end hooks before it, then the fit's end. Set on some ranks "
+                 "only, a stop sends the ranks different ways: decide it alike on every rank, e.g. "
+                 "`trainer.should_stop = trainer.strategy.reduce_boolean_decision(stop, all=False)`, as "
+                 "EarlyStopping does")
+    return note
