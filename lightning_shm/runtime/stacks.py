@@ -48,11 +48,13 @@ def ready(path: str) -> bool:
 
 
 def request(pids: dict[int, int], paths: dict[int, str]) -> dict[int, str]:
-    """Main side: ask the workers ``{rank: pid}`` that are :func:`ready` to dump their stacks into
-    ``paths[rank]``; returns ``{rank: path}`` of those asked (what :func:`collect` should read)."""
+    """Main side: ask the workers ``{rank: pid}`` that are :func:`ready` and still catch the signal to dump
+    their stacks into ``paths[rank]``; returns ``{rank: path}`` of those asked (what :func:`collect` should
+    read). A worker whose own code put the signal's default back (Lightning's teardown restores every handler
+    Python knows of, and Python never saw faulthandler's) would be killed by the request: it is not asked."""
     asked = {}
     for rank, pid in pids.items():
-        if not ready(paths[rank]):
+        if not ready(paths[rank]) or not catches(pid, DUMP_SIGNAL):
             continue
         try:
             os.kill(pid, DUMP_SIGNAL)
@@ -60,6 +62,18 @@ def request(pids: dict[int, int], paths: dict[int, str]) -> dict[int, str]:
         except ProcessLookupError:
             pass
     return asked
+
+
+def catches(pid: int, signum: int) -> bool:
+    """Whether process ``pid`` has a handler installed for ``signum`` (Linux: its ``SigCgt`` mask)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("SigCgt:"):
+                    return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    except (OSError, ValueError):
+        pass
+    return False
 
 
 def collect(paths: dict[int, str], timeout_s: float = 0.5) -> dict[int, list[tuple[str, int, str]]]:

@@ -132,10 +132,35 @@ def test_a_missing_rank_that_failed_too_is_placed_where_it_raised():
     assert "in loop" in notes["rank 0"] and "in _raise_in_a_step" in notes["rank 2"].splitlines()[1], notes
 
 
-def _sleep_with_stack_handler(path: str, w: int) -> None:
+def _sleep_with_stack_handler(path: str, w: int, then_default: bool = False) -> None:
     stacks.register(path)
+    if then_default:  # what restoring "every handler Python knows of" does: it never saw faulthandler's
+        signal.signal(stacks.DUMP_SIGNAL, signal.SIG_DFL)
     os.write(w, b"x")
     time.sleep(30)
+
+
+def test_a_worker_that_put_the_default_back_is_not_asked_for_its_stack(tmp_path):
+    """Its header says it is ready, but the request would kill it (seen: Lightning's teardown at the end of a
+    Trainer call, then another rank's failure: "worker rank 0 was killed by signal SIGUSR2")."""
+    path = tmp_path / "stack"
+    path.write_bytes(b"\0" * 65536)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            _sleep_with_stack_handler(str(path), w, then_default=True)
+        finally:
+            os._exit(0)
+    try:
+        os.read(r, 1)
+        assert stacks.ready(str(path)) and not stacks.catches(pid, stacks.DUMP_SIGNAL)
+        assert stacks.request({1: pid}, {1: str(path)}) == {}
+        time.sleep(0.1)
+        assert os.waitpid(pid, os.WNOHANG) == (0, 0), "the dump request killed the worker"
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
 
 
 def test_a_worker_is_asked_for_its_stack_only_once_it_can_answer(tmp_path):
