@@ -346,9 +346,10 @@ def test_predictions_gathered_at_the_epochs_end_hold_each_sample_once(dp, tp, pp
 
 class _BarrierOnRankZeroOnly(MNISTClassifier):
     """A hook that calls a collective on one rank only: rank 0 waits in the world's barrier while the other ranks
-    go on to the next step and wait there for rank 0."""
+    go on into the step and wait there for rank 0 in other groups (at a batch's end they would meet the world's
+    vote on ``trainer.should_stop`` instead: a mismatch in one group, reported at once)."""
 
-    def on_train_batch_end(self, outputs, batch, batch_idx):
+    def on_train_batch_start(self, batch, batch_idx):
         if self.global_rank == 0 and batch_idx == 1:
             self.trainer.strategy.barrier("rank 0 only")
 
@@ -363,37 +364,47 @@ def test_ranks_that_took_different_paths_stop_with_a_deadlock_not_at_the_timeout
                                                               loader(mnist_like(96), 8))
     # rank 0's stack -- the worker's own traceback if it found the cycle first, else where the launcher saw it
     said = "\n".join(info.value.__notes__) + str(info.value.__cause__)
-    assert "in on_train_batch_end" in said and "was here" in said, said
+    assert "in on_train_batch_start" in said and "was here" in said, said
     # and where each rank's loop stood, the reported rank's and those on the cycle with it
-    assert "rank 0 was in `fit`, its train loop (epoch 0, global step 2)" in said, said
+    assert "rank 0 was in `fit`, its train loop (epoch 0, global step 1)" in said, said
 
 
-class _StopsOnRankZero(pl.Callback):
-    """A stop decided from a rank's own values (a loss the step did not sync): rank 0 alone stops."""
+class _StopsOnRankZeroAtEpochStart(pl.Callback):
+    """A stop decided on rank 0 alone before a batch runs: its epoch loop ends at once, where no vote on the flag
+    came first (the ranks vote after a batch's, an epoch's and validation's end hooks, tests/test_stop_votes.py)."""
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if trainer.global_rank == 0 and batch_idx == 2:
+    def on_train_epoch_start(self, trainer, pl_module):
+        if trainer.global_rank == 0 and trainer.current_epoch == 1:
             trainer.should_stop = True
 
 
-@pytest.mark.parametrize("layout, validates", [("ddp", True), ("fsdp", True), ("pp2-1f1b", True), ("ddp", False)])
-def test_a_stop_decided_on_some_ranks_only_is_reported_with_each_ranks_loop_position(layout, validates):
-    """Rank 0 goes on to the validation before a stop (or, without one, to the end of its fit and the gathers of what
-    the main process gets back), rank 1 to its next step: the collectives they meet differ by layout (a metric's
-    all-reduce against the gradients', a vote against a barrier, a loader's gathers), and the error names those
-    alone -- Lightning's ``ddp`` waits there until its timeout. The report now holds both ranks' loop positions,
-    the stopping rank's with what to do."""
+class _BarrierOnRankZeroAtFitEnd(MNISTClassifier):
+    def on_fit_end(self):
+        if self.global_rank == 0:
+            self.trainer.strategy.barrier("rank 0 only")
+
+
+@pytest.mark.parametrize("case, layout", [("stop", "ddp"), ("stop", "fsdp"), ("stop", "pp2-1f1b"),
+                                          ("fit_end", "ddp")])
+def test_ranks_on_different_paths_are_reported_with_each_ranks_loop_position(case, layout):
+    """The collectives the ranks meet differ by layout (two votes, a vote against a barrier, a loader's gathers
+    against the end-of-fit gathers) and name the runtime's calls alone; the report holds both ranks' loop
+    positions, a stopping rank's with what to do."""
     make, devices, dp = LAYOUTS[layout]
-    val = [loader(mnist_like(48), 24 // dp)] if validates else []
+    stop = case == "stop"
     with pytest.raises(CollectiveMismatchError) as info:
-        trainer(strategy=make(), devices=devices, max_epochs=2, callbacks=[_StopsOnRankZero()]).fit(
-            MNISTClassifier(), loader(mnist_like(96), 24 // dp), *val)
+        trainer(strategy=make(), devices=devices, max_epochs=2,
+                callbacks=[_StopsOnRankZeroAtEpochStart()] if stop else []).fit(
+            (MNISTClassifier if stop else _BarrierOnRankZeroAtFitEnd)(), loader(mnist_like(96), 24 // dp))
     said = "\n".join(info.value.__notes__)
-    where = ("was in `fit`, its validate loop (epoch 0, global step 3)" if validates else
-             "had finished `fit` and was gathering what the main process gets back (epoch 1, global step 3)")
-    assert f"rank 0 {where}, trainer.should_stop=True -- a stop: " in said, said
-    assert "reduce_boolean_decision(stop, all=False)" in said
-    assert "rank 1 was in `fit`, its train loop (epoch 0, global step 3), trainer.should_stop=False" in said, said
+    if stop:
+        assert ("rank 0 was in `fit`, its train loop (epoch 1, global step 4), trainer.should_stop=True -- set on "
+                "some ranks only") in said, said
+        assert "reduce_boolean_decision(stop, all=False)" in said
+        assert "rank 1 was in `fit`, its train loop (epoch 1, global step 4), trainer.should_stop=False" in said
+    else:
+        assert "rank 0 was in `fit`" in said and ("rank 1 had finished `fit` and was gathering what the main "
+                                                  "process gets back (epoch 2, global step 8)") in said, said
     assert "rank 1 was here" in said or "rank 0 was here" in said  # the other rank's call beside the reported one
 
 

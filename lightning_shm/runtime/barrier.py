@@ -33,7 +33,7 @@ from typing import Optional, Sequence
 
 from lightning_shm.runtime.deadlock import FAILED, collective
 from lightning_shm.runtime.errors import CollectiveMismatchError, PeerAbortedError
-from lightning_shm.runtime.ops import Coll, arg_name, barrier_reason, dtype_name, op_name
+from lightning_shm.runtime.ops import Coll, arg_name, barrier_reason, dtype_name, op_name, reason_name
 from lightning_shm.runtime.wait import Waiter
 
 ROW_WORDS = 16
@@ -133,5 +133,8 @@ def _failed(d: dict) -> bool:
 
 
 def _fmt(d: dict) -> str:
+    if d["coll"] == Coll.VOTE:  # its descriptor: the reason where others carry a size, the value as its argument
+        why = f", why: {reason_name(d['numel'])}" if d["numel"] else ""
+        return f"vote(collective #{d['seq']}{why}, value={d['arg']})"
     return (f"{op_name(d['coll'])}(collective #{d['seq']}, dtype={dtype_name(d['dtype'])}, numel={d['numel']}, "
             f"{arg_name(d['coll'], d['arg'])})")

@@ -235,16 +235,18 @@ class Group:
         self._seq += 1
         self._barrier.wait(self._seq, _BARRIER, 0, 0, why, check_arg=False, timeout_s=math.inf if untimed else None)
 
-    def vote_max(self, value: int) -> int:
+    def vote_max(self, value: int, why: int = 0) -> int:
         """The largest of every member's ``value`` (an int >= 0), for the price of one barrier: each
         value travels in its member's barrier descriptor. Members use it to agree, at the same point
-        of their programs, on something each saw at a different moment (a stop request)."""
+        of their programs, on something each saw at a different moment (a stop request). ``why``: a code
+        of :func:`~.ops.barrier_reason`; votes of different reasons do not match -- a member voting on one
+        thing must not read another's vote on something else as its answer."""
         if value < 0:
             raise ValueError(f"vote_max takes ints >= 0, got {value}")
         if self.size == 1:
             return value
         self._seq += 1
-        g = self._barrier.wait(self._seq, Coll.VOTE, 0, 0, value, check_arg=False)
+        g = self._barrier.wait(self._seq, Coll.VOTE, 0, why, value, check_arg=False)
         return max(self._barrier.peer_field(j, g, "arg") for j in range(self.size))
 
     def agree_failed(self, step: int, timeout_s: float) -> bool:

@@ -61,8 +61,8 @@ class NodeSpanningGroup:
         self.local.barrier(untimed, why)
         self.rail.barrier(untimed)
 
-    def vote_max(self, value: int) -> int:
-        mine = torch.tensor([self.local.vote_max(value)], dtype=torch.int64)
+    def vote_max(self, value: int, why: int = 0) -> int:
+        mine = torch.tensor([self.local.vote_max(value, why)], dtype=torch.int64)
         self.rail.all_reduce(mine, ReduceOp.MAX)
         return int(mine)
 

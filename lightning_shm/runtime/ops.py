@@ -108,6 +108,11 @@ def barrier_reason(text: str) -> int:
     return code
 
 
+def reason_name(code: int) -> str:
+    """What a barrier's or vote's reason code stands for (its registered text)."""
+    return _WHY.get(code, f"<reason {code}>")
+
+
 def arg_name(coll: int, arg: int) -> str:
     """A collective's own argument, as its descriptor carries it (reduce op, source member, a barrier's reason)."""
     if coll == Coll.BARRIER and arg in _WHY:

@@ -23,6 +23,7 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
@@ -39,13 +40,16 @@ from lightning_shm.runtime import (
     connect_rail,
 )
 from lightning_shm.runtime.launcher import START_METHODS
+from lightning_shm.runtime.ops import barrier_reason
 from lightning_shm.runtime.segment import check_free_space
 from lightning_shm.runtime.world import control_bytes
-from lightning_shm.strategies import collectives, throughput
+from lightning_shm.strategies import collectives, stop_votes, throughput
 from lightning_shm.strategies.epoch_lengths import check_equal_epochs
 from lightning_shm.strategies.launcher import SHMLauncher
 from lightning_shm.strategies.predictions import merge_predictions
 from lightning_shm.strategies.torch_distributed import warn_on_user_checks
+
+_STOP_REQUEST_VOTE = barrier_reason("a vote on a pending SIGINT / SIGTERM at the start of a step")
 
 
 class SHMStrategyBase(ParallelStrategy):
@@ -223,7 +227,7 @@ class SHMStrategyBase(ParallelStrategy):
         """
         if self._world is None or batch_idx % self.stop_check_every:
             return
-        signum = self._world.world_group.vote_max(self._world.stop_requested())
+        signum = self._world.world_group.vote_max(self._world.stop_requested(), _STOP_REQUEST_VOTE)
         if signum:
             self.stop_agreed = signum
             raise KeyboardInterrupt() if signum == signal.SIGINT else SIGTERMException()
@@ -235,9 +239,19 @@ class SHMStrategyBase(ParallelStrategy):
         self._loop_start()
         if self._world is not None and self.lightning_module is not None:
             check_equal_epochs(self.lightning_module.trainer, self.data_parallel_group())
+            stop_votes.install(self.lightning_module.trainer, self._world.world_group)
+
+    def on_train_end(self) -> None:
+        if self.lightning_module is not None:
+            stop_votes.uninstall(self.lightning_module)
 
     def on_validation_start(self) -> None:
         self._loop_start()
+
+    def on_validation_end(self) -> None:
+        module = self.lightning_module
+        if self._world is not None and module is not None and module.trainer.state.fn == TrainerFn.FITTING:
+            stop_votes.vote_on_stop(module.trainer, self._world.world_group, "validation end")
 
     def on_test_start(self) -> None:
         self._loop_start()

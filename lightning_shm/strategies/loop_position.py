@@ -2,10 +2,11 @@
 
 A :class:`CollectiveMismatchError`, a deadlock or a timeout names the collectives or waits that met, in the
 runtime's terms; the cause is usually a decision of the program taken on some ranks only. The commonest: a
-callback or hook setting ``trainer.should_stop`` from a rank's own values::
+callback setting ``trainer.should_stop`` from a rank's own values where the ranks do not vote on it
+(:mod:`.stop_votes`)::
 
-    rank 0: step 3, should_stop = True -> validation before the stop -> its metrics' all-reduce (numel=1)
-    rank 1: step 3                     -> step 4's backward          -> the gradients' all-reduce
+    rank 0: epoch 1 starts, should_stop = True -> its epoch ends at once -> the epoch-end vote
+    rank 1: epoch 1 starts                     -> batch 0's stop-request vote
 
 Each rank notes where its loop stood (stage, epoch, step, ``should_stop``); the launcher puts the other
 rank's note and stack beside the reported error, so the two paths read side by side.
@@ -43,8 +44,8 @@ def _position(trainer: "pl.Trainer") -> str:
     note = (f"rank {trainer.global_rank} {where} (epoch {trainer.current_epoch}, global step {trainer.global_step}), "
             f"trainer.should_stop={trainer.should_stop}")
     if trainer.should_stop and fn == TrainerFn.FITTING:
-        note += (" -- a stop: the validation and epoch-end hooks before it, then the fit's end. Set on some ranks "
-                 "only, a stop sends the ranks different ways: decide it alike on every rank, e.g. "
-                 "`trainer.should_stop = trainer.strategy.reduce_boolean_decision(stop, all=False)`, as "
-                 "EarlyStopping does")
+        note += (" -- set on some ranks only before the loop reads it, where the ranks do not vote on it (they do "
+                 "after a training batch's, a training epoch's and validation's end hooks), a stop sends the ranks "
+                 "different ways: set it in one of those hooks, or decide it alike on every rank, e.g. "
+                 "`trainer.should_stop = trainer.strategy.reduce_boolean_decision(stop, all=False)`")
     return note

@@ -291,6 +291,23 @@ def test_a_member_meeting_a_barrier_in_another_collective_says_why_the_barrier_w
     assert {info.value.mine["coll"], info.value.theirs["coll"]} == {Coll.BARRIER, Coll.ALL_REDUCE}
 
 
+_ONE_VOTE, _ANOTHER_VOTE = barrier_reason("a test: a vote on one thing"), barrier_reason("a test: a vote on another")
+
+
+def _votes_on_different_things(world):
+    g = world.group()
+    assert g.vote_max(world.rank, _ONE_VOTE) == 1  # the same reason: each member's value, the largest returned
+    g.vote_max(7, _ONE_VOTE if world.rank == 0 else _ANOTHER_VOTE)
+
+
+def test_votes_of_different_reasons_do_not_match():
+    """A member voting on one thing (a stop request) must not take another's vote on something else (a stop the
+    program decided) as its answer: the reasons travel in the descriptors and are named."""
+    said = r"vote\(collective #2, why: a test: a vote on (one thing|another), value=7\) but rank \d entered vote\("
+    with pytest.raises(CollectiveMismatchError, match=said):
+        launch(_votes_on_different_things, 2, start_method="fork")
+
+
 def _all_fail(world):
     g = world.group()
     agreed = g.agree_failed(step=5, timeout_s=10.0)
