@@ -90,7 +90,7 @@ def test_a_stop_set_on_one_rank_stops_every_rank_where_one_process_stops(where, 
     weights, step, epoch, warned = _fit(where, rank, layout)
     assert (step, epoch) == (one_step, one_epoch)
     assert (weights - one_weights).abs().max() < 1e-12
-    assert len(warned) == warns, warned  # once, on rank 0, whichever rank set it
+    assert len(warned) == (1 if warns else 0), warned  # once, on rank 0, whichever rank set it
     label = {"epoch_end": "train epoch end", "validation_end": "validation end"}.get(where, "train batch end")
     assert not warns or f"({label}, global step {step})" in warned[0]
 

@@ -371,14 +371,12 @@ class Launcher:
             first.exc.add_note(f"(ranks {others} stopped because rank {first.rank} failed)")
         raised = {f.rank: f for f in failures}
         if isinstance(first.exc, BarrierTimeoutError):
-            for rank in first.exc.missing:
-                # a rank that failed too may have exited before its stack was asked for: where it raised then
-                _add_peer(first.exc, rank, where.get(rank) or (raised[rank].frames if rank in raised else ()),
-                          raised.get(rank))
+            for rank in first.exc.missing:  # where each was when asked (a rank still waiting or computing)
+                _add_peer(first.exc, rank, raised.get(rank), where.get(rank))
         elif isinstance(first.exc, CollectiveMismatchError) and first.exc.peer in raised:
             # the other side of a mismatch meets it at the same generation and raises too: where it raised is
             # the call it made instead
-            _add_peer(first.exc, first.exc.peer, raised[first.exc.peer].frames, raised[first.exc.peer])
+            _add_peer(first.exc, first.exc.peer, raised[first.exc.peer])
         return first.exc
 
     # ------------------------------------------------------------------ cleanup
@@ -586,10 +584,12 @@ def _rebuild(rank: int, payload: Optional[bytes], type_name: str, message: str, 
     return exc
 
 
-def _add_peer(exc: BaseException, rank: int, frames: Sequence[tuple[str, int, str]],
-              failure: Optional[_Failure]) -> None:
-    """Beside the reported error: where another rank involved was, and what the layer above noted on its own
-    error there (a Trainer's loop position: the two ranks' paths side by side)."""
+def _add_peer(exc: BaseException, rank: int, failure: Optional[_Failure],
+              frames: Optional[Sequence[tuple[str, int, str]]] = None) -> None:
+    """Beside the reported error: where another rank involved was -- ``frames`` as asked for, else where it raised
+    (a rank that failed too may have exited before it could be asked) -- and what the layer above noted on its
+    own error there (a Trainer's loop position: the two ranks' paths side by side)."""
+    frames = frames or (failure.frames if failure is not None else ())
     if frames:
         exc.add_note(stacks.describe(rank, list(frames)))
     if failure is not None:
