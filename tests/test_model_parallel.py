@@ -10,6 +10,7 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.pytorch.callbacks import EarlyStopping
 from torch.utils.data import DataLoader
 
 from lightning_shm import SHMModelParallel
@@ -347,11 +348,18 @@ def test_predictions_gathered_at_the_epochs_end_hold_each_sample_once(dp, tp, pp
 class _BarrierOnRankZeroOnly(MNISTClassifier):
     """A hook that calls a collective on one rank only: rank 0 waits in the world's barrier while the other ranks
     go on into the step and wait there for rank 0 in other groups (at a batch's end they would meet the world's
-    vote on ``trainer.should_stop`` instead: a mismatch in one group, reported at once)."""
+    vote on ``trainer.should_stop`` instead, and after an overridden ``on_train_batch_start`` the vote on its -1:
+    a mismatch in one group, reported at once). Batch 1's transfer comes before those hooks."""
 
-    def on_train_batch_start(self, batch, batch_idx):
-        if self.global_rank == 0 and batch_idx == 1:
+    def __init__(self) -> None:
+        super().__init__()
+        self.transfers = 0
+
+    def on_after_batch_transfer(self, batch, dataloader_idx):
+        self.transfers += 1
+        if self.global_rank == 0 and self.transfers == 2:
             self.trainer.strategy.barrier("rank 0 only")
+        return batch
 
 
 def test_ranks_that_took_different_paths_stop_with_a_deadlock_not_at_the_timeout():
@@ -364,17 +372,21 @@ def test_ranks_that_took_different_paths_stop_with_a_deadlock_not_at_the_timeout
                                                               loader(mnist_like(96), 8))
     # rank 0's stack -- the worker's own traceback if it found the cycle first, else where the launcher saw it
     said = "\n".join(info.value.__notes__) + str(info.value.__cause__)
-    assert "in on_train_batch_start" in said and "was here" in said, said
+    assert "in on_after_batch_transfer" in said and "was here" in said, said
     # and where each rank's loop stood, the reported rank's and those on the cycle with it
     assert "rank 0 was in `fit`, its train loop (epoch 0, global step 1)" in said, said
 
 
-class _StopsOnRankZeroAtEpochStart(pl.Callback):
-    """A stop decided on rank 0 alone before a batch runs: its epoch loop ends at once, where no vote on the flag
-    came first (the ranks vote after a batch's, an epoch's and validation's end hooks, tests/test_stop_votes.py)."""
+class _StopsOnRankZeroAfterTheEpochsVote(EarlyStopping):
+    """A stop decided on rank 0 alone where no vote on the flag follows: an ``EarlyStopping`` subclass deciding
+    by itself runs after the module's epoch end (Lightning calls the monitoring callbacks last), after the
+    ranks' vote there (tests/test_stop_votes.py); rank 0's fit ends, rank 1 starts epoch 1."""
 
-    def on_train_epoch_start(self, trainer, pl_module):
-        if trainer.global_rank == 0 and trainer.current_epoch == 1:
+    def __init__(self) -> None:
+        super().__init__(monitor="train_loss")
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        if trainer.global_rank == 0:
             trainer.should_stop = True
 
 
@@ -387,19 +399,19 @@ class _BarrierOnRankZeroAtFitEnd(MNISTClassifier):
 @pytest.mark.parametrize("case, layout", [("stop", "ddp"), ("stop", "fsdp"), ("stop", "pp2-1f1b"),
                                           ("fit_end", "ddp")])
 def test_ranks_on_different_paths_are_reported_with_each_ranks_loop_position(case, layout):
-    """The collectives the ranks meet differ by layout (two votes, a vote against a barrier, a loader's gathers
-    against the end-of-fit gathers) and name the runtime's calls alone; the report holds both ranks' loop
-    positions, a stopping rank's with what to do."""
+    """The collectives the ranks meet (the end-of-fit gathers against a vote, a loader's gathers against the
+    end-of-fit gathers) name the runtime's calls alone; the report holds both ranks' loop positions, a stopping
+    rank's with what to do."""
     make, devices, dp = LAYOUTS[layout]
     stop = case == "stop"
     with pytest.raises(CollectiveMismatchError) as info:
         trainer(strategy=make(), devices=devices, max_epochs=2,
-                callbacks=[_StopsOnRankZeroAtEpochStart()] if stop else []).fit(
+                callbacks=[_StopsOnRankZeroAfterTheEpochsVote()] if stop else []).fit(
             (MNISTClassifier if stop else _BarrierOnRankZeroAtFitEnd)(), loader(mnist_like(96), 24 // dp))
     said = "\n".join(info.value.__notes__)
     if stop:
-        assert ("rank 0 was in `fit`, its train loop (epoch 1, global step 4), trainer.should_stop=True -- set on "
-                "some ranks only") in said, said
+        assert ("rank 0 had finished `fit` and was gathering what the main process gets back (epoch 1, global step "
+                "4), trainer.should_stop=True -- set on some ranks only") in said, said
         assert "reduce_boolean_decision(stop, all=False)" in said
         assert "rank 1 was in `fit`, its train loop (epoch 1, global step 4), trainer.should_stop=False" in said
     else:

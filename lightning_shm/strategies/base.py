@@ -238,8 +238,10 @@ class SHMStrategyBase(ParallelStrategy):
     def on_train_start(self) -> None:
         self._loop_start()
         if self._world is not None and self.lightning_module is not None:
-            check_equal_epochs(self.lightning_module.trainer, self.data_parallel_group())
-            stop_votes.install(self.lightning_module.trainer, self._world.world_group)
+            trainer, world = self.lightning_module.trainer, self._world.world_group
+            check_equal_epochs(trainer, self.data_parallel_group())
+            stop_votes.install(trainer, world)
+            stop_votes.vote_on_stop(trainer, world, "train start")  # after the callbacks' and module's hooks
 
     def on_train_end(self) -> None:
         if self.lightning_module is not None:

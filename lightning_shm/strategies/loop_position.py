@@ -3,10 +3,10 @@
 A :class:`CollectiveMismatchError`, a deadlock or a timeout names the collectives or waits that met, in the
 runtime's terms; the cause is usually a decision of the program taken on some ranks only. The commonest: a
 callback setting ``trainer.should_stop`` from a rank's own values where the ranks do not vote on it
-(:mod:`.stop_votes`)::
+(:mod:`.stop_votes`; an ``EarlyStopping`` subclass deciding by itself, at an epoch's end)::
 
-    rank 0: epoch 1 starts, should_stop = True -> its epoch ends at once -> the epoch-end vote
-    rank 1: epoch 1 starts                     -> batch 0's stop-request vote
+    rank 0: epoch 0 ends, should_stop = True -> its fit ends -> the end-of-fit gathers
+    rank 1: epoch 0 ends                     -> epoch 1's start -> its vote on the flag
 
 Each rank notes where its loop stood (stage, epoch, step, ``should_stop``); the launcher puts the other
 rank's note and stack beside the reported error, so the two paths read side by side.
@@ -44,8 +44,10 @@ def _position(trainer: "pl.Trainer") -> str:
     note = (f"rank {trainer.global_rank} {where} (epoch {trainer.current_epoch}, global step {trainer.global_step}), "
             f"trainer.should_stop={trainer.should_stop}")
     if trainer.should_stop and fn == TrainerFn.FITTING:
-        note += (" -- set on some ranks only before the loop reads it, where the ranks do not vote on it (they do "
-                 "after a training batch's, a training epoch's and validation's end hooks), a stop sends the ranks "
-                 "different ways: set it in one of those hooks, or decide it alike on every rank, e.g. "
-                 "`trainer.should_stop = trainer.strategy.reduce_boolean_decision(stop, all=False)`")
+        note += (" -- set on some ranks only where the ranks do not vote on it before the loop reads it (they do "
+                 "after the hooks of the fit's start, a training epoch's start, a batch's end, validation's end and "
+                 "the module's epoch end -- EarlyStopping's and ModelCheckpoint's own, subclasses included, run "
+                 "after it), a stop sends the ranks different ways: set it in one of those hooks, or decide it "
+                 "alike on every rank, e.g. `trainer.should_stop = trainer.strategy.reduce_boolean_decision(stop, "
+                 "all=False)`")
     return note

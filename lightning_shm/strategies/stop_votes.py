@@ -10,34 +10,46 @@ threshold on an unsynced metric) may come on some ranks only, and the ranks went
 (a ``CollectiveMismatchError``; Lightning's ``ddp`` waits there until its timeout). Lightning's own
 ``EarlyStopping`` reduces its decision -- any rank's stop stops every rank -- and ``Timer`` broadcasts rank
 0's; code that sets the flag itself does neither. So the ranks vote (one ``vote_max``, a barrier's price)
-where the fit loop reads the flag next, after the hooks that may have set it:
+where the loops read the flag next, after the hooks that may have set it:
 
+* the fit's start: the strategy's ``on_train_start``, after the callbacks' and the module's (and the sanity
+  check's validation);
+* a training epoch's start: after the callbacks' and the module's ``on_train_epoch_start``, before the epoch
+  loop's first look at the flag;
 * a training batch's end: after the callbacks' and the module's ``on_train_batch_end`` (the step, its
   backward and optimizer hooks came before), before the loop decides on validation and on leaving;
 * a training epoch's end: after the module's ``on_train_epoch_end`` (and the callbacks' before it);
 * validation's end: the strategy's ``on_validation_end``, after the callbacks' and the module's.
 
-Any rank's stop stops every rank, EarlyStopping's rule; a stop that was not every rank's warns once.
-Lightning gives a strategy no hook after the first two, so the strategy wraps the module's two hooks
-(instance attributes, for the fit only).
+Any rank's stop stops every rank, EarlyStopping's rule; a stop that was not every rank's warns once. The
+module's ``on_train_batch_start`` returning -1 (skip the rest of the epoch) is the same kind of decision and
+gets the same rule, voted where the module overrides that hook. Lightning gives a strategy no hook after the
+module's epoch start, batch start and end, and epoch end, so the strategy wraps those hooks of the module
+(instance attributes, for the fit only). A time-based ``val_check_interval`` is agreed at the batch's end too
+(:mod:`.validation_clock`).
 """
+
 
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import lightning.pytorch as pl
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_shm.runtime import Group
 from lightning_shm.runtime.ops import barrier_reason
+from lightning_shm.strategies.validation_clock import ValidationClock
 
-_WRAPPED = ("on_train_batch_end", "on_train_epoch_end")
+_WRAPPED = ("on_train_epoch_start", "on_train_batch_start", "on_train_batch_end", "on_train_epoch_end")
 # votes of other reasons (a stop request's) never match these: a rank would take another's answer as its own
 _STOP_VOTE = barrier_reason("a vote on trainer.should_stop, after the hooks that may set it")
 _UNANIMOUS_VOTE = barrier_reason("a vote on whether every rank set trainer.should_stop")
+_SKIP_VOTE = barrier_reason("a vote on on_train_batch_start returning -1 (skip the rest of the epoch)")
+_UNANIMOUS_SKIP_VOTE = barrier_reason("a vote on whether every rank's on_train_batch_start returned -1")
 
 
 def vote_on_stop(trainer: "pl.Trainer", group: Group, where: str) -> None:
@@ -56,14 +68,47 @@ def vote_on_stop(trainer: "pl.Trainer", group: Group, where: str) -> None:
         )
 
 
+def vote_on_skip(trainer: "pl.Trainer", group: Group, response: Any) -> Any:
+    """-1 on every member of ``group`` if any of them got -1 from the module's ``on_train_batch_start``: one
+    process skips the rest of its epoch there, and a rank skipping alone would meet the others' next step."""
+    mine = int(response == -1)
+    if not group.vote_max(mine, _SKIP_VOTE):
+        return response
+    if group.vote_max(1 - mine, _UNANIMOUS_SKIP_VOTE):
+        rank_zero_warn(
+            f"lightning_shm: on_train_batch_start returned -1 on some ranks only (epoch {trainer.current_epoch}, "
+            f"global step {trainer.global_step}); every rank skips the rest of the epoch there (any rank's skip "
+            "skips all). A decision from a rank's own values differs between ranks; to decide on the same values "
+            "everywhere, reduce it (trainer.strategy.reduce_boolean_decision(skip, all=False)).")
+    return -1
+
+
 def install(trainer: "pl.Trainer", group: Group) -> None:
-    """Wrap the module's batch- and epoch-end hooks with a vote, for this fit (:func:`uninstall` removes them)."""
+    """Wrap the module's hooks of :data:`_WRAPPED` with their votes, for this fit (:func:`uninstall` removes
+    them); ``on_train_batch_start`` only where the module overrides it (it alone may return -1: no vote a batch
+    otherwise)."""
     module = trainer.lightning_module
     if trainer.state.fn != TrainerFn.FITTING or group.size == 1:
         return
-    for name in _WRAPPED:
+
+    def voting(where: str, clock: Optional[ValidationClock] = None) -> Callable[[Any], Any]:
+        def then(out: Any) -> Any:
+            vote_on_stop(trainer, group, where)
+            if clock is not None:  # after the stop's vote: the loop validates before a stop, too
+                clock.agree()
+            return out
+        return then
+
+    after: dict[str, Callable[[Any], Any]] = {
+        "on_train_epoch_start": voting("train epoch start"),
+        "on_train_batch_end": voting("train batch end", ValidationClock.of(trainer, group)),
+        "on_train_epoch_end": voting("train epoch end"),
+    }
+    if is_overridden("on_train_batch_start", module):
+        after["on_train_batch_start"] = functools.partial(vote_on_skip, trainer, group)
+    for name, then in after.items():
         if not isinstance(module.__dict__.get(name), _Voting):  # not wrapped yet (a second start of the same fit)
-            setattr(module, name, _Voting(getattr(module, name), trainer, group, name[3:].replace("_", " ")))
+            setattr(module, name, _Voting(getattr(module, name), then))
 
 
 def uninstall(module: "pl.LightningModule") -> None:
@@ -73,17 +118,16 @@ def uninstall(module: "pl.LightningModule") -> None:
 
 
 class _Voting:
-    """The module's own hook, then the vote. A copy of the module made meanwhile (``deepcopy``, ``pickle``: an
-    EMA teacher, a module saved whole) gets its own hook back, bound to the copy, without the vote."""
+    """The module's own hook, then the vote (``then`` gets the hook's return value and gives back the one the
+    loop reads). A copy of the module made meanwhile (``deepcopy``, ``pickle``: an EMA teacher, a module saved
+    whole) gets its own hook back, bound to the copy, without the vote."""
 
-    def __init__(self, hook: Callable[..., Any], trainer: "pl.Trainer", group: Group, where: str) -> None:
-        self.hook, self.trainer, self.group, self.where = hook, trainer, group, where
+    def __init__(self, hook: Callable[..., Any], then: Callable[[Any], Any]) -> None:
+        self.hook, self.then = hook, then
         functools.update_wrapper(self, hook)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        out = self.hook(*args, **kwargs)
-        vote_on_stop(self.trainer, self.group, self.where)
-        return out
+        return self.then(self.hook(*args, **kwargs))
 
     def __reduce__(self) -> Any:
         return functools.partial, (self.hook.__func__, self.hook.__self__)
