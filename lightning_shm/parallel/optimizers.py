@@ -19,15 +19,29 @@ pipeline; Muon (on the weights, AdamW on the rest) by 0.020 (fsdp) and 0.012 (tp
 data parallelism. Such an optimizer under such a layout is refused.
 User-written optimizers are not inspected: one that reads across elements (LAMB, LARS, Shampoo) sees
 only the rank's pieces.
+
+LBFGS also decides from the *loss* its closure returns: a line search (``line_search_fn="strong_wolfe"``)
+accepts a step size by comparing losses, and the iterations stop when the loss changes less than
+``tolerance_change``. Under data parallelism the gradient it reads is the replicas' mean (the reducer's), but
+each rank's closure returned its own batch's loss, so each replica chose its own step size and the replicas
+drifted apart -- 2.50 off one process in a weight after 5 steps of the reference MLP under shm_ddp with the
+strong-Wolfe search (`/tmp/ph/lbfgs.py`, a local script; Lightning's ``ddp`` does the same). So the closure
+such an optimizer calls returns the replicas' mean loss, the function whose gradient it reads
+(:func:`replicas_loss`)::
+
+    LBFGS.step(closure) -> closure(): forward, backward (gradient all-reduced), loss_r -> all_reduce(mean)
 """
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
+from lightning_shm.runtime import Group
+
 WHOLE_MODEL: tuple[type, ...] = (torch.optim.LBFGS,)
+READS_LOSS: tuple[type, ...] = (torch.optim.LBFGS,)  # decide from the loss their closure returns
 WHOLE_TENSORS: tuple[type, ...] = tuple(t for t in (getattr(torch.optim, "Adafactor", None),
                                                    getattr(torch.optim, "Muon", None)) if t is not None)
 
@@ -53,6 +67,22 @@ def check_optimizers(optimizers: Sequence[torch.optim.Optimizer], pieces: Mappin
                              f"pieces of {_count(cut)} (e.g. '{cut[0]}'): its steps would differ from one "
                              "process's. Use an elementwise optimizer (SGD, Adam, AdamW, ...), or a layout that "
                              "keeps tensors whole (shm_ddp, a pipeline without split_linear).")
+
+
+def replicas_loss(optimizer: torch.optim.Optimizer, closure: Callable[[], Any],
+                  replicas: Optional[Group]) -> Callable[[], Any]:
+    """``closure`` for ``optimizer.step``, returning the mean of the ``replicas``' losses (one scalar all-reduce a
+    call) where the optimizer decides from that loss (:data:`READS_LOSS`); ``closure`` itself otherwise."""
+    if not isinstance(optimizer, READS_LOSS) or replicas is None or replicas.size == 1:
+        return closure
+
+    def mean_loss() -> Any:
+        loss = closure()
+        if not isinstance(loss, torch.Tensor):  # a step that returned None: nothing to decide from
+            return loss
+        return replicas.all_reduce(loss.detach().clone(), "mean")
+
+    return mean_loss
 
 
 def _count(names: Sequence[str]) -> str:

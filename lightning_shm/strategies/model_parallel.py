@@ -46,6 +46,7 @@ from lightning_shm.parallel.ddp import broadcast_module_state, broadcast_tensors
 from lightning_shm.parallel.fsdp import UnitPolicy
 from lightning_shm.parallel.fsdp.policy import PolicyFn
 from lightning_shm.parallel.init import initialised_as_whole
+from lightning_shm.parallel.optimizers import replicas_loss
 from lightning_shm.parallel.outside_reads import (
     differentiations,
     explain_failure,
@@ -314,7 +315,9 @@ class SHMModelParallel(SHMStrategyBase):
                                                       self.group, norm_type, group_separator))
 
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        """Lightning's, watching what ``on_before_optimizer_step`` logs where gradients are split."""
+        """Lightning's, watching what ``on_before_optimizer_step`` logs where gradients are split; an optimizer
+        deciding from its closure's loss (LBFGS) gets the replicas' mean loss, as one process's."""
+        closure = replicas_loss(optimizer, closure, self.data_parallel_group())
         if self.parallel is None or not self._grads_split:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         with self._norm_logs.watching(self.lightning_module):
