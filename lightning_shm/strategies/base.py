@@ -43,7 +43,7 @@ from lightning_shm.runtime.launcher import START_METHODS
 from lightning_shm.runtime.ops import barrier_reason
 from lightning_shm.runtime.segment import check_free_space
 from lightning_shm.runtime.world import control_bytes
-from lightning_shm.strategies import collectives, stop_votes, throughput
+from lightning_shm.strategies import collectives, scheduler_metrics, stop_votes, throughput
 from lightning_shm.strategies.epoch_lengths import check_equal_epochs
 from lightning_shm.strategies.launcher import SHMLauncher
 from lightning_shm.strategies.predictions import merge_predictions
@@ -242,10 +242,12 @@ class SHMStrategyBase(ParallelStrategy):
             check_equal_epochs(trainer, self.data_parallel_group())
             stop_votes.install(trainer, world)
             stop_votes.vote_on_stop(trainer, world, "train start")  # after the callbacks' and module's hooks
+            scheduler_metrics.install(trainer, self.data_parallel_group())
 
     def on_train_end(self) -> None:
         if self.lightning_module is not None:
             stop_votes.uninstall(self.lightning_module)
+            scheduler_metrics.uninstall(self.lightning_module)
 
     def on_validation_start(self) -> None:
         self._loop_start()

@@ -25,14 +25,13 @@ Any rank's stop stops every rank, EarlyStopping's rule; a stop that was not ever
 module's ``on_train_batch_start`` returning -1 (skip the rest of the epoch) is the same kind of decision and
 gets the same rule, voted where the module overrides that hook. Lightning gives a strategy no hook after the
 module's epoch start, batch start and end, and epoch end, so the strategy wraps those hooks of the module
-(instance attributes, for the fit only). A time-based ``val_check_interval`` is agreed at the batch's end too
+for the fit (:mod:`.module_hooks`). A time-based ``val_check_interval`` is agreed at the batch's end too
 (:mod:`.validation_clock`).
 """
 
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable, Optional
 
 import lightning.pytorch as pl
@@ -42,6 +41,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_shm.runtime import Group
 from lightning_shm.runtime.ops import barrier_reason
+from lightning_shm.strategies import module_hooks
 from lightning_shm.strategies.validation_clock import ValidationClock
 
 _WRAPPED = ("on_train_epoch_start", "on_train_batch_start", "on_train_batch_end", "on_train_epoch_end")
@@ -91,43 +91,28 @@ def install(trainer: "pl.Trainer", group: Group) -> None:
     if trainer.state.fn != TrainerFn.FITTING or group.size == 1:
         return
 
-    def voting(where: str, clock: Optional[ValidationClock] = None) -> Callable[[Any], Any]:
-        def then(out: Any) -> Any:
+    def voting(where: str, clock: Optional[ValidationClock] = None) -> Callable[..., Any]:
+        def around(hook: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+            out = hook(*args, **kwargs)
             vote_on_stop(trainer, group, where)
             if clock is not None:  # after the stop's vote: the loop validates before a stop, too
                 clock.agree()
             return out
-        return then
+        return around
 
-    after: dict[str, Callable[[Any], Any]] = {
+    def skipping(hook: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return vote_on_skip(trainer, group, hook(*args, **kwargs))
+
+    arounds: dict[str, Callable[..., Any]] = {
         "on_train_epoch_start": voting("train epoch start"),
         "on_train_batch_end": voting("train batch end", ValidationClock.of(trainer, group)),
         "on_train_epoch_end": voting("train epoch end"),
     }
     if is_overridden("on_train_batch_start", module):
-        after["on_train_batch_start"] = functools.partial(vote_on_skip, trainer, group)
-    for name, then in after.items():
-        if not isinstance(module.__dict__.get(name), _Voting):  # not wrapped yet (a second start of the same fit)
-            setattr(module, name, _Voting(getattr(module, name), then))
+        arounds["on_train_batch_start"] = skipping
+    for name, around in arounds.items():
+        module_hooks.wrap(module, name, around)
 
 
 def uninstall(module: "pl.LightningModule") -> None:
-    for name in _WRAPPED:
-        if isinstance(module.__dict__.get(name), _Voting):
-            delattr(module, name)
-
-
-class _Voting:
-    """The module's own hook, then the vote (``then`` gets the hook's return value and gives back the one the
-    loop reads). A copy of the module made meanwhile (``deepcopy``, ``pickle``: an EMA teacher, a module saved
-    whole) gets its own hook back, bound to the copy, without the vote."""
-
-    def __init__(self, hook: Callable[..., Any], then: Callable[[Any], Any]) -> None:
-        self.hook, self.then = hook, then
-        functools.update_wrapper(self, hook)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.then(self.hook(*args, **kwargs))
-
-    def __reduce__(self) -> Any:
-        return functools.partial, (self.hook.__func__, self.hook.__self__)
+    module_hooks.unwrap(module, _WRAPPED)
