@@ -54,6 +54,9 @@ from lightning_shm.parallel.state import ModelState
 from lightning_shm.parallel.tp import LayerPlan, TensorParallelState, check_plan, plan_for
 from lightning_shm.parallel.tp.plan import computed_weight
 from lightning_shm.runtime import ParallelGroups, ReduceOp, Topology, World
+from lightning_shm.runtime.ops import barrier_reason
+
+_CUTS = barrier_reason("the pipeline's cut of the model, planned on rank 0")
 
 DATA_PARALLEL = ("replicate", "shard")
 
@@ -432,7 +435,7 @@ def _split_pipeline(module: nn.Module, config: ParallelConfig, world: World, gro
                                     forbidden=forbidden, split_linear=config.split_linear)
     else:
         chosen = None
-    cuts, how = groups.world.broadcast_object(chosen, src_member=0)
+    cuts, how = groups.world.broadcast_object(chosen, src_member=0, why=_CUTS)
     layers, starts = apply_row_cuts(layers_of(seq), cuts)
     log(f"pipeline: {sched.chunks} chunks of {len(seq)} layers start at {[c[0] for c in cuts]} (split by {how}), "
         f"schedule {sched.kind.value}, {sched.microbatches} microbatches")

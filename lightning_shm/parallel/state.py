@@ -36,6 +36,12 @@ from torch import nn
 from lightning_shm.parallel.optim_state import load_plain_optimizer_state
 from lightning_shm.parallel.placement import WHOLE, Placement
 from lightning_shm.runtime import Group
+from lightning_shm.runtime.ops import barrier_reason
+
+# what the stages gather (a rank on another path meets a gather of another reason: a mismatch, not its bytes)
+_GROUP_NAMES = barrier_reason("the stages' optimizer parameter groups, by plain parameter name")
+_STAGE_STATES = barrier_reason("the stages' state entries, merged into the full state dict")
+_STAGE_OPTIMIZERS = barrier_reason("the stages' optimizer states, merged into one plain optimizer state")
 
 
 class ModelState:
@@ -104,7 +110,7 @@ class ModelState:
         if self.stages is not None:  # a Linear cut by rows is named on two stages: count it once
             # a group may exist on some stages only (one added later for a stage's layers, e.g. an unfrozen backbone)
             groups = [list(dict.fromkeys(sum(g, []))) for g in
-                      itertools.zip_longest(*self.stages.all_gather_object(local), fillvalue=[])]
+                      itertools.zip_longest(*self.stages.all_gather_object(local, _GROUP_NAMES), fillvalue=[])]
         order = {n: i for i, n in enumerate(self.plain_params)}
         ids, offset = {}, 0
         for g in groups:
@@ -120,7 +126,7 @@ class ModelState:
         full = {k: (self._rows(k, self.placement(k).gather(v)) if torch.is_tensor(v) else v)
                 for k, v in local.items()}
         if self.stages is not None:
-            full = _merge_stages(self.stages.all_gather_object(full))
+            full = _merge_stages(self.stages.all_gather_object(full, _STAGE_STATES))
         out = OrderedDict((k, full[k]) for k in self.plain_keys if k in full)
         out.update((k, v) for k, v in full.items() if k not in out)
         return out
@@ -196,7 +202,7 @@ class ModelState:
             groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
         if self.stages is not None:  # each stage's optimizer has its own parameters: merge them
             merged_groups: list[dict[str, Any]] = []
-            gathered = self.stages.all_gather_object((state, groups))
+            gathered = self.stages.all_gather_object((state, groups), _STAGE_OPTIMIZERS)
             for _, grps in gathered:
                 for gi, g in enumerate(grps):
                     if gi == len(merged_groups):

@@ -25,6 +25,9 @@ import torch
 
 from lightning_shm.parallel.state import ModelState
 from lightning_shm.runtime import Group
+from lightning_shm.runtime.ops import barrier_reason
+
+_COPIES = barrier_reason("the copies of the module's state each rank holds (an EMA, weights kept in a checkpoint)")
 
 Path = tuple[Any, ...]  # keys and list indices from the checkpoint's top level down to a copy
 
@@ -36,7 +39,7 @@ def consolidate_copies(tree: Any, state: ModelState, world: Group,
     as this rank's (the caller warns)."""
     local = {k: v.shape for k, v in state.module.state_dict().items() if torch.is_tensor(v)}
     mine = list(_copies(tree, lambda k, v: local.get(k) == v.shape, skip))
-    found = world.all_gather_object(mine)
+    found = world.all_gather_object(mine, _COPIES)
     agreed = [p for p in found[0] if all(p in f for f in found)]
     partial = sorted({p for f in found for p in f if p not in agreed}, key=repr)
     out: Any = tree

@@ -46,9 +46,18 @@ import torch
 
 from lightning_shm.runtime.barrier import FAILED_REASON, ROW_WORDS, Barrier
 from lightning_shm.runtime.errors import BarrierTimeoutError, CollectiveMismatchError, PeerAbortedError
+from lightning_shm.runtime.ops import (
+    OBJECT_WHY,
+    Coll,
+    ReduceOp,
+    check_reducible,
+    dtype_code,
+    even_split,
+    fold,
+    fold_onto_own,
+)
 from lightning_shm.runtime.ops import SHARED_FLAG as _SHARED_FLAG
 from lightning_shm.runtime.ops import SITE as _SITE
-from lightning_shm.runtime.ops import Coll, ReduceOp, check_reducible, dtype_code, even_split, fold, fold_onto_own
 from lightning_shm.runtime.segment import Segment, align_up, normal_views
 from lightning_shm.runtime.wait import Waiter
 
@@ -525,10 +534,14 @@ class Group:
         self._barrier.wait(self._seq, _ALL_GATHER, dc, flat.numel(), 0)
         o.copy_(block)  # every member's slot, own included (it holds what flat holds)
 
-    def all_gather_v(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+    def all_gather_v(self, tensor: torch.Tensor, why: int = 0) -> list[torch.Tensor]:
         """Gather 1-D tensors of *different* lengths: returns one tensor per member.
 
-        Lengths travel in the barrier descriptors, so no extra round is needed to learn them.
+        Lengths travel in the barrier descriptors, so no extra round is needed to learn them. Lengths may differ,
+        so two gathers of the same dtype always matched: ``why`` (a code of :func:`~.ops.barrier_reason`, checked
+        like a reduce op) tells gathers of different things apart -- a member gathering one rank's state pieces
+        while another gathers its sample indices, having taken another path, gets a ``CollectiveMismatchError``
+        naming both, not the other's bytes to unpickle.
         """
         flat, _ = _flat(tensor)
         W, r, n = self.size, self.index, flat.numel()
@@ -543,7 +556,7 @@ class Group:
             slots = self._slots(flat.dtype)
             L = max(0, min(cap, n - c0))
             slots[r][:L].copy_(flat[c0:c0 + L])
-            g = self._sync(Coll.ALL_GATHER_V, dc, n, 0, check=c == 0, check_numel=False)
+            g = self._sync(Coll.ALL_GATHER_V, dc, n, why, check=c == 0, check_numel=False)
             if c == 0:
                 sizes = [n if j == r else self._barrier.peer_field(j, g, "numel") for j in range(W)]
                 outs = [torch.empty(s, dtype=flat.dtype) for s in sizes]
@@ -592,8 +605,9 @@ class Group:
         return tensor
 
     # ------------------------------------------------------------------ python objects
-    def broadcast_object(self, obj: Any, src_member: int = 0) -> Any:
-        """Pickle ``obj`` on member ``src_member`` and return it on every member (any size)."""
+    def broadcast_object(self, obj: Any, src_member: int = 0, why: int = 0) -> Any:
+        """Pickle ``obj`` on member ``src_member`` and return it on every member (any size); ``why`` as for
+        :meth:`all_gather_v`."""
         if not 0 <= src_member < self.size:
             raise ValueError(f"broadcast_object src_member must be a member index in [0, {self.size}), "
                              f"got {src_member}")
@@ -611,7 +625,8 @@ class Group:
             if data is not None:
                 L = min(cap, n - c0)
                 slots[src_member][:L].copy_(data[c0:c0 + L])
-            g = self._sync(Coll.BROADCAST_OBJECT, dc, n, src_member, check=c == 0, check_numel=False)
+            g = self._sync(Coll.BROADCAST_OBJECT, dc, n, src_member + why * OBJECT_WHY, check=c == 0,
+                           check_numel=False)
             if c == 0:
                 n = self._barrier.peer_field(src_member, g, "numel") if data is None else n
                 rounds = max(1, math.ceil(n / cap))
@@ -623,11 +638,11 @@ class Group:
             c += 1
         return obj if recv is None else pickle.loads(recv.numpy().tobytes())
 
-    def all_gather_object(self, obj: Any) -> list[Any]:
-        """Every member's picklable ``obj``, in member order."""
+    def all_gather_object(self, obj: Any, why: int = 0) -> list[Any]:
+        """Every member's picklable ``obj``, in member order; ``why`` as for :meth:`all_gather_v`."""
         if self.size == 1:
             return [obj]
-        parts = self.all_gather_v(_to_bytes_tensor(obj))
+        parts = self.all_gather_v(_to_bytes_tensor(obj), why)
         return [pickle.loads(p.numpy().tobytes()) for p in parts]
 
 

@@ -89,11 +89,11 @@ class NodeSpanningGroup:
                 tensor.copy_(flat)
         return self.local.broadcast(tensor, src_member=src_local)
 
-    def broadcast_object(self, obj: Any, src_member: int = 0) -> Any:
+    def broadcast_object(self, obj: Any, src_member: int = 0, why: int = 0) -> Any:
         src_node, src_local = divmod(src_member, self.local.size)
         if self.local.index == src_local:
             obj = self.rail.broadcast_object(obj, src_node)
-        return self.local.broadcast_object(obj, src_member=src_local)
+        return self.local.broadcast_object(obj, src_member=src_local, why=why)
 
     def all_gather(self, tensor: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         node_part = self.local.all_gather(tensor)  # [local size, ...]
@@ -103,8 +103,8 @@ class NodeSpanningGroup:
             return out
         return full
 
-    def all_gather_v(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        return [t for part in self.rail.all_gather_object(self.local.all_gather_v(tensor)) for t in part]
+    def all_gather_v(self, tensor: torch.Tensor, why: int = 0) -> list[torch.Tensor]:
+        return [t for part in self.rail.all_gather_object(self.local.all_gather_v(tensor, why)) for t in part]
 
-    def all_gather_object(self, obj: Any) -> list[Any]:
-        return [o for part in self.rail.all_gather_object(self.local.all_gather_object(obj)) for o in part]
+    def all_gather_object(self, obj: Any, why: int = 0) -> list[Any]:
+        return [o for part in self.rail.all_gather_object(self.local.all_gather_object(obj, why)) for o in part]

@@ -113,10 +113,18 @@ def reason_name(code: int) -> str:
     return _WHY.get(code, f"<reason {code}>")
 
 
+# An object broadcast's argument: its source member plus its reason times this (sources < 2**20).
+OBJECT_WHY = 1 << 20
+
+
 def arg_name(coll: int, arg: int) -> str:
-    """A collective's own argument, as its descriptor carries it (reduce op, source member, a barrier's reason)."""
-    if coll == Coll.BARRIER and arg in _WHY:
+    """A collective's own argument, as its descriptor carries it (reduce op, source member, a barrier's or an
+    object collective's reason)."""
+    if coll in (Coll.BARRIER, Coll.ALL_GATHER_V) and arg in _WHY:
         return f"why: {_WHY[arg]}"
+    if coll == Coll.BROADCAST_OBJECT:
+        why = arg // OBJECT_WHY
+        return f"src_member={arg % OBJECT_WHY}" + (f", why: {reason_name(why)}" if why else "")
     if coll in (Coll.ALL_REDUCE, Coll.REDUCE_SCATTER):
         try:
             name = f"reduce={ReduceOp(arg % SHARED_FLAG).name.lower()}"

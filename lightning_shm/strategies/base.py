@@ -50,6 +50,7 @@ from lightning_shm.strategies.predictions import merge_predictions
 from lightning_shm.strategies.torch_distributed import warn_on_user_checks
 
 _STOP_REQUEST_VOTE = barrier_reason("a vote on a pending SIGINT / SIGTERM at the start of a step")
+_PREDICTIONS = barrier_reason("the ranks' predictions, for the main process in dataset order")
 
 
 class SHMStrategyBase(ParallelStrategy):
@@ -388,7 +389,7 @@ class SHMStrategyBase(ParallelStrategy):
             bs = getattr(dl, "batch_sampler", None)
             indices.append(list(getattr(bs, "seen_batch_indices", None) or []) or None)
             sizes.append(int(getattr(dl, "batch_size", None) or getattr(bs, "batch_size", 1) or 1))
-        gathered = self.prediction_group().all_gather_object((outputs, indices, sizes))
+        gathered = self.prediction_group().all_gather_object((outputs, indices, sizes), _PREDICTIONS)
         if self.local_rank != 0:  # each node's main process gets them from its local rank 0
             return None
         merged = merge_predictions(gathered)

@@ -18,6 +18,9 @@ import torch
 from torch import Tensor, nn
 
 from lightning_shm.runtime import Group, ReduceOp
+from lightning_shm.runtime.ops import barrier_reason
+
+_LAST_STAGE_STATES = barrier_reason("a metric's states gathered on the last stage, for every stage")
 
 
 def reduce(group: Group, tensor: Any, reduce_op: Any = "mean") -> Any:
@@ -89,7 +92,8 @@ class MetricSync:
         if self.stages is None or isinstance(group, Group) or self.in_step():
             return parts
         mine = self.stages.index == self.last
-        theirs = self.stages.broadcast_object([p.detach() for p in parts] if mine else None, src_member=self.last)
+        theirs = self.stages.broadcast_object([p.detach() for p in parts] if mine else None, src_member=self.last,
+                                      why=_LAST_STAGE_STATES)
         return parts if mine else theirs
 
     def __deepcopy__(self, memo: dict) -> "MetricSync":

@@ -19,6 +19,9 @@ from typing import Optional
 import lightning.pytorch as pl
 
 from lightning_shm.runtime import Group
+from lightning_shm.runtime.ops import barrier_reason
+
+_LENGTHS = barrier_reason("the data-parallel ranks' training epoch lengths")
 
 
 def check_equal_epochs(trainer: "pl.Trainer", group: Optional[Group]) -> None:
@@ -28,7 +31,7 @@ def check_equal_epochs(trainer: "pl.Trainer", group: Optional[Group]) -> None:
     if group is None or group.size == 1:
         return
     n = trainer.num_training_batches
-    counts = group.all_gather_object(int(n) if math.isfinite(n) else -1)
+    counts = group.all_gather_object(int(n) if math.isfinite(n) else -1, _LENGTHS)
     if -1 in counts or len(set(counts)) == 1:
         return
     if 0 < trainer.max_steps and trainer.max_steps * trainer.accumulate_grad_batches <= min(counts):

@@ -29,12 +29,14 @@ from lightning_shm.parallel.pipeline import CapturedInput, PipelineStage, split_
 from lightning_shm.parallel.pipeline.microbatches import batch_size as batch_size_of
 from lightning_shm.parallel.pipeline.stage import parameters_read_outside
 from lightning_shm.runtime import Group
+from lightning_shm.runtime.ops import barrier_reason
 from lightning_shm.strategies.loader_iter import OneMicrobatch
 from lightning_shm.strategies.metric_state import export_state, import_state
 from lightning_shm.strategies.module_log import logging_through
 from lightning_shm.strategies.rank_zero_calls import Call, recording_rank_zero_calls, replay
 from lightning_shm.strategies.step_randomness import call_seed, seed_streams
 
+_STEP_OUTCOME = barrier_reason("a pipeline step's outcome (result, logs, stop), from the last stage")
 LogRecord = tuple[str, Any, tuple, dict, float]  # name, value, args, kwargs, microbatch weight
 
 
@@ -317,7 +319,8 @@ class LightningStageIO:
         stop = bool(trainer is not None and trainer.should_stop)
         payload = ((result, _aggregate(self.records, module), stop, _appended(module, self.lists), self.calls)
                    if position.is_last else None)
-        result, logs, stop, appended, calls = position.pp_group.broadcast_object(payload, src_member=position.last)
+        result, logs, stop, appended, calls = position.pp_group.broadcast_object(payload, src_member=position.last,
+                                                                           why=_STEP_OUTCOME)
         replay(module, calls)
         if stop and trainer is not None:
             trainer.should_stop = True

@@ -24,8 +24,11 @@ from torch import Tensor, nn
 from lightning_shm.parallel.compose import ParallelState
 from lightning_shm.parallel.pipeline import PipelineSchedule, Schedule
 from lightning_shm.parallel.replaced import accumulate_grad, parameter_hooks_suspended
+from lightning_shm.runtime.ops import barrier_reason
 from lightning_shm.strategies.pipeline_io import LightningStageIO, StagePosition
 from lightning_shm.strategies.step_randomness import call_seed
+
+_SEED_BASE = barrier_reason("the replica's base seed for its steps' draws")
 
 
 class PipelineSteps:
@@ -42,7 +45,8 @@ class PipelineSteps:
         self._reads_checked = False
         # the step's draws alike on every stage and tp member of the replica (see step_randomness): a base they
         # agree on, a step count
-        self._seed_base = parallel.groups.replica.broadcast_object(torch.initial_seed(), src_member=0)
+        self._seed_base = parallel.groups.replica.broadcast_object(torch.initial_seed(), src_member=0,
+                                                                   why=_SEED_BASE)
         self._steps_run = 0
 
     # ------------------------------------------------------------------ training

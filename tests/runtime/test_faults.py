@@ -308,6 +308,34 @@ def test_votes_of_different_reasons_do_not_match():
         launch(_votes_on_different_things, 2, start_method="fork")
 
 
+_ONE_THING, _ANOTHER_THING = barrier_reason("a test: objects of one kind"), barrier_reason("a test: objects of another")
+
+
+def _object_collectives_of_different_things(world, kind):
+    g = world.group()
+    theirs = _ONE_THING if world.rank == 0 else _ANOTHER_THING
+    if kind == "gather":
+        assert g.all_gather_object(world.rank, _ONE_THING) == [0, 1]  # the same reason: every member's object
+        g.all_gather_object({"state": 1} if world.rank == 0 else [1, 2], theirs)
+    else:
+        assert g.broadcast_object("x" if world.rank == 1 else None, 1, _ONE_THING) == "x"
+        g.broadcast_object("y" if world.rank == 0 else None, 0, theirs)
+
+
+@pytest.mark.parametrize("kind, said", [
+    ("gather", r"all_gather_v\(collective #2, dtype=uint8, numel=\d+, why: a test: objects of (one kind|another)\) "
+               r"but rank \d entered all_gather_v\(collective #2, dtype=uint8, numel=\d+, why: a test: objects of"),
+    ("broadcast", r"broadcast_object\(collective #2, dtype=uint8, numel=-?\d+, src_member=0, why: a test: objects "
+                  r"of (one kind|another)\) but rank \d entered broadcast_object\(.*src_member=0, why: a test:")])
+def test_object_collectives_of_different_reasons_do_not_match(kind, said):
+    """Gathers of pickled objects always matched (their lengths differ anyway), so a rank on another path got the
+    other's object to unpickle: "AttributeError: 'list' object has no attribute 'items'" where the stages' state
+    entries met another gather (pp2, a stop at the fit's start on stage 0 alone, before that stop was voted on).
+    Their reasons travel in the descriptors, as a reduce op does, and are named."""
+    with pytest.raises(CollectiveMismatchError, match=said):
+        launch(_object_collectives_of_different_things, 2, kind, start_method="fork")
+
+
 def _all_fail(world):
     g = world.group()
     agreed = g.agree_failed(step=5, timeout_s=10.0)

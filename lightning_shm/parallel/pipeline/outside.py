@@ -42,6 +42,9 @@ from torch import nn
 
 from lightning_shm.parallel.sequential import held_outside
 from lightning_shm.runtime import Group
+from lightning_shm.runtime.ops import barrier_reason
+
+_HOLDERS = barrier_reason("which stages hold each parameter tied across stages")
 
 Holders = tuple[int, ...]  # the members of the pipeline group holding a tied weight, ascending
 
@@ -54,7 +57,7 @@ def held_apart(ties: Sequence[nn.Parameter], stage: nn.Module, group: Group) -> 
         return []
     mine = {id(p) for p in stage.parameters()}
     held = [id(p) in mine for p in ties]
-    columns = zip(*group.all_gather_object(held))
+    columns = zip(*group.all_gather_object(held, _HOLDERS))
     holders = [tuple(i for i, h in enumerate(column) if h) for column in columns]
     return [(p, h) for p, h in zip(ties, holders) if len(h) > 1]
 

@@ -36,7 +36,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, default_collate
 
 from lightning_shm.runtime import Group
-from lightning_shm.runtime.ops import even_split
+from lightning_shm.runtime.ops import barrier_reason, even_split
 
 
 class MemberBatches:
@@ -80,7 +80,7 @@ def _first_differing(seen: Sequence[Any]) -> Optional[int]:
 
 
 def _check_same_indices(indices: list[int], group: Group, batches: Any) -> None:
-    seen = group.all_gather_object(indices)
+    seen = group.all_gather_object(indices, _INDICES)
     other = _first_differing(seen)
     if other is not None:
         sampler = getattr(batches, "sampler", batches)
@@ -108,6 +108,11 @@ class SplitLoader(DataLoader):
 
 
 _TAG = "_lightning_shm_group_batch"
+# what a replica's members gather (a member on another path meets a gather of another reason: a mismatch)
+_INDICES = barrier_reason("the replica members' sample indices, compared")
+_ROWS = barrier_reason("the replica members' rows of a list in a split batch")
+_SAMPLES = barrier_reason("the replica members' samples, compared")
+_SAMPLERS = barrier_reason("the replica members' DistributedSampler settings, compared")
 
 
 def is_group_batch(tensors: Sequence[torch.Tensor]) -> bool:
@@ -193,7 +198,7 @@ def _gather_list(xs: Sequence[Any], rows: Sequence[int], group: Group) -> list:
     if len(xs) != rows[group.index]:
         raise ValueError(f"tp_batch='split': a {type(xs).__name__} of {len(xs)} items in the batch is not this rank's "
                          f"{rows[group.index]} rows (rows per member {list(rows)}). Use tp_batch='broadcast'.")
-    return [x for member in group.all_gather_object(xs) for x in member]
+    return [x for member in group.all_gather_object(xs, _ROWS) for x in member]
 
 
 class StreamLoader(DataLoader):
@@ -241,7 +246,7 @@ def _samples_print(batch: Any) -> list[tuple]:
 
 
 def _check_same_samples(batch: Any, group: Group) -> None:
-    seen = group.all_gather_object(_samples_print(batch))
+    seen = group.all_gather_object(_samples_print(batch), _SAMPLES)
     other = _first_differing(seen)
     if other is not None:
         raise ValueError(
@@ -266,7 +271,7 @@ def check_replica_samplers(loader: Any, group: Group, expected: Mapping[str, int
     if not isinstance(sampler, DistributedSampler):
         sampler = getattr(getattr(loader, "batch_sampler", None), "sampler", None)
     mine = (sampler.num_replicas, sampler.rank) if isinstance(sampler, DistributedSampler) else None
-    seen = group.all_gather_object(mine)
+    seen = group.all_gather_object(mine, _SAMPLERS)
     if all(s == seen[0] for s in seen):
         return
     found = "; ".join(f"rank {r}: " + ("no DistributedSampler" if s is None else f"num_replicas={s[0]}, rank={s[1]}")
