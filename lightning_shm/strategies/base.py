@@ -47,7 +47,7 @@ from lightning_shm.strategies import collectives, scheduler_metrics, stop_votes,
 from lightning_shm.strategies.epoch_lengths import check_equal_epochs
 from lightning_shm.strategies.launcher import SHMLauncher
 from lightning_shm.strategies.predictions import merge_predictions
-from lightning_shm.strategies.torch_distributed import warn_on_user_checks
+from lightning_shm.strategies.torch_distributed import hint_unsynced_epoch_metrics, warn_on_user_checks
 
 _STOP_REQUEST_VOTE = barrier_reason("a vote on a pending SIGINT / SIGTERM at the start of a step")
 _PREDICTIONS = barrier_reason("the ranks' predictions, for the main process in dataset order")
@@ -98,7 +98,7 @@ class SHMStrategyBase(ParallelStrategy):
         self._world: Optional[World] = None
         self._group: Optional[Group] = None
         self._rail: Optional[Rail] = None
-        self._restore_dist: Optional[Callable[[], None]] = None  # worker: torch.distributed.is_initialized back
+        self._restore_dist: Optional[Callable[[], None]] = None  # worker: torch.distributed's answers back
         self._metric_state: list = []
         self._metric_sync: Optional[collectives.MetricSync] = None
 
@@ -171,7 +171,14 @@ class SHMStrategyBase(ParallelStrategy):
         this connects the rank's rail (gloo) to the same local rank of every other node."""
         self._world = world
         self._group = world.world_group
-        self._restore_dist = warn_on_user_checks(lambda msg: rank_zero_warn(msg))
+        restores = [warn_on_user_checks(lambda msg: rank_zero_warn(msg))]
+        if self.topology().dp > 1 or self._num_nodes > 1:  # ranks holding different data
+            restores.append(hint_unsynced_epoch_metrics())
+
+        def restore_all() -> None:
+            for restore in restores:
+                restore()
+        self._restore_dist = restore_all
         if self._num_nodes > 1:
             env = self.cluster_environment
             assert env is not None

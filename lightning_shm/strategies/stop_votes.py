@@ -29,7 +29,6 @@ for the fit (:mod:`.module_hooks`). A time-based ``val_check_interval`` is agree
 (:mod:`.validation_clock`).
 """
 
-
 from __future__ import annotations
 
 from typing import Any, Callable, Optional

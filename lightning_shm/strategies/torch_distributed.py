@@ -54,6 +54,32 @@ def warn_on_user_checks(warn: Callable[[str], None]) -> Callable[[], None]:
     return restore
 
 
+def hint_unsynced_epoch_metrics() -> Callable[[], None]:
+    """Give back Lightning's hint on tensors logged on epoch level without ``sync_dist`` where ranks hold
+    different data: "It is recommended to use `self.log('val_loss', ..., sync_dist=True)` when logging on epoch
+    level in distributed setting to accumulate the metric across devices". Each data-parallel rank's value
+    covers its own batches; rank 0's is what is shown and checkpointed, and a callback or scheduler monitoring it
+    decides on each rank's own. Lightning asks ``torch.distributed`` whether to say so, and it is never
+    initialized in these workers, so the hint never came; its check (the only use of that name in Lightning's
+    result module) is answered True. Returns the function that puts it back."""
+    from lightning.pytorch.trainer.connectors.logger_connector import result
+
+    original = getattr(result, "_distributed_is_initialized", None)
+    if original is None:  # another Lightning: nothing to answer
+        return lambda: None
+
+    def distributed() -> bool:
+        return True
+
+    result._distributed_is_initialized = distributed
+
+    def restore() -> None:
+        if result._distributed_is_initialized is distributed:
+            result._distributed_is_initialized = original
+
+    return restore
+
+
 def user_stacklevel() -> int:
     """``warnings.warn``'s ``stacklevel`` that names the first frame outside :data:`_OURS` (the module's own
     code) when passed by the function calling this one."""
