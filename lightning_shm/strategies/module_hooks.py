@@ -34,7 +34,9 @@ class WrappedHook:
 
 
 def wrap(module: nn.Module, name: str, around: Callable[..., Any]) -> None:
-    """Wrap ``module``'s hook ``name`` (once: a second start of the same fit finds it wrapped)."""
+    """Wrap ``module``'s hook ``name``, once: a hook found wrapped (a second start of the same fit) is kept as it
+    is -- so two concepts cannot share a hook; each wraps its own (the stop votes: the training epoch's and
+    batch's hooks; the scheduler metrics: ``lr_scheduler_step``)."""
     if not isinstance(module.__dict__.get(name), WrappedHook):
         setattr(module, name, WrappedHook(getattr(module, name), around))
 
