@@ -24,10 +24,10 @@ LBFGS also decides from the *loss* its closure returns: a line search (``line_se
 accepts a step size by comparing losses, and the iterations stop when the loss changes less than
 ``tolerance_change``. Under data parallelism the gradient it reads is the replicas' mean (the reducer's), but
 each rank's closure returned its own batch's loss, so each replica chose its own step size and the replicas
-drifted apart -- 2.50 off one process in a weight after 5 steps of the reference MLP under shm_ddp with the
-strong-Wolfe search (`/tmp/ph/lbfgs.py`, a local script; Lightning's ``ddp`` does the same). So the closure
-such an optimizer calls returns the replicas' mean loss, the function whose gradient it reads
-(:func:`replicas_loss`)::
+drifted apart -- 2.50 off one process in a weight after 5 steps (10 iterations each) of the reference MLP
+under shm_ddp with the strong-Wolfe search (`/tmp/ph/lbfgs.py`, a local script; Lightning's ``ddp`` does the
+same). So the closure such an optimizer calls returns the replicas' mean loss, the function whose gradient it
+reads (:func:`replicas_loss`)::
 
     LBFGS.step(closure) -> closure(): forward, backward (gradient all-reduced), loss_r -> all_reduce(mean)
 """
