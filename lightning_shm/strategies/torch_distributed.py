@@ -14,7 +14,7 @@ rank 0 warns, naming the caller and those calls.
 from __future__ import annotations
 
 import sys
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -45,13 +45,7 @@ def warn_on_user_checks(warn: Callable[[str], None]) -> Callable[[], None]:
                      "self.trainer.strategy.reduce(x) -- they span the ranks under every strategy.")
         return result
 
-    dist.is_initialized = is_initialized
-
-    def restore() -> None:
-        if dist.is_initialized is is_initialized:
-            dist.is_initialized = original
-
-    return restore
+    return _replaced(dist, "is_initialized", is_initialized)
 
 
 def hint_unsynced_epoch_metrics() -> Callable[[], None]:
@@ -64,18 +58,20 @@ def hint_unsynced_epoch_metrics() -> Callable[[], None]:
     result module) is answered True. Returns the function that puts it back."""
     from lightning.pytorch.trainer.connectors.logger_connector import result
 
-    original = getattr(result, "_distributed_is_initialized", None)
-    if original is None:  # another Lightning: nothing to answer
+    if not hasattr(result, "_distributed_is_initialized"):  # another Lightning: nothing to answer
         return lambda: None
+    return _replaced(result, "_distributed_is_initialized", lambda: True)
 
-    def distributed() -> bool:
-        return True
 
-    result._distributed_is_initialized = distributed
+def _replaced(owner: Any, name: str, new: Callable[..., Any]) -> Callable[[], None]:
+    """Set ``owner.name`` to ``new``; returns the function that puts the original back (if ``new`` is still
+    there)."""
+    original = getattr(owner, name)
+    setattr(owner, name, new)
 
     def restore() -> None:
-        if result._distributed_is_initialized is distributed:
-            result._distributed_is_initialized = original
+        if getattr(owner, name) is new:
+            setattr(owner, name, original)
 
     return restore
 
