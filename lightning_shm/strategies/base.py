@@ -247,10 +247,11 @@ class SHMStrategyBase(ParallelStrategy):
         self._loop_start()
         if self._world is not None and self.lightning_module is not None:
             trainer, world = self.lightning_module.trainer, self._world.world_group
-            check_equal_epochs(trainer, self.data_parallel_group())
+            replicas = self.data_parallel_group()
+            check_equal_epochs(trainer, replicas)
             stop_votes.install(trainer, world)
             stop_votes.vote_on_stop(trainer, world, "train start")  # after the callbacks' and module's hooks
-            scheduler_metrics.install(trainer, self.data_parallel_group())
+            scheduler_metrics.install(trainer, replicas)
 
     def on_train_end(self) -> None:
         if self.lightning_module is not None:

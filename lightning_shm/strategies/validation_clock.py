@@ -47,7 +47,7 @@ class ValidationClock:
     def of(cls, trainer: "pl.Trainer", group: Group) -> Optional["ValidationClock"]:
         """A clock for ``trainer``'s fit if its ``val_check_interval`` is a time, else None (nothing to agree)."""
         interval = getattr(trainer, "_val_check_time_interval", None)
-        return None if interval is None or group.size == 1 else cls(trainer, group, float(interval))
+        return None if interval is None else cls(trainer, group, float(interval))
 
     def agree(self) -> bool:
         """Vote on whether the interval has passed and make this rank's check read the vote; returns it."""
