@@ -256,7 +256,7 @@ class SHMStrategyBase(ParallelStrategy):
     def on_train_end(self) -> None:
         if self.lightning_module is not None:
             stop_votes.uninstall(self.lightning_module)
-            scheduler_metrics.uninstall(self.lightning_module)
+            scheduler_metrics.uninstall(self.lightning_module.trainer)
 
     def on_validation_start(self) -> None:
         self._loop_start()
