@@ -249,12 +249,33 @@ class _UnevenShards(MNISTClassifier):
 def test_data_parallel_ranks_with_epochs_of_different_lengths_are_refused_at_the_start(dp, pp):
     """Their epochs would end at different steps: the run stopped there with a CollectiveMismatchError naming two
     collectives (vote and all_reduce), not why."""
-    with pytest.raises(ValueError, match=r"gives the data-parallel ranks \[8, 10\] batches per epoch"):
+    with pytest.raises(ValueError, match=r"gives the data-parallel ranks \[8, 10\] batches in epoch 0"):
         trainer(strategy=mp(dp, 1, pp), devices=dp * pp, max_epochs=1, use_distributed_sampler=False).fit(
             _UnevenShards())
     t = trainer(strategy=mp(dp, 1, pp), devices=dp * pp, max_steps=4, use_distributed_sampler=False)
     t.fit(_UnevenShards())  # ends before the shorter epoch does
     assert t.global_step == 4
+
+
+class _UnevenWhenReloaded(MNISTClassifier):
+    """Builds its loader anew each epoch: 4 batches of 12 on every data-parallel rank, from epoch 1 one more per
+    rank above 0."""
+
+    def train_dataloader(self):
+        rank = self.trainer.strategy.distributed_sampler_kwargs["rank"]
+        n = 4 + (rank if self.current_epoch >= 1 else 0)
+        return DataLoader(mnist_like(12 * n, seed=rank), batch_size=12)
+
+
+@pytest.mark.parametrize("dp, pp", [(2, 1), (2, 2)])
+def test_a_reloaded_loader_giving_the_ranks_epochs_of_different_lengths_is_refused_at_that_epoch(dp, pp):
+    """Checked where the loader is reloaded too: before, a CollectiveMismatchError at the reloaded epoch's end."""
+    kw = dict(devices=dp * pp, reload_dataloaders_every_n_epochs=1, use_distributed_sampler=False)
+    with pytest.raises(ValueError, match=r"gives the data-parallel ranks \[4, 5\] batches in epoch 1"):
+        trainer(strategy=mp(dp, 1, pp), max_epochs=3, **kw).fit(_UnevenWhenReloaded())
+    t = trainer(strategy=mp(dp, 1, pp), max_steps=7, **kw)
+    t.fit(_UnevenWhenReloaded())  # the 3 steps left end before the shorter epoch does
+    assert t.global_step == 7
 
 
 class _Stream(torch.utils.data.IterableDataset):

@@ -44,7 +44,7 @@ from lightning_shm.runtime.ops import barrier_reason
 from lightning_shm.runtime.segment import check_free_space
 from lightning_shm.runtime.world import control_bytes
 from lightning_shm.strategies import collectives, scheduler_metrics, stop_votes, throughput
-from lightning_shm.strategies.epoch_lengths import check_equal_epochs
+from lightning_shm.strategies.epoch_lengths import check_equal_epochs, check_reloaded_epochs
 from lightning_shm.strategies.launcher import SHMLauncher
 from lightning_shm.strategies.predictions import merge_predictions
 from lightning_shm.strategies.torch_distributed import hint_unsynced_epoch_metrics, warn_on_user_checks
@@ -249,7 +249,7 @@ class SHMStrategyBase(ParallelStrategy):
             trainer, world = self.lightning_module.trainer, self._world.world_group
             replicas = self.data_parallel_group()
             check_equal_epochs(trainer, replicas)
-            stop_votes.install(trainer, world)
+            stop_votes.install(trainer, world, epoch_start=lambda: check_reloaded_epochs(trainer, replicas))
             stop_votes.vote_on_stop(trainer, world, "train start")  # after the callbacks' and module's hooks
             scheduler_metrics.install(trainer, replicas)
 

@@ -8,7 +8,10 @@ the module shards itself (a dataset cut by ``self.global_rank``) may not::
     rank 1: 10 batches ... step 7, step 8     -> the gradient all-reduce: another collective than rank 0's
 
 Lightning's ``ddp`` waits there until its timeout; the runtime stopped with a ``CollectiveMismatchError`` naming
-two collectives, not why they differ. Checked when training starts, with one small gather.
+two collectives, not why they differ. Checked when training starts, with one small gather, and again at each
+training epoch's start where the loader is reloaded (``reload_dataloaders_every_n_epochs``): a loader the module
+builds anew may give the ranks other lengths later (before: the same ``CollectiveMismatchError`` at the reloaded
+epoch's end, `/tmp/ph/reload_len.py`, a local script).
 """
 
 from __future__ import annotations
@@ -34,12 +37,21 @@ def check_equal_epochs(trainer: "pl.Trainer", group: Optional[Group]) -> None:
     counts = group.all_gather_object(int(n) if math.isfinite(n) else -1, _LENGTHS)
     if -1 in counts or len(set(counts)) == 1:
         return
-    if 0 < trainer.max_steps and trainer.max_steps * trainer.accumulate_grad_batches <= min(counts):
+    if 0 < trainer.max_steps and (trainer.max_steps - trainer.global_step) * trainer.accumulate_grad_batches <= min(
+            counts):
         return  # the fit ends before the shortest epoch does
     raise ValueError(
-        f"the training loader gives the data-parallel ranks {counts} batches per epoch (in rank order of the group "
+        f"the training loader gives the data-parallel ranks {counts} batches in epoch {trainer.current_epoch} (in "
+        "rank order of the group "
         f"{list(group.ranks)}): every rank must take the same number of steps -- each step averages their "
         "gradients -- and the rank with fewer would end its epoch while the others wait for it in the next step. "
         "A DistributedSampler gives every rank as many samples (Lightning adds one unless "
         "use_distributed_sampler=False); a loader the module shards itself must do the same (equal shares, "
         "drop_last, or limit_train_batches).")
+
+
+def check_reloaded_epochs(trainer: "pl.Trainer", group: Optional[Group]) -> None:
+    """:func:`check_equal_epochs` at a training epoch's start where the loaders are reloaded every n epochs (the
+    fit's first epoch was checked at its start)."""
+    if trainer.reload_dataloaders_every_n_epochs and trainer.current_epoch > 0:
+        check_equal_epochs(trainer, group)

@@ -82,17 +82,21 @@ def vote_on_skip(trainer: "pl.Trainer", group: Group, response: Any) -> Any:
     return -1
 
 
-def install(trainer: "pl.Trainer", group: Group) -> None:
+def install(trainer: "pl.Trainer", group: Group, epoch_start: Optional[Callable[[], None]] = None) -> None:
     """Wrap the module's hooks of :data:`_WRAPPED` with their votes, for this fit (:func:`uninstall` removes
     them); ``on_train_batch_start`` only where the module overrides it (it alone may return -1: no vote a batch
-    otherwise)."""
+    otherwise). ``epoch_start``: the strategy's own work at a training epoch's start, after the module's hook
+    and before the vote (Lightning gives a strategy no hook there)."""
     module = trainer.lightning_module
     if trainer.state.fn != TrainerFn.FITTING or group.size == 1:
         return
 
-    def voting(where: str, clock: Optional[ValidationClock] = None) -> Callable[..., Any]:
+    def voting(where: str, clock: Optional[ValidationClock] = None,
+               before: Optional[Callable[[], None]] = None) -> Callable[..., Any]:
         def around(hook: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
             out = hook(*args, **kwargs)
+            if before is not None:
+                before()
             vote_on_stop(trainer, group, where)
             if clock is not None:  # after the stop's vote: the loop validates before a stop, too
                 clock.agree()
@@ -103,7 +107,7 @@ def install(trainer: "pl.Trainer", group: Group) -> None:
         return vote_on_skip(trainer, group, hook(*args, **kwargs))
 
     arounds: dict[str, Callable[..., Any]] = {
-        "on_train_epoch_start": voting("train epoch start"),
+        "on_train_epoch_start": voting("train epoch start", before=epoch_start),
         "on_train_batch_end": voting("train batch end", ValidationClock.of(trainer, group)),
         "on_train_epoch_end": voting("train epoch end"),
     }
