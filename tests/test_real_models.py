@@ -19,6 +19,7 @@ import itertools
 import lightning.pytorch as pl
 import pytest
 import torch
+import torchvision
 from torch.utils.data import DataLoader
 
 from lightning_shm import SHMDDPStrategy, SHMFSDPStrategy, SHMModelParallel, SHMPipeline, SHMTensorParallel
@@ -26,6 +27,7 @@ from lightning_shm.models import MNISTClassifier
 from lightning_shm.models.transformer import TRANSFORMER_TP_PLAN, Block, Head, RowEmbedding
 from tests.helpers import (
     GLOBAL_BATCH,
+    LAYOUTS,
     SEED,
     STEPS,
     flat_params,
@@ -356,23 +358,71 @@ def test_torch_transformer_encoder_layers_equal_one_process(name):
     _trained_and_validated_as_one_process(model_cls, strategy(), devices, dp, GLOBAL_BATCH * STEPS)
 
 
-def _trained_and_validated_as_one_process(model_cls, strategy, devices, dp, samples):
+def _trained_and_validated_as_one_process(model_cls, strategy, devices, dp, samples, **trainer_kw):
     """Adam in float64 on ``samples`` synthetic samples, then validation on them: weights and validation loss
-    within 1e-9 of one process's."""
+    within 1e-9 of one process's (``trainer_kw`` for the strategy's run)."""
 
-    def fit(strategy, devices, batch, ref):
+    def fit(strategy, devices, batch, ref, **kw):
         pl.seed_everything(SEED)
         model = model_cls(optimizer="adam", lr=0.01)
         ds = mnist_like(samples, seed=1)
-        t = trainer(strategy=strategy, devices=devices, max_epochs=1, precision="64-true")
+        t = trainer(strategy=strategy, devices=devices, max_epochs=1, precision="64-true", **kw)
         t.fit(model, reference_loader(ds, batch, SEED) if ref else loader(ds, batch),
               DataLoader(ds, batch_size=GLOBAL_BATCH // dp))
         return flat_params(model), float(t.callback_metrics["val_loss"])
 
     ref, ref_loss = fit("auto", 1, GLOBAL_BATCH, True)
-    got, loss = fit(strategy, devices, GLOBAL_BATCH // dp, False)
+    got, loss = fit(strategy, devices, GLOBAL_BATCH // dp, False, **trainer_kw)
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-9)
     assert loss == pytest.approx(ref_loss, abs=1e-9)
+
+
+# ---------------------------------------------------------------------- torchvision's models, as users build them
+class TorchvisionViT(MNISTClassifier):
+    """torchvision's ``VisionTransformer``, small (16 patches of 7 x 7, 2 layers of width 32): a class token and
+    position embedding as bare parameters, ``nn.MultiheadAttention`` blocks (whose fast path in evaluation reads
+    their weights itself), each block's MLP an ``nn.Sequential`` -- split by the plan; attention stays whole."""
+
+    tp_plan = {"net.encoder.layers.*.mlp.0": "column", "net.encoder.layers.*.mlp.3": "row"}
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.net = torchvision.models.VisionTransformer(image_size=28, patch_size=7, num_layers=2, num_heads=2,
+                                                        hidden_dim=32, mlp_dim=64, num_classes=10)
+
+    def forward(self, x):
+        return self.net(x.expand(-1, 3, -1, -1))  # its patch embedding takes three channels
+
+
+class TorchvisionResNet(TorchvisionViT):
+    """torchvision's ``ResNet`` of one ``BasicBlock`` per stage (4.9M parameters): BatchNorm everywhere, the
+    blocks' residual adds and downsampling branches in their own forward."""
+
+    tp_plan = None
+
+    def __init__(self, **kw):
+        MNISTClassifier.__init__(self, **kw)
+        self.net = torchvision.models.ResNet(torchvision.models.resnet.BasicBlock, [1, 1, 1, 1], num_classes=10)
+
+
+TORCHVISION_RUNS = {
+    "vit-ddp": (TorchvisionViT, LAYOUTS["ddp"]), "vit-fsdp": (TorchvisionViT, LAYOUTS["fsdp"]),
+    "vit-fsdp-copy": (TorchvisionViT, LAYOUTS["fsdp-copy"]), "vit-tp2": (TorchvisionViT, LAYOUTS["tp2"]),
+    "vit-dp2xtp2": (TorchvisionViT, (lambda: SHMModelParallel(start_method="fork", data_parallel_size=2,
+                                                              tensor_parallel_size=2), 4, 2)),
+    "resnet-ddp-sync-bn": (TorchvisionResNet, LAYOUTS["ddp"]),
+    "resnet-fsdp-sync-bn": (TorchvisionResNet, LAYOUTS["fsdp"]),
+}
+
+
+@pytest.mark.parametrize("name", list(TORCHVISION_RUNS))
+def test_torchvision_models_equal_one_process(name):
+    """Not built around an nn.Sequential: data parallelism and FSDP take them as they are, tensor parallelism
+    with a plan (a pipeline needs the user's Sequential of their parts). The ResNet with ``sync_batchnorm``:
+    statistics of the global batch, one process's."""
+    model_cls, (strategy, devices, dp) = TORCHVISION_RUNS[name]
+    kw = {"sync_batchnorm": True} if model_cls is TorchvisionResNet else {}
+    _trained_and_validated_as_one_process(model_cls, strategy(), devices, dp, GLOBAL_BATCH * 3, **kw)
 
 
 @pytest.mark.parametrize("model, policy", [
