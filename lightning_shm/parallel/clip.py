@@ -62,30 +62,18 @@ def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float, group: Opti
 @contextlib.contextmanager
 def torch_clipping_over(group: Group, copies: Callable[[torch.Tensor], int],
                         params: Callable[[], Iterable[torch.Tensor]]) -> Iterator[None]:
-    """Inside, ``torch.nn.utils.clip_grad_norm_`` -- what a module calls itself, in ``on_before_optimizer_step``
-    or a manual step -- clips by the norm over every rank's pieces and returns it, as in one process; it
-    clipped each rank's pieces by their own norm, differently on every rank (0.04 off one process after 4
-    steps under shm_fsdp, tp2 and pp2). ``torch.nn.utils.get_total_norm`` of gradients (torch's two-step
-    form, then ``clip_grads_with_norm_``) returns that norm too: a gradient of one of ``params()`` counts
-    as its parameter's piece. Collective: every rank calls them where one does, as each rank runs the same
-    hooks. Tensors the layout does not know count as held by every rank. A name imported before
-    (``from torch.nn.utils import clip_grad_norm_``) keeps torch's."""
+    """Inside, torch's gradient norm -- ``torch.nn.utils.get_total_norm``, and the one ``clip_grad_norm_`` takes
+    (what a module calls itself, in ``on_before_optimizer_step`` or a manual step) -- is the norm over every
+    rank's pieces, as in one process; it was each rank's own, so each clipped differently (0.04 off one process
+    after 4 steps under shm_fsdp, tp2 and pp2). ``clip_grad_norm_`` reads the norm through its module's
+    ``_get_total_norm`` at each call, so replacing that covers every name it is called by, also one imported
+    before the fit (``from torch.nn.utils import clip_grad_norm_``: 0.037 off one process under shm_fsdp and
+    shm_tp until it was covered too); torch then scales by it as in one process. A gradient of one of
+    ``params()`` counts as its parameter's piece; tensors the layout does not know count as held by every rank.
+    Collective: every rank calls them where one does, as each rank runs the same hooks. ``get_total_norm``
+    itself imported before the fit keeps torch's."""
     utils, clip_module = torch.nn.utils, torch.nn.utils.clip_grad
-    original = utils.clip_grad_norm_, getattr(utils, "get_total_norm", None)
-
-    def check(norm: torch.Tensor, norm_type: float, error_if_nonfinite: bool) -> None:
-        if error_if_nonfinite and not torch.isfinite(norm):
-            raise RuntimeError(f"The total norm of order {float(norm_type)} for gradients from `parameters` is "
-                               "non-finite, so it cannot be clipped. To disable this error and scale the gradients "
-                               "by the non-finite norm anyway, set `error_if_nonfinite=False`")
-
-    def clip(parameters: Any, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
-             foreach: Optional[bool] = None) -> torch.Tensor:
-        held = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        grads = [p.grad for p in held if p.grad is not None]
-        norm = clip_grad_norm_(held, float(max_norm), group, copies, float(norm_type))
-        check(norm, norm_type, error_if_nonfinite)
-        return norm.to(grads[0].dtype) if grads else norm
+    original = clip_module._get_total_norm, getattr(utils, "get_total_norm", None)
 
     def total_norm(tensors: Any, norm_type: float = 2.0, error_if_nonfinite: bool = False,
                    foreach: Optional[bool] = None) -> torch.Tensor:
@@ -93,16 +81,19 @@ def torch_clipping_over(group: Group, copies: Callable[[torch.Tensor], int],
         owners = {id(p.grad): p for p in params() if p.grad is not None}
         norm = _global_norm([(t, copies(owners[id(t)]) if id(t) in owners else group.size) for t in ts], group,
                             float(norm_type))
-        check(norm, norm_type, error_if_nonfinite)
+        if error_if_nonfinite and not torch.isfinite(norm):
+            raise RuntimeError(f"The total norm of order {float(norm_type)} for gradients from `parameters` is "
+                               "non-finite, so it cannot be clipped. To disable this error and scale the gradients "
+                               "by the non-finite norm anyway, set `error_if_nonfinite=False`")
         return norm.to(ts[0].dtype) if ts else norm
 
-    utils.clip_grad_norm_ = clip_module.clip_grad_norm_ = clip  # type: ignore[assignment]
+    clip_module._get_total_norm = total_norm  # type: ignore[assignment]
     if original[1] is not None:
         utils.get_total_norm = total_norm  # type: ignore[assignment]
     try:
         yield
     finally:
-        utils.clip_grad_norm_ = clip_module.clip_grad_norm_ = original[0]
+        clip_module._get_total_norm = original[0]  # type: ignore[assignment]
         if original[1] is not None:
             utils.get_total_norm = original[1]
 
