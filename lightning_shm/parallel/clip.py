@@ -67,8 +67,8 @@ def torch_clipping_over(group: Group, copies: Callable[[torch.Tensor], int],
     rank's pieces, as in one process; it was each rank's own, so each clipped differently (0.04 off one process
     after 4 steps under shm_fsdp, tp2 and pp2). ``clip_grad_norm_`` reads the norm through its module's
     ``_get_total_norm`` at each call, so replacing that covers every name it is called by, also one imported
-    before the fit (``from torch.nn.utils import clip_grad_norm_``: 0.037 off one process under shm_fsdp and
-    shm_tp until it was covered too); torch then scales by it as in one process. A gradient of one of
+    before the fit (``from torch.nn.utils import clip_grad_norm_``: until that was replaced, 0.018-0.020 off one
+    process after 3 Adam steps under shm_fsdp, tp2 and pp2); torch then scales by it as in one process. A gradient of one of
     ``params()`` counts as its parameter's piece; tensors the layout does not know count as held by every rank.
     Collective: every rank calls them where one does, as each rank runs the same hooks. ``get_total_norm``
     itself imported before the fit keeps torch's."""
