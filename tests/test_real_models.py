@@ -425,6 +425,31 @@ def test_torchvision_models_equal_one_process(name):
     _trained_and_validated_as_one_process(model_cls, strategy(), devices, dp, GLOBAL_BATCH * 3, **kw)
 
 
+# ---------------------------------------------------------------------- a recurrent model
+class _LastStep(torch.nn.Module):
+    """An LSTM over the image's 28 rows, its last step's output: the RNN keeps its weights in ``_flat_weights``
+    (refreshed when a weight attribute is set), which its kernel reads instead of the attributes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = torch.nn.LSTM(28, 32, num_layers=2, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lstm(x.flatten(1, 2))[0][:, -1]  # [B, 1, 28, 28] -> [B, 28 rows, 28] -> [B, 32]
+
+
+class LSTMClassifier(MNISTClassifier):
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.net = torch.nn.Sequential(_LastStep(), torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+
+
+@pytest.mark.parametrize("name", ["ddp", "fsdp", "fsdp-copy", "tp2", "pp2-1f1b", "dp2xpp2-shard"])
+def test_an_lstm_equals_one_process(name):
+    strategy, devices, dp = LAYOUTS[name]
+    _trained_and_validated_as_one_process(LSTMClassifier, strategy(), devices, dp, GLOBAL_BATCH * 3)
+
+
 @pytest.mark.parametrize("model, policy", [
     ("encoder", lambda name, m: isinstance(m, torch.nn.Linear)),
     ("attention", lambda name, m: isinstance(m, (torch.nn.Linear, torch.nn.MultiheadAttention)))])
