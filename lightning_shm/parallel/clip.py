@@ -68,10 +68,10 @@ def torch_clipping_over(group: Group, copies: Callable[[torch.Tensor], int],
     after 4 steps under shm_fsdp, tp2 and pp2). ``clip_grad_norm_`` reads the norm through its module's
     ``_get_total_norm`` at each call, so replacing that covers every name it is called by, also one imported
     before the fit (``from torch.nn.utils import clip_grad_norm_``: until that was replaced, 0.018-0.020 off one
-    process after 3 Adam steps under shm_fsdp, tp2 and pp2); torch then scales by it as in one process. A gradient of one of
-    ``params()`` counts as its parameter's piece; tensors the layout does not know count as held by every rank.
-    Collective: every rank calls them where one does, as each rank runs the same hooks. ``get_total_norm``
-    itself imported before the fit keeps torch's."""
+    process after 3 Adam steps under shm_fsdp, tp2 and pp2); torch then scales by it as in one process. A
+    gradient of one of ``params()`` counts as its parameter's piece; tensors the layout does not know count as
+    held by every rank. Collective: every rank calls them where one does, as each rank runs the same hooks.
+    ``get_total_norm`` itself imported before the fit keeps torch's."""
     utils, clip_module = torch.nn.utils, torch.nn.utils.clip_grad
     original = clip_module._get_total_norm, getattr(utils, "get_total_norm", None)
 

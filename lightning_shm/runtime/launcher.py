@@ -366,10 +366,16 @@ class Launcher:
     def _primary_error(failures: list[_Failure], where: dict[int, list[tuple[str, int, str]]]) -> BaseException:
         primary = [f for f in failures if not f.secondary] or failures
         first = min(primary, key=lambda f: f.at)
-        others = sorted({f.rank for f in failures} - {first.rank})
-        if others:
-            first.exc.add_note(f"(ranks {others} stopped because rank {first.rank} failed)")
         raised = {f.rank: f for f in failures}
+        others = sorted(set(raised) - {first.rank})
+        # the other side of a mismatch found it too: it did not stop because of the reported rank
+        met = [r for r in others if isinstance(first.exc, CollectiveMismatchError)
+               and isinstance(raised[r].exc, CollectiveMismatchError)]
+        if met:
+            first.exc.add_note(f"(ranks {met} met the same mismatch on their side)")
+        stopped = [r for r in others if r not in met]
+        if stopped:
+            first.exc.add_note(f"(ranks {stopped} stopped because rank {first.rank} failed)")
         if isinstance(first.exc, BarrierTimeoutError):
             for rank in first.exc.missing:  # where each was when asked (a rank still waiting or computing)
                 _add_peer(first.exc, rank, raised.get(rank), where.get(rank))

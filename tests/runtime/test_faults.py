@@ -241,6 +241,8 @@ def test_a_mismatch_is_reported_with_where_the_other_rank_was_and_what_it_noted(
     where = [n for n in notes if n.startswith(f"rank {other} was here")]
     assert where and f"in {('_reduce_here', '_broadcast_here')[other]}" in where[0].splitlines()[1], notes
     assert f"raised in lightning_shm worker rank {other}" not in notes  # the launcher's own line, not the peer's note
+    assert f"(ranks [{other}] met the same mismatch on their side)" in notes  # not "stopped because rank {me} failed"
+    assert not any("stopped because" in n for n in notes), notes
 
 
 def _size_mismatch(world, n):
