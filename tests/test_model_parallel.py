@@ -417,8 +417,14 @@ class _BarrierOnRankZeroAtFitEnd(MNISTClassifier):
             self.trainer.strategy.barrier("rank 0 only")
 
 
+class _BarrierOnRankZeroAtFitStart(MNISTClassifier):
+    def on_fit_start(self):
+        if self.global_rank == 0:
+            self.trainer.strategy.barrier("rank 0 only")
+
+
 @pytest.mark.parametrize("case, layout", [("stop", "ddp"), ("stop", "fsdp"), ("stop", "pp2-1f1b"),
-                                          ("fit_end", "ddp")])
+                                          ("fit_end", "ddp"), ("fit_start", "ddp")])
 def test_ranks_on_different_paths_are_reported_with_each_ranks_loop_position(case, layout):
     """The collectives the ranks meet (the end-of-fit gathers against a vote, a loader's gathers against the
     end-of-fit gathers) name the runtime's calls alone; the report holds both ranks' loop positions, a stopping
@@ -428,16 +434,24 @@ def test_ranks_on_different_paths_are_reported_with_each_ranks_loop_position(cas
     with pytest.raises(CollectiveMismatchError) as info:
         trainer(strategy=make(), devices=devices, max_epochs=2,
                 callbacks=[_StopsOnRankZeroAfterTheEpochsVote()] if stop else []).fit(
-            (MNISTClassifier if stop else _BarrierOnRankZeroAtFitEnd)(), loader(mnist_like(96), 24 // dp))
+            {"stop": MNISTClassifier, "fit_end": _BarrierOnRankZeroAtFitEnd,
+             "fit_start": _BarrierOnRankZeroAtFitStart}[case](), loader(mnist_like(96), 24 // dp))
     said = "\n".join(info.value.__notes__)
     if stop:
         assert ("rank 0 had finished `fit` and was gathering what the main process gets back (epoch 1, global step "
                 "4), trainer.should_stop=True -- set on some ranks only") in said, said
         assert "reduce_boolean_decision(stop, all=False)" in said
         assert "rank 1 was in `fit`, its train loop (epoch 1, global step 4), trainer.should_stop=False" in said
-    else:
-        assert "rank 0 was in `fit`" in said and ("rank 1 had finished `fit` and was gathering what the main "
-                                                  "process gets back (epoch 2, global step 8)") in said, said
+    elif case == "fit_end":  # Lightning's stage reads "train" there: the strategy says the loop had ended
+        assert ("rank 0 was in `fit`, past its train loop (the fit's end: on_train_end, on_fit_end) (epoch 2, global "
+                "step 8)") in said, said
+        assert ("rank 1 had finished `fit` and was gathering what the main process gets back (epoch 2, global step "
+                "8)") in said, said
+    else:  # rank 1 went on to the training data's length check (a reduce)
+        assert "rank 0 was in `fit`, before its train loop ran a step (the fit's start" in said, said
+        assert "rank 1 was in `fit`, before its train loop ran a step" in said, said
+    if case != "stop":  # both ranks met the mismatch: neither stopped because of the other
+        assert "met the same mismatch on their side" in said and "stopped because" not in said, said
     assert "rank 1 was here" in said or "rank 0 was here" in said  # the other rank's call beside the reported one
 
 

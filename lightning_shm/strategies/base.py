@@ -93,6 +93,7 @@ class SHMStrategyBase(ParallelStrategy):
         self.stop_grace_s = stop_grace_s
         self.stop_agreed = 0  # in a worker: the signal all ranks agreed to stop on
         self.workers_handled_failure = False  # in the main process: the run failed or stopped in the workers
+        self.train_loop = "not started"  # in a worker: "running" from on_train_start, "ended" at on_train_end
         self._num_nodes = 1
         self._node = 0  # this node's rank (NODE_RANK / SLURM_NODEID ... through the cluster environment)
         self._world: Optional[World] = None
@@ -171,6 +172,7 @@ class SHMStrategyBase(ParallelStrategy):
         this connects the rank's rail (gloo) to the same local rank of every other node."""
         self._world = world
         self._group = world.world_group
+        self.train_loop = "not started"
         restores = [warn_on_user_checks(lambda msg: rank_zero_warn(msg))]
         if self.topology().dp > 1 or self._num_nodes > 1:  # ranks holding different data
             restores.append(hint_unsynced_epoch_metrics())
@@ -244,6 +246,7 @@ class SHMStrategyBase(ParallelStrategy):
         self.stop_point(batch_idx)
 
     def on_train_start(self) -> None:
+        self.train_loop = "running"
         self._loop_start()
         if self._world is not None and self.lightning_module is not None:
             trainer, world = self.lightning_module.trainer, self._world.world_group
@@ -254,6 +257,7 @@ class SHMStrategyBase(ParallelStrategy):
             scheduler_metrics.install(trainer, replicas)
 
     def on_train_end(self) -> None:
+        self.train_loop = "ended"
         if self.lightning_module is not None:
             stop_votes.uninstall(self.lightning_module)
             scheduler_metrics.uninstall(self.lightning_module.trainer)

@@ -35,12 +35,12 @@ def note_loop_position(trainer: "pl.Trainer", exc: BaseException) -> None:
 
 
 def _position(trainer: "pl.Trainer") -> str:
-    fn, stage, status = trainer.state.fn, trainer.state.stage, trainer.state.status
+    fn, status = trainer.state.fn, trainer.state.status
     call = f"`{fn.value}`" if fn is not None else "no Trainer call"
     if status == TrainerStatus.FINISHED:
         where = f"had finished {call} and was gathering what the main process gets back"
     else:
-        where = f"was in {call}, " + (f"its {stage.value} loop" if stage is not None else "outside its loops")
+        where = f"was in {call}, " + _where_in(trainer)
     note = (f"rank {trainer.global_rank} {where} (epoch {trainer.current_epoch}, global step {trainer.global_step}), "
             f"trainer.should_stop={trainer.should_stop}")
     if trainer.should_stop and fn == TrainerFn.FITTING:
@@ -51,3 +51,19 @@ def _position(trainer: "pl.Trainer") -> str:
                  "alike on every rank, e.g. `trainer.should_stop = trainer.strategy.reduce_boolean_decision(stop, "
                  "all=False)`")
     return note
+
+
+
+def _where_in(trainer: "pl.Trainer") -> str:
+    """The loop the rank was in. Lightning's stage reads "train" for the whole fit, also in the hooks before its
+    train loop starts (``setup``, ``on_fit_start``) and after it ends (``on_fit_end``): the strategy's own
+    ``train_loop`` says which."""
+    stage = trainer.state.stage
+    if stage is None:
+        return "outside its loops"
+    phase = getattr(trainer.strategy, "train_loop", "running")
+    if stage.value == "train" and phase == "not started":
+        return "before its train loop ran a step (the fit's start: setup, on_fit_start, loading the data, on_train_start)"
+    if stage.value == "train" and phase == "ended":
+        return "past its train loop (the fit's end: on_train_end, on_fit_end)"
+    return f"its {stage.value} loop"
