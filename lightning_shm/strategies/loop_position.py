@@ -63,7 +63,8 @@ def _where_in(trainer: "pl.Trainer") -> str:
         return "outside its loops"
     phase = getattr(trainer.strategy, "train_loop", "running")
     if stage.value == "train" and phase == "not started":
-        return "before its train loop ran a step (the fit's start: setup, on_fit_start, loading the data, on_train_start)"
+        return ("before its train loop ran a step (the fit's start: setup, on_fit_start, loading the data, "
+                "on_train_start)")
     if stage.value == "train" and phase == "ended":
         return "past its train loop (the fit's end: on_train_end, on_fit_end)"
     return f"its {stage.value} loop"
