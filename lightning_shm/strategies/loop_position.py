@@ -53,7 +53,6 @@ def _position(trainer: "pl.Trainer") -> str:
     return note
 
 
-
 def _where_in(trainer: "pl.Trainer") -> str:
     """The loop the rank was in. Lightning's stage reads "train" for the whole fit, also in the hooks before its
     train loop starts (``setup``, ``on_fit_start``) and after it ends (``on_fit_end``): the strategy's own
