@@ -71,6 +71,7 @@ from lightning_shm.strategies.base import SHMStrategyBase
 from lightning_shm.strategies.collectives import MetricSync
 from lightning_shm.strategies.grad_norm import GradNormLogs, split_grad_norm
 from lightning_shm.strategies.loader_iter import PreparedBatches, takes_loader_iter
+from lightning_shm.strategies.piece_saves import piece_saves_warned
 from lightning_shm.strategies.pipeline_steps import PipelineSteps
 from lightning_shm.strategies.prediction_writers import mute_writers, unmute_writers
 from lightning_shm.strategies.summary import full_model_summary
@@ -229,6 +230,7 @@ class SHMModelParallel(SHMStrategyBase):
 
             self._exit.enter_context(initialised_as_whole(state, self.parallel.stage, warn))
             self._exit.enter_context(whole_loads_explained(module, self._layout()))
+            self._exit.enter_context(piece_saves_warned(state, self._layout(), self.global_rank))
         self.attach_metrics()
 
     def _setup_optimizers_naming_a_frozen_stage(self, trainer: "pl.Trainer") -> None:
