@@ -92,8 +92,8 @@ class MetricSync:
         if self.stages is None or isinstance(group, Group) or self.in_step():
             return parts
         mine = self.stages.index == self.last
-        theirs = self.stages.broadcast_object([p.detach() for p in parts] if mine else None, src_member=self.last,
-                                      why=_LAST_STAGE_STATES)
+        theirs = self.stages.broadcast_object([p.detach() for p in parts] if mine else None,
+                                              src_member=self.last, why=_LAST_STAGE_STATES)
         return parts if mine else theirs
 
     def __deepcopy__(self, memo: dict) -> "MetricSync":

@@ -37,8 +37,8 @@ def check_equal_epochs(trainer: "pl.Trainer", group: Optional[Group]) -> None:
     counts = group.all_gather_object(int(n) if math.isfinite(n) else -1, _LENGTHS)
     if -1 in counts or len(set(counts)) == 1:
         return
-    if 0 < trainer.max_steps and (trainer.max_steps - trainer.global_step) * trainer.accumulate_grad_batches <= min(
-            counts):
+    batches_left = (trainer.max_steps - trainer.global_step) * trainer.accumulate_grad_batches
+    if 0 < trainer.max_steps and batches_left <= min(counts):
         return  # the fit ends before the shortest epoch does
     raise ValueError(
         f"the training loader gives the data-parallel ranks {counts} batches in epoch {trainer.current_epoch} (in "

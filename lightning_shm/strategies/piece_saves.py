@@ -43,8 +43,9 @@ def piece_saves_warned(state: ModelState, layout: str, rank: int) -> Iterator[No
 
     @functools.wraps(original)
     def save(obj: Any, *args: Any, **kwargs: Any) -> Any:
-        if not warned[0]:
-            found = _pieces_in(obj, _pieces(state))
+        pieces = _pieces(state) if not warned[0] else {}
+        if pieces:  # a layout cutting no parameter here (a pipeline stage's whole layers): nothing to look for
+            found = _pieces_in(obj, pieces)
             if found:
                 warned[0] = True
                 pieces = ", ".join(f"'{n}' {list(s)} of {list(f)}" for n, s, f in found[:3])

@@ -319,8 +319,8 @@ class LightningStageIO:
         stop = bool(trainer is not None and trainer.should_stop)
         payload = ((result, _aggregate(self.records, module), stop, _appended(module, self.lists), self.calls)
                    if position.is_last else None)
-        result, logs, stop, appended, calls = position.pp_group.broadcast_object(payload, src_member=position.last,
-                                                                           why=_STEP_OUTCOME)
+        result, logs, stop, appended, calls = position.pp_group.broadcast_object(
+            payload, src_member=position.last, why=_STEP_OUTCOME)
         replay(module, calls)
         if stop and trainer is not None:
             trainer.should_stop = True

@@ -21,8 +21,8 @@ docs show for ``ReduceLROnPlateau``::
     def on_train_epoch_end(self):
         self.lr_schedulers().step(self.trainer.callback_metrics["loss"])   # each rank's own "loss"
 
-(before: the replicas 0.18 apart after 6 epochs, ``lr`` 0.03125 on rank 0 and 0.25 on rank 1, `/tmp/ph/
-plateau_manual.py`, a local script). There each ``ReduceLROnPlateau`` of the fit gets a ``step`` that agrees on
+(before: the replicas 0.18 apart after 6 epochs, ``lr`` 0.03125 on rank 0 and 0.25 on rank 1,
+`/tmp/ph/plateau_manual.py`, a local script). There each ``ReduceLROnPlateau`` of the fit gets a ``step`` that agrees on
 the value first -- its class swapped for a subclass for the fit (an attribute on the scheduler would be saved
 in its ``state_dict``) and put back at the fit's end; a copy made meanwhile is a plain scheduler. The metric's
 name (for ``reduce_fx`` and the warning) is the ``callback_metrics`` entry holding the value passed.
