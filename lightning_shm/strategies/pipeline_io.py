@@ -37,6 +37,8 @@ from lightning_shm.strategies.rank_zero_calls import Call, recording_rank_zero_c
 from lightning_shm.strategies.step_randomness import call_seed, seed_streams
 
 _STEP_OUTCOME = barrier_reason("a pipeline step's outcome (result, logs, stop), from the last stage")
+_SKIPPED = (" It returned None: skipping a training_step that way is not supported in distributed training "
+            "(Lightning refuses it under every other strategy too).")
 LogRecord = tuple[str, Any, tuple, dict, float]  # name, value, args, kwargs, microbatch weight
 
 
@@ -215,8 +217,7 @@ class LightningStageIO:
                 out = self._call_step(mb, None, 0.0)
         except CapturedInput as captured:
             return captured.x
-        skipped = (" It returned None: skipping a training_step that way is not supported in distributed training "
-                   "(Lightning refuses it under every other strategy too)." if out is None and self.training else "")
+        skipped = _SKIPPED if out is None and self.training else ""
         raise RuntimeError(f"{type(self.module).__name__}.{self.step} returned without calling the pipelined "
                            f"nn.Sequential; the pipeline cannot find its input.{skipped}")
 
@@ -261,7 +262,7 @@ class LightningStageIO:
         loss = out.get("loss") if isinstance(out, Mapping) else out
         if not isinstance(loss, Tensor):
             raise ValueError(f"shm_pipeline needs training_step to return the loss tensor (or a dict with 'loss'); "
-                             f"got {type(out).__name__}")
+                             f"got {type(out).__name__}.{_SKIPPED if out is None else ''}")
         self.losses[mb] = loss.detach() * self.weights[mb]
         if isinstance(out, Mapping):
             self.extras[mb] = {k: v for k, v in out.items() if k != "loss"}

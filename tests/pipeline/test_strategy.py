@@ -1361,6 +1361,12 @@ class _SkipsABatch(MNISTClassifier):
         return None if batch_idx == 1 else super().training_step(batch, batch_idx)
 
 
+class _SkipsAfterTheModel(MNISTClassifier):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return None if batch_idx == 1 else loss
+
+
 class _NeverCallsTheModel(MNISTClassifier):
     def training_step(self, batch, batch_idx):
         return torch.zeros((), requires_grad=True)
@@ -1377,6 +1383,14 @@ def test_a_step_without_the_sequential_is_refused_saying_why(model_cls, said):
         except RuntimeError as e:
             assert re.search(said, str(e).splitlines()[0]), str(e)
             raise
+
+
+def test_a_step_returning_none_after_the_sequential_is_refused_saying_why():
+    """A step that ran the model and then skipped its batch (a non-finite loss, say) reaches the last stage with
+    None: the error says that skipping is refused in distributed training, not only that a loss was expected."""
+    with pytest.raises(ValueError, match=r"needs training_step to return the loss tensor .*; got NoneType\. It "
+                                         r"returned None: skipping a training_step that way is not supported"):
+        train_mnist(pp(2), 2, "sgd", batch=GLOBAL_BATCH, model_cls=_SkipsAfterTheModel)
 
 
 class _Mean0(nn.Module):
