@@ -34,10 +34,29 @@ _NO_GUARD = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("strategy", ["shm_ddp", "shm_ddp_spawn"])
-def test_script_without_main_guard_fails_fast_with_the_workers_message(tmp_path, strategy):
+def test_script_without_main_guard_is_refused_before_any_worker_starts(tmp_path):
+    """Unguarded, each worker ran the script again and died in its fit() -- after importing torch and lightning,
+    with Lightning's advice to use strategy="ddp". The main process now reads its own call's line in the script
+    and refuses it, naming the line and the two ways out."""
     script = tmp_path / "no_guard.py"
-    script.write_text(_NO_GUARD.replace("STRATEGY", strategy))
+    script.write_text(_NO_GUARD.replace("STRATEGY", "shm_ddp_spawn"))
+    out = subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0
+    assert len(re.findall(r"^fit at ", out.stdout, re.MULTILINE)) == 1, out.stdout  # no worker ran the script
+    said = out.stderr.strip().splitlines()[-1]
+    assert said.startswith(f"RuntimeError: start_method='spawn' starts each worker by running the main script "
+                           f"again ({script}), and its line 10 -- `pl.Trainer(strategy=\"shm_ddp_spawn\", "), said
+    assert "is not under `if __name__ == \"__main__\":`" in said and "strategy='shm_ddp_fork'" in said, said
+    assert "WorkerDiedError" not in out.stderr
+
+
+def test_a_guard_the_workers_pass_fails_fast_with_their_message(tmp_path):
+    """A test of ``__name__`` that is no guard (the workers run the script as ``__mp_main__``) is left to them:
+    they die in fit() with Lightning's message, which the main process quotes within seconds."""
+    script = tmp_path / "no_guard.py"
+    code = _NO_GUARD.replace("STRATEGY", "shm_ddp").replace(
+        "pl.Trainer(", 'if __name__ in ("__main__", "__mp_main__"):\n    pl.Trainer(')
+    script.write_text(code)
     out = subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True, timeout=300)
     ended = time.time()
     assert out.returncode != 0
@@ -54,6 +73,51 @@ def test_script_without_main_guard_fails_fast_with_the_workers_message(tmp_path,
     # Lightning's own message, from the worker, quoted in the exception (not only forwarded to the terminal)
     assert "wrote to stderr:" in out.stderr, out.stderr[-3000:]
     assert "guards the main" in out.stderr.split("wrote to stderr:", 1)[1], out.stderr[-3000:]
+
+
+_MAIN = """
+import sys
+from lightning.pytorch.demos.boring_classes import BoringModel
+from lightning_shm import SHMDDPStrategy
+from tests.helpers import trainer
+
+def main():
+    trainer(strategy=SHMDDPStrategy(start_method="forkserver"), devices=2, max_epochs=1).fit(BoringModel())
+"""
+
+
+@pytest.mark.parametrize("ending, refused_line", [
+    ("main()", 9),
+    ("if True:\n    main()", 10),
+    ("import fits_on_import", 9),  # a module whose import fits: the script's line that imported it
+    ('if __name__ == "__main__":\n    main()', None),
+    ('if __name__ != "__main__":\n    sys.exit()\nmain()', None),
+    ('if "__main__" == __name__ and len(sys.argv) > 0:\n    main()', None),
+])
+def test_the_line_that_called_fit_is_read_in_the_main_script(monkeypatch, no_worker_starts, tmp_path, ending,
+                                                             refused_line):
+    """The script runs here as ``__main__`` (the check reads the caller's top-level frame and the file's
+    syntax): refused where the line that called fit() is unguarded; else the launch goes on to start workers."""
+    import types
+
+    path = tmp_path / "train.py"
+    path.write_text(_MAIN + ending + "\n")
+    (tmp_path / "fits_on_import.py").write_text("import train\n\ntrain.main()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "fits_on_import", raising=False)
+    main = types.ModuleType("__main__")
+    main.__file__, main.__spec__ = str(path), None
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    monkeypatch.setitem(sys.modules, "train", main)
+    code = compile(path.read_text(), str(path), "exec")
+    if refused_line is None:
+        with pytest.raises(AssertionError, match="a worker was about to start"):
+            exec(code, vars(main))
+        return
+    said = re.escape(path.read_text().splitlines()[refused_line - 1].strip())
+    with pytest.raises(RuntimeError, match=rf"\({re.escape(str(path))}\), and its line {refused_line} -- `{said}`, "
+                                           r"which led here -- is not under"):
+        exec(code, vars(main))
 
 
 def test_script_from_stdin_is_refused_before_any_worker_starts():

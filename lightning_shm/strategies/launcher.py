@@ -21,11 +21,8 @@ from __future__ import annotations
 
 import io
 import os
-import pickle
 import signal
-import sys
 import tempfile
-import types
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional
 
 import torch
@@ -41,6 +38,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 
 from lightning_shm.runtime import LaunchConfig, Launcher, World, stacks
 from lightning_shm.strategies.loop_position import note_loop_position
+from lightning_shm.strategies.main_script import check_main_script
 from lightning_shm.strategies.main_state import (
     apply_found_learning_rates,
     apply_gathered_attributes,
@@ -88,8 +86,8 @@ class SHMLauncher(_Launcher):
     def launch(self, function: Callable, *args: Any, trainer: Optional["pl.Trainer"] = None, **kwargs: Any) -> Any:
         strategy = self._strategy
         if self._start_method != "fork":  # spawn, forkserver: each worker imports the main script again
-            _check_missing_main_guard()
-            _check_main_is_importable(self._start_method, (trainer, function, args, kwargs))
+            _check_missing_main_guard()  # in a worker running an unguarded script again: Lightning's message
+            check_main_script(self._start_method, (trainer, function, args, kwargs))
         if self._already_fit and trainer is not None and trainer.state.fn == TrainerFn.FITTING:
             raise NotImplementedError(
                 "Calling `trainer.fit()` twice on the same Trainer with a process-launching strategy is not "
@@ -246,47 +244,3 @@ def _resolve_log_versions(trainer: "pl.Trainer") -> None:
     for logger in trainer.loggers:
         if isinstance(logger, (CSVLogger, TensorBoardLogger)):
             logger.version  # noqa: B018 -- the property picks and keeps the version
-
-
-def _check_main_is_importable(start_method: str, payload: Any) -> None:
-    """A spawned worker re-imports the main script by its path; a script read from stdin has none. A notebook
-    or ``python -c`` has no main script at all: what is defined there (the LightningModule's class, a dataset's)
-    cannot reach the workers -- they failed with "Can't get attribute 'Model' on <module '__main__'>"."""
-    main = sys.modules.get("__main__")
-    path = getattr(main, "__file__", None)
-    if path is not None and getattr(main, "__spec__", None) is None and not os.path.isfile(path):
-        raise RuntimeError(
-            f"start_method={start_method!r} starts each worker by importing the main script again, but it has no file "
-            f"({path!r}: a script read from stdin or typed interactively). Save it to a file, or pass "
-            "start_method='fork' (e.g. strategy='shm_ddp_fork')."
-        )
-    if path is None and getattr(main, "__spec__", None) is None:
-        defined = _defined_in_main(payload)
-        if defined:
-            raise RuntimeError(
-                f"start_method={start_method!r} starts each worker in a new interpreter, which cannot see what this "
-                f"session defined in __main__ ({', '.join(defined[:5])}): there is no main script to import "
-                "(a notebook, python -c). Pass start_method='fork' (e.g. strategy='shm_ddp_fork', as Lightning's "
-                "'ddp_notebook'), or move those definitions into a module."
-            )
-
-
-def _defined_in_main(payload: Any) -> list[str]:
-    """Classes and functions of ``__main__`` that pickling ``payload`` (what the workers receive) refers to."""
-    found: dict[str, None] = {}
-
-    class Finder(pickle.Pickler):
-        def reducer_override(self, obj: Any) -> Any:
-            if isinstance(obj, (type, types.FunctionType)) and obj.__module__ == "__main__":
-                found[obj.__qualname__] = None
-            return NotImplemented
-
-    class Discard:
-        def write(self, data: bytes) -> int:
-            return len(data)
-
-    try:
-        Finder(Discard(), protocol=pickle.HIGHEST_PROTOCOL).dump(payload)
-    except Exception:  # something that does not pickle at all: the launch itself reports it
-        pass
-    return list(found)

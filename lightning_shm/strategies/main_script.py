@@ -1,0 +1,119 @@
+"""What a spawned or fork-server worker needs of the main script, checked before any worker starts.
+
+Such a worker is a new interpreter (or a child of the fork server, which imported torch and lightning but
+not the user's code): Python's multiprocessing makes it import the main script again -- as ``__mp_main__``,
+so that what the script defines (the LightningModule's class, a dataset's) unpickles -- and then hands it
+what ``fit`` was given::
+
+    main process:  python train.py -> line 9: trainer.fit(model)  -> launcher -> W workers
+    each worker:   runs train.py again as __mp_main__            -> unpickles (trainer, model) -> fit
+
+So the main script must exist as a file, and its training code must sit under ``if __name__ ==
+"__main__":``: unguarded, each worker's re-run reaches ``fit`` itself and dies in it -- after importing torch
+and lightning (4-8 s here) and with Lightning's advice to use ``strategy="ddp"``. Forked workers
+(``start_method="fork"``, the ``_fork`` twins) copy the running process and import nothing.
+"""
+
+from __future__ import annotations
+
+import ast
+import linecache
+import os
+import pickle
+import sys
+import tokenize
+import types
+from typing import Any, Optional
+
+
+def check_main_script(start_method: str, payload: Any) -> None:
+    """RuntimeError, before any worker starts, where the workers could not import the main script, could not
+    find what ``payload`` (what they receive) refers to in it, or would run its training call again."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if path is not None and getattr(main, "__spec__", None) is None and not os.path.isfile(path):
+        raise RuntimeError(
+            f"start_method={start_method!r} starts each worker by importing the main script again, but it has no file "
+            f"({path!r}: a script read from stdin or typed interactively). Save it to a file, or pass "
+            "start_method='fork' (e.g. strategy='shm_ddp_fork')."
+        )
+    if path is None and getattr(main, "__spec__", None) is None:
+        defined = _defined_in_main(payload)
+        if defined:
+            raise RuntimeError(
+                f"start_method={start_method!r} starts each worker in a new interpreter, which cannot see what this "
+                f"session defined in __main__ ({', '.join(defined[:5])}): there is no main script to import "
+                "(a notebook, python -c). Pass start_method='fork' (e.g. strategy='shm_ddp_fork', as Lightning's "
+                "'ddp_notebook'), or move those definitions into a module."
+            )
+    line = _unguarded_line(main)
+    if line is not None:
+        source = linecache.getline(path, line).strip()
+        source = source if len(source) <= 100 else source[:97] + "..."
+        raise RuntimeError(
+            f"start_method={start_method!r} starts each worker by running the main script again ({path}), and its "
+            f"line {line} -- `{source}`, which led here -- is not under `if __name__ == \"__main__\":`: each "
+            "worker would run it again and fail there. Put the script's training code under that guard (def "
+            "main(): ...; if __name__ == \"__main__\": main()), or pass start_method='fork' (e.g. "
+            "strategy='shm_ddp_fork'), whose workers run nothing again."
+        )
+
+
+def _unguarded_line(main: Optional[types.ModuleType]) -> Optional[int]:
+    """The main script's top-level line running now (the statement that called ``fit``) where a worker's re-run
+    of the script would run it too; None where it would not, or where that cannot be told for sure."""
+    spec_name = getattr(getattr(main, "__spec__", None), "name", None)
+    if main is None or spec_name == "__main__" or (spec_name or "").endswith(".__main__"):
+        return None  # a package's __main__ (python -m pkg): multiprocessing never runs it again
+    path = getattr(main, "__file__", None)
+    frame = sys._getframe()
+    while frame is not None and not (frame.f_code.co_name == "<module>" and frame.f_globals is vars(main)):
+        frame = frame.f_back
+    if path is None or frame is None:  # fit not called from the script's top level (a thread, an event loop)
+        return None
+    try:
+        with tokenize.open(path) as f:
+            tree = ast.parse(f.read())
+    except (OSError, SyntaxError, ValueError):
+        return None
+    return frame.f_lineno if statement_is_unguarded(tree, frame.f_lineno) else None
+
+
+def statement_is_unguarded(tree: ast.Module, line: int) -> bool:
+    """Whether the top-level statement holding ``line`` runs when the module is imported under another name.
+
+    Says True only when sure: the statement is not, and holds no, ``if`` that tests ``__name__``, and no
+    earlier top-level ``if`` tests it (``if __name__ != "__main__": sys.exit()``). Any other test of
+    ``__name__`` -- ``in ("__main__", "__mp_main__")`` -- is left to the workers, who fail with Lightning's
+    message if it was not a guard."""
+    for node in tree.body:
+        if node.lineno <= line <= (node.end_lineno or node.lineno):
+            return not any(_tests_name(n) for n in ast.walk(node))
+        if _tests_name(node):
+            return False
+    return False
+
+
+def _tests_name(node: ast.AST) -> bool:
+    return isinstance(node, ast.If) and any(isinstance(n, ast.Name) and n.id == "__name__" for n in ast.walk(node.test))
+
+
+def _defined_in_main(payload: Any) -> list[str]:
+    """Classes and functions of ``__main__`` that pickling ``payload`` (what the workers receive) refers to."""
+    found: dict[str, None] = {}
+
+    class Finder(pickle.Pickler):
+        def reducer_override(self, obj: Any) -> Any:
+            if isinstance(obj, (type, types.FunctionType)) and obj.__module__ == "__main__":
+                found[obj.__qualname__] = None
+            return NotImplemented
+
+    class Discard:
+        def write(self, data: bytes) -> int:
+            return len(data)
+
+    try:
+        Finder(Discard(), protocol=pickle.HIGHEST_PROTOCOL).dump(payload)
+    except Exception:  # something that does not pickle at all: the launch itself reports it
+        pass
+    return list(found)
