@@ -189,6 +189,51 @@ def test_spawned_workers_need_a_main_script_to_import(monkeypatch, no_worker_sta
         trainer(strategy=SHMDDPStrategy(start_method="spawn"), devices=2, max_epochs=1).fit(cell())
 
 
+_GUARDED = """
+from lightning.pytorch.demos.boring_classes import BoringModel
+from lightning_shm import SHMDDPStrategy
+from tests.helpers import trainer
+
+def fit(model):
+    trainer(strategy=SHMDDPStrategy(start_method="spawn"), devices=2, max_epochs=1).fit(model)
+"""
+
+
+@pytest.mark.parametrize("body, refused", [
+    ('if __name__ == "__main__":\n    class Cell(BoringModel):\n        pass\n    fit(Cell())', "Cell"),
+    ('class Cell(BoringModel):\n    pass\nif __name__ == "__main__":\n    fit(Cell())', None),
+    # imported above, redefined under the guard: the workers have the imported one (no refusal where unsure)
+    ('from lightning.pytorch.demos.boring_classes import BoringModel as Cell\nif __name__ == "__main__":\n'
+     '    class Cell(BoringModel):\n        pass\n    fit(Cell())', None),
+    # the guard's else: what the workers run
+    ('if __name__ == "__main__":\n    class Cell(BoringModel):\n        pass\n    fit(Cell())\nelse:\n'
+     '    Cell = BoringModel', None),
+    # a class inside a function never pickles: left to the launch, whose pickling names it with its own note
+    ('if __name__ == "__main__":\n    def main():\n        class Cell(BoringModel):\n            pass\n'
+     '        fit(Cell())\n    main()', None),
+])
+def test_classes_defined_under_the_guard_are_refused_before_any_worker_starts(monkeypatch, no_worker_starts,
+                                                                              tmp_path, body, refused):
+    """A worker runs the script as ``__mp_main__`` and skips the guard's body: a class defined only there
+    failed in every worker ("Can't get attribute 'Cell' on <module '__mp_main__'>", ~10 s into the run)."""
+    import types
+
+    path = tmp_path / "train.py"
+    path.write_text(_GUARDED + body + "\n")
+    main = types.ModuleType("__main__")
+    main.__file__, main.__spec__ = str(path), None
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    code = compile(path.read_text(), str(path), "exec")
+    if refused is None:
+        with pytest.raises(AssertionError, match="a worker was about to start"):
+            exec(code, vars(main))
+    else:
+        with pytest.raises(RuntimeError, match=rf"as __mp_main__, which skips the body of `if __name__ == "
+                                               rf"\"__main__\":`; what the workers receive refers to {refused}, "
+                                               r"defined only there, so they could not unpickle it"):
+            exec(code, vars(main))
+
+
 def test_fork_server_output_holds_what_a_dead_worker_wrote_last():
     """A worker's last lines reach the fork server's pipe before it exits, but the thread forwarding
     them may not have read them when the main process sees the exit: reading the tail drains the pipe

@@ -46,8 +46,12 @@ def check_main_script(start_method: str, payload: Any) -> None:
                 "(a notebook, python -c). Pass start_method='fork' (e.g. strategy='shm_ddp_fork', as Lightning's "
                 "'ddp_notebook'), or move those definitions into a module."
             )
-    line = _unguarded_line(main)
-    if line is not None:
+    rerun = _script_run_again(main)
+    if rerun is None:
+        return
+    path, tree = rerun
+    line = _calling_line(main)
+    if line is not None and statement_is_unguarded(tree, line):
         source = linecache.getline(path, line).strip()
         source = source if len(source) <= 100 else source[:97] + "..."
         raise RuntimeError(
@@ -57,26 +61,41 @@ def check_main_script(start_method: str, payload: Any) -> None:
             "main(): ...; if __name__ == \"__main__\": main()), or pass start_method='fork' (e.g. "
             "strategy='shm_ddp_fork'), whose workers run nothing again."
         )
+    guarded = names_bound_only_under_the_guard(tree)
+    # (a class defined inside a function never pickles: the launch names it, with its own advice)
+    missing = [n for n in (_defined_in_main(payload) if guarded else [])
+               if n.split(".")[0] in guarded and "<locals>" not in n]
+    if missing:
+        them = "it" if len(missing) == 1 else "them"
+        raise RuntimeError(
+            f"start_method={start_method!r} starts each worker by running the main script again ({path}) as "
+            f"__mp_main__, which skips the body of `if __name__ == \"__main__\":`; what the workers receive refers "
+            f"to {', '.join(missing[:5])}, defined only there, so they could not unpickle {them}. Define {them} "
+            "above the guard (or in a module), or pass start_method='fork' (e.g. strategy='shm_ddp_fork')."
+        )
 
 
-def _unguarded_line(main: Optional[types.ModuleType]) -> Optional[int]:
-    """The main script's top-level line running now (the statement that called ``fit``) where a worker's re-run
-    of the script would run it too; None where it would not, or where that cannot be told for sure."""
+def _script_run_again(main: Optional[types.ModuleType]) -> Optional[tuple[str, ast.Module]]:
+    """The main script's path and syntax where multiprocessing runs it again in each worker; None where it
+    does not (no file, a package's ``__main__``: ``python -m pkg``) or the file does not parse."""
     spec_name = getattr(getattr(main, "__spec__", None), "name", None)
-    if main is None or spec_name == "__main__" or (spec_name or "").endswith(".__main__"):
-        return None  # a package's __main__ (python -m pkg): multiprocessing never runs it again
     path = getattr(main, "__file__", None)
-    frame = sys._getframe()
-    while frame is not None and not (frame.f_code.co_name == "<module>" and frame.f_globals is vars(main)):
-        frame = frame.f_back
-    if path is None or frame is None:  # fit not called from the script's top level (a thread, an event loop)
+    if path is None or spec_name == "__main__" or (spec_name or "").endswith(".__main__"):
         return None
     try:
         with tokenize.open(path) as f:
-            tree = ast.parse(f.read())
+            return path, ast.parse(f.read())
     except (OSError, SyntaxError, ValueError):
         return None
-    return frame.f_lineno if statement_is_unguarded(tree, frame.f_lineno) else None
+
+
+def _calling_line(main: types.ModuleType) -> Optional[int]:
+    """The main script's top-level line running now (the statement that led to ``fit``); None where ``fit`` was
+    not called from it (a thread, an event loop)."""
+    frame = sys._getframe()
+    while frame is not None and not (frame.f_code.co_name == "<module>" and frame.f_globals is vars(main)):
+        frame = frame.f_back
+    return frame.f_lineno if frame is not None else None
 
 
 def statement_is_unguarded(tree: ast.Module, line: int) -> bool:
@@ -92,6 +111,45 @@ def statement_is_unguarded(tree: ast.Module, line: int) -> bool:
         if _tests_name(node):
             return False
     return False
+
+
+def names_bound_only_under_the_guard(tree: ast.Module) -> set[str]:
+    """Classes and functions the module defines only in the body of ``if __name__ == "__main__":`` -- a worker
+    running it as ``__mp_main__`` has none of them. A name bound anywhere else (an import, another branch,
+    another test of ``__name__``) counts as defined: where unsure, nothing is refused. Variables bound under
+    the guard (the model, the trainer) are not asked about: only classes and functions pickle by name, and an
+    empty answer spares the launch a pass over what the workers receive."""
+    inside: set[str] = set()
+    outside: set[str] = set()
+    for node in tree.body:
+        if _is_main_guard(node):
+            inside.update(n.name for stmt in node.body for n in ast.walk(stmt)
+                          if isinstance(n, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)))
+            outside.update(_bound(node.orelse))
+        else:
+            outside.update(_bound([node]))
+    return inside - outside
+
+
+def _bound(statements: list[ast.stmt]) -> set[str]:
+    names: set[str] = set()
+    for n in (n for stmt in statements for n in ast.walk(stmt)):
+        if isinstance(n, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            names.add(n.name)
+        elif isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
+            names.add(n.id)
+        elif isinstance(n, ast.alias):
+            names.add((n.asname or n.name).split(".")[0])
+    return names
+
+
+def _is_main_guard(node: ast.AST) -> bool:
+    if not (isinstance(node, ast.If) and isinstance(node.test, ast.Compare) and len(node.test.ops) == 1
+            and isinstance(node.test.ops[0], ast.Eq)):
+        return False
+    sides = [node.test.left, node.test.comparators[0]]
+    return (any(isinstance(x, ast.Name) and x.id == "__name__" for x in sides)
+            and any(isinstance(x, ast.Constant) and x.value == "__main__" for x in sides))
 
 
 def _tests_name(node: ast.AST) -> bool:
