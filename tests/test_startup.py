@@ -191,11 +191,11 @@ def test_spawned_workers_need_a_main_script_to_import(monkeypatch, no_worker_sta
 
 _GUARDED = """
 from lightning.pytorch.demos.boring_classes import BoringModel
-from lightning_shm import SHMDDPStrategy
+from lightning_shm import SHMFSDPStrategy
 from tests.helpers import trainer
 
 def fit(model):
-    trainer(strategy=SHMDDPStrategy(start_method="spawn"), devices=2, max_epochs=1).fit(model)
+    trainer(strategy=SHMFSDPStrategy(start_method="spawn"), devices=2, max_epochs=1).fit(model)
 """
 
 
@@ -230,8 +230,21 @@ def test_classes_defined_under_the_guard_are_refused_before_any_worker_starts(mo
     else:
         with pytest.raises(RuntimeError, match=rf"as __mp_main__, which skips the body of `if __name__ == "
                                                rf"\"__main__\":`; what the workers receive refers to {refused}, "
-                                               r"defined only there, so they could not unpickle it"):
+                                               r"defined only there, so they could not unpickle it\. Define it "
+                                               r"above the guard \(or in a module\), or pass start_method='fork' "
+                                               r"\(strategy='shm_fsdp_fork', or SHMFSDPStrategy\(\.\.\., "
+                                               r"start_method='fork'\)\)\.$"):
             exec(code, vars(main))
+
+
+def test_the_advice_names_the_strategys_own_fork_twin():
+    from lightning_shm import SHMPipeline, SHMTensorParallel
+    from lightning_shm.strategies.main_script import fork_twin
+
+    assert fork_twin(SHMTensorParallel) == ("start_method='fork' (strategy='shm_tp_fork', or "
+                                            "SHMTensorParallel(..., start_method='fork'))")
+    mine = type("MyPipeline", (SHMPipeline,), {})
+    assert fork_twin(mine) == "MyPipeline(..., start_method='fork')"
 
 
 def test_fork_server_output_holds_what_a_dead_worker_wrote_last():

@@ -87,7 +87,7 @@ class SHMLauncher(_Launcher):
         strategy = self._strategy
         if self._start_method != "fork":  # spawn, forkserver: each worker imports the main script again
             _check_missing_main_guard()  # in a worker running an unguarded script again: Lightning's message
-            check_main_script(self._start_method, (trainer, function, args, kwargs))
+            check_main_script(self._start_method, (trainer, function, args, kwargs), type(strategy))
         if self._already_fit and trainer is not None and trainer.state.fn == TrainerFn.FITTING:
             raise NotImplementedError(
                 "Calling `trainer.fit()` twice on the same Trainer with a process-launching strategy is not "

@@ -26,16 +26,17 @@ import types
 from typing import Any, Optional
 
 
-def check_main_script(start_method: str, payload: Any) -> None:
+def check_main_script(start_method: str, payload: Any, strategy_cls: type) -> None:
     """RuntimeError, before any worker starts, where the workers could not import the main script, could not
-    find what ``payload`` (what they receive) refers to in it, or would run its training call again."""
+    find what ``payload`` (what they receive) refers to in it, or would run its training call again. The advice
+    names ``strategy_cls``'s fork twin."""
+    fork = fork_twin(strategy_cls)
     main = sys.modules.get("__main__")
     path = getattr(main, "__file__", None)
     if path is not None and getattr(main, "__spec__", None) is None and not os.path.isfile(path):
         raise RuntimeError(
             f"start_method={start_method!r} starts each worker by importing the main script again, but it has no file "
-            f"({path!r}: a script read from stdin or typed interactively). Save it to a file, or pass "
-            "start_method='fork' (e.g. strategy='shm_ddp_fork')."
+            f"({path!r}: a script read from stdin or typed interactively). Save it to a file, or pass {fork}."
         )
     if path is None and getattr(main, "__spec__", None) is None:
         defined = _defined_in_main(payload)
@@ -43,8 +44,8 @@ def check_main_script(start_method: str, payload: Any) -> None:
             raise RuntimeError(
                 f"start_method={start_method!r} starts each worker in a new interpreter, which cannot see what this "
                 f"session defined in __main__ ({', '.join(defined[:5])}): there is no main script to import "
-                "(a notebook, python -c). Pass start_method='fork' (e.g. strategy='shm_ddp_fork', as Lightning's "
-                "'ddp_notebook'), or move those definitions into a module."
+                f"(a notebook, python -c). Pass {fork} (as Lightning's 'ddp_notebook'), or move those definitions "
+                "into a module."
             )
     rerun = _script_run_again(main)
     if rerun is None:
@@ -58,8 +59,7 @@ def check_main_script(start_method: str, payload: Any) -> None:
             f"start_method={start_method!r} starts each worker by running the main script again ({path}), and its "
             f"line {line} -- `{source}`, which led here -- is not under `if __name__ == \"__main__\":`: each "
             "worker would run it again and fail there. Put the script's training code under that guard (def "
-            "main(): ...; if __name__ == \"__main__\": main()), or pass start_method='fork' (e.g. "
-            "strategy='shm_ddp_fork'), whose workers run nothing again."
+            f"main(): ...; if __name__ == \"__main__\": main()), or pass {fork}: forked workers run nothing again."
         )
     guarded = names_bound_only_under_the_guard(tree)
     # (a class defined inside a function never pickles: the launch names it, with its own advice)
@@ -71,8 +71,17 @@ def check_main_script(start_method: str, payload: Any) -> None:
             f"start_method={start_method!r} starts each worker by running the main script again ({path}) as "
             f"__mp_main__, which skips the body of `if __name__ == \"__main__\":`; what the workers receive refers "
             f"to {', '.join(missing[:5])}, defined only there, so they could not unpickle {them}. Define {them} "
-            "above the guard (or in a module), or pass start_method='fork' (e.g. strategy='shm_ddp_fork')."
+            f"above the guard (or in a module), or pass {fork}."
         )
+
+
+def fork_twin(strategy_cls: type) -> str:
+    """How to ask for ``strategy_cls`` with forked workers: its registered name's ``_fork`` twin, or the class."""
+    from lightning_shm.strategies import REGISTRY  # (the package imports the launcher, which imports this)
+
+    names = [name for name, cls, _ in REGISTRY if cls is strategy_cls]
+    keyword = f"{strategy_cls.__name__}(..., start_method='fork')"
+    return f"start_method='fork' (strategy='{names[0]}_fork', or {keyword})" if names else keyword
 
 
 def _script_run_again(main: Optional[types.ModuleType]) -> Optional[tuple[str, ast.Module]]:
