@@ -360,7 +360,7 @@ def test_torch_transformer_encoder_layers_equal_one_process(name):
 
 def _trained_and_validated_as_one_process(model_cls, strategy, devices, dp, samples, **trainer_kw):
     """Adam in float64 on ``samples`` synthetic samples, then validation on them: weights and validation loss
-    within 1e-9 of one process's (``trainer_kw`` for the strategy's run)."""
+    within 1e-9 of one process's (``trainer_kw`` for the strategy's run). Returns the run's callback metrics."""
 
     def fit(strategy, devices, batch, ref, **kw):
         pl.seed_everything(SEED)
@@ -369,12 +369,13 @@ def _trained_and_validated_as_one_process(model_cls, strategy, devices, dp, samp
         t = trainer(strategy=strategy, devices=devices, max_epochs=1, precision="64-true", **kw)
         t.fit(model, reference_loader(ds, batch, SEED) if ref else loader(ds, batch),
               DataLoader(ds, batch_size=GLOBAL_BATCH // dp))
-        return flat_params(model), float(t.callback_metrics["val_loss"])
+        return flat_params(model), float(t.callback_metrics["val_loss"]), t.callback_metrics
 
-    ref, ref_loss = fit("auto", 1, GLOBAL_BATCH, True)
-    got, loss = fit(strategy, devices, GLOBAL_BATCH // dp, False, **trainer_kw)
+    ref, ref_loss, _ = fit("auto", 1, GLOBAL_BATCH, True)
+    got, loss, metrics = fit(strategy, devices, GLOBAL_BATCH // dp, False, **trainer_kw)
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-9)
     assert loss == pytest.approx(ref_loss, abs=1e-9)
+    return metrics
 
 
 # ---------------------------------------------------------------------- torchvision's models, as users build them
@@ -519,6 +520,53 @@ def test_attention_modules_outside_the_sequential_equal_one_process(name):
     """Trained, then validated (the encoder layer's evaluation fast path reads every weight itself)."""
     strategy, devices, dp = layouts(name)[name]
     _trained_and_validated_as_one_process(PooledByAttention, strategy(), devices, dp, GLOBAL_BATCH * 3)
+
+
+class PaddedEncoder(MNISTClassifier):
+    """Sequences of different lengths through torch's ``nn.TransformerEncoder`` with a ``src_key_padding_mask``
+    (an image's first 10-28 rows as tokens, the rest padding at the end). In evaluation the encoder hands its
+    layers a nested tensor (``enable_nested_tensor``, torch's default): under tp, whose layers take the slow
+    path, the row layer's all-reduce failed on it ("view: For now nested view cannot change or infer the
+    implicit batch dimension"). ``val_nested`` logs whether the first layer got one."""
+
+    tp_plan = {"enc.layers.*.linear1": "column", "enc.layers.*.linear2": "row"}
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        d = 16
+        self.net = torch.nn.Sequential(torch.nn.Flatten(1), torch.nn.Unflatten(1, (28, 28)), torch.nn.Linear(28, d))
+        self.enc = torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(d, 4, 32, dropout=0.0,
+                                                                                batch_first=True), 2)
+        self.head = torch.nn.Linear(d, 10)
+        self.enc.layers[0].register_forward_pre_hook(self._note_nested)
+        self.nested = False
+
+    def _note_nested(self, module, args):
+        self.nested = args[0].is_nested
+
+    def forward(self, x):
+        lengths = 28 - 2 * (x.flatten(1)[:, 0].abs() * 10).long().clamp(max=9)
+        pad = torch.arange(28, device=x.device)[None] >= lengths[:, None]
+        h = self.enc(self.net(x), src_key_padding_mask=pad).masked_fill(pad[..., None], 0)
+        return self.head(h.sum(1) / lengths[:, None])
+
+    def validation_step(self, batch, batch_idx):
+        super().validation_step(batch, batch_idx)
+        self.log("val_nested", float(self.nested), sync_dist=True)
+
+
+@pytest.mark.parametrize("name", ["tp2", "tp2-gathered", "dp2xtp2", "fsdp"])
+def test_padded_sequences_through_torchs_transformer_encoder_equal_one_process(name):
+    """Trained, then validated on torch's nested-tensor path (each sample its own length); "gathered": the
+    feed-forward's first layer all-gathers its output, the second runs whole."""
+    gathered = {"enc.layers.*.linear1": "column_gathered"}
+    strategy, devices, dp = {
+        **layouts("fsdp"), "tp2": (lambda: SHMTensorParallel(start_method="fork", tensor_parallel_size=2), 2, 1),
+        "tp2-gathered": (lambda: SHMTensorParallel(start_method="fork", tensor_parallel_size=2, plan=gathered), 2, 1),
+        "dp2xtp2": (lambda: SHMModelParallel(start_method="fork", data_parallel_size=2, tensor_parallel_size=2),
+                    4, 2)}[name]
+    metrics = _trained_and_validated_as_one_process(PaddedEncoder, strategy(), devices, dp, GLOBAL_BATCH * 2)
+    assert metrics["val_nested"] == 1.0, "the encoder never handed its layers a nested tensor: the test lost its point"
 
 
 # ---------------------------------------------------------------------- a language model shaped like nanoGPT

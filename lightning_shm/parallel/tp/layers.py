@@ -19,6 +19,11 @@ own tensor parallelism keeps the module: code that classifies modules by type --
 ``configure_optimizers`` giving Linear weights weight decay and LayerNorm's none -- sees the layers it built.
 Their sizes (``out_features``, ``in_channels``, ``normalized_shape``) are this rank's, like their weights.
 
+In inference torch's ``nn.TransformerEncoder``, given a ``src_key_padding_mask``, hands its layers a nested
+tensor (each sample its own length, the padding dropped). The Linear layers take its samples' rows stacked,
+``[sum L_i, in]``, and give a nested tensor of the same lengths back (:func:`on_rows`): a planned encoder
+layer validates on one process's path.
+
 ``sizes`` say how many features (channels) each rank holds; attention splits by whole heads, so
 its sizes are multiples of the head dimension. Each layer lists ``split_dims`` (parameter or buffer
 -> dimension it is split along), from which checkpoints are consolidated.
@@ -27,7 +32,7 @@ its sizes are multiples of the head dimension. Each layer lists ``split_dims`` (
 from __future__ import annotations
 
 import copy
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -57,6 +62,14 @@ def _replicate(t: Optional[torch.Tensor]) -> Optional[nn.Parameter]:
     return p
 
 
+def on_rows(x: torch.Tensor, forward: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``forward`` of a nested ``x``'s samples ``[L_i, ..., in]`` stacked into one tensor of their rows, its
+    output cut back into samples of the same lengths (torch builds such an ``x`` in inference only)."""
+    samples = x.unbind()
+    out = forward(torch.cat(samples))
+    return torch.nested.as_nested_tensor(list(out.split([s.shape[0] for s in samples])), layout=torch.strided)
+
+
 class ColumnParallelLinear(nn.Linear):
     """Output features split across the group; input replicated. Output stays sharded, or with
     ``gather_output`` is all-gathered so the layers after it run replicated (plan style
@@ -75,6 +88,8 @@ class ColumnParallelLinear(nn.Linear):
         self.bias = _slice(full.bias, 0, self.sizes, group.index)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_nested:
+            return on_rows(x, self.forward)
         y = F.linear(copy_to_tp(x, self.group), self.weight, self.bias)
         if self.gather_output:
             return gather_from_tp(y, self.group, tuple(self.sizes))
@@ -102,6 +117,8 @@ class RowParallelLinear(nn.Linear):
         self.bias = _replicate(full.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_nested:
+            return on_rows(x, self.forward)
         _leave(self.random)
         y = reduce_from_tp(F.linear(x, self.weight), self.group)
         return y if self.bias is None else y + self.bias
