@@ -344,9 +344,22 @@ class TorchEncoderNoPlan(TorchEncoder):
     tp_plan = None
 
 
+class TorchEncoderStack(TorchEncoderNoPlan):
+    """The blocks as one ``nn.TransformerEncoder`` child of the Sequential: the derived plan splits each block's
+    feed-forward pair (until 2026-12-06 it found "no layer to split" there)."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        stack = torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True),
+                                            3, enable_nested_tensor=False)
+        self.net = torch.nn.Sequential(self.net[0], stack, self.net[-1])
+
+
 TORCH_ENCODER_RUNS = {**{k: TRANSFORMER_RUNS[k] for k in ("ddp", "fsdp-unit-per-block", "tp2")},
                       **layouts("fsdp-copy", "pp2-zero-bubble", "dp2xpp2-shard"),
-                      "tp2-derived": (lambda: SHMTensorParallel(start_method="fork", tensor_parallel_size=2), 2, 1)}
+                      "tp2-derived": (lambda: SHMTensorParallel(start_method="fork", tensor_parallel_size=2), 2, 1),
+                      "tp2-derived-stack": (lambda: SHMTensorParallel(start_method="fork", tensor_parallel_size=2),
+                                            2, 1)}
 
 
 @pytest.mark.parametrize("name", list(TORCH_ENCODER_RUNS))
@@ -354,7 +367,7 @@ def test_torch_transformer_encoder_layers_equal_one_process(name):
     """Trained, then validated: in evaluation the layer takes torch's fast path, which reads every weight
     itself (FSDP's unit must hold the whole layer; tp's split linear1 / linear2 see their pieces)."""
     strategy, devices, dp = TORCH_ENCODER_RUNS[name]
-    model_cls = TorchEncoderNoPlan if name == "tp2-derived" else TorchEncoder
+    model_cls = {"tp2-derived": TorchEncoderNoPlan, "tp2-derived-stack": TorchEncoderStack}.get(name, TorchEncoder)
     _trained_and_validated_as_one_process(model_cls, strategy(), devices, dp, GLOBAL_BATCH * STEPS)
 
 

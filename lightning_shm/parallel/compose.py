@@ -184,8 +184,8 @@ def _nothing_to_split(module: nn.Module, config: ParallelConfig, tp: int) -> str
     hint += (f" ({computed} compute their weights, e.g. weight_norm / spectral_norm: such a layer stays whole)"
              if computed else "")
     return (f"tensor_parallel_size={tp} but the plan splits no layer of {type(module).__name__}: the plan derived "
-            f"for its nn.Sequential pairs nn.Linear / nn.Conv2d children (and splits nn.TransformerEncoderLayer "
-            f"children's feed-forward layers) and found none to split{hint}. Pass "
+            f"for its nn.Sequential pairs nn.Linear / nn.Conv2d children (and splits the feed-forward layers of "
+            f"nn.TransformerEncoderLayer / nn.TransformerEncoder children) and found none to split{hint}. Pass "
             "plan={...}, give the model a tp_plan, or use tensor_parallel_size=1.")
 
 

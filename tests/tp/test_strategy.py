@@ -66,6 +66,13 @@ def test_derived_plan_pairs_linears_column_row_gathers_before_small_ones_and_rep
     # torch's encoder layer: its feed-forward pair, the attention whole; a Linear on each side stays unpaired
     encoder = nn.Sequential(nn.Linear(28, 16), nn.TransformerEncoderLayer(16, 4, 32), nn.Linear(16, 10))
     assert _styles(derive_plan(encoder, 2)) == {"1.linear1": "column", "1.linear2": "row"}
+    # a stack of them (nn.TransformerEncoder): each block's pair
+    encoder[1] = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 4, 32), 2, enable_nested_tensor=False)
+    assert _styles(derive_plan(encoder, 2)) == {f"1.layers.{j}.{n}": s for j in (0, 1)
+                                                for n, s in (("linear1", "column"), ("linear2", "row"))}
+    # applied twice (one block's parameters at two places), it stays whole: split, the two would stop sharing
+    twice = nn.Sequential(nn.Linear(28, 16), encoder[1], encoder[1], nn.Linear(16, 10))
+    assert _styles(derive_plan(twice, 2)) == {}
 
 
 @pytest.fixture(scope="module")

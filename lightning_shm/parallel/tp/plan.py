@@ -139,8 +139,9 @@ def resolve_plan(module: nn.Module, plan: Mapping[str, Any]) -> dict[str, LayerP
 def derive_plan(seq: nn.Sequential, tp: int, prefix: str = "", tied: frozenset[int] = frozenset()
                 ) -> dict[str, LayerPlan]:
     """Pair the Sequential's Linear (Conv2d) children column -> row; a leftover stays replicated. A child that
-    is torch's ``nn.TransformerEncoderLayer`` gets its feed-forward pair split (``linear1`` column, ``linear2``
-    row); its attention's fused ``in_proj_weight`` stays whole. A child holding a parameter of ``tied`` (ids the
+    is torch's ``nn.TransformerEncoderLayer`` -- or an ``nn.TransformerEncoder`` stack of them -- gets each
+    block's feed-forward pair split (``linear1`` column, ``linear2`` row); the attention's fused
+    ``in_proj_weight`` stays whole. A child holding a parameter of ``tied`` (ids the
     model also holds outside ``seq``: tied to another module, or the child kept under a second name) or another
     child's stays whole: split, they would stop sharing.
 
@@ -164,9 +165,11 @@ def derive_plan(seq: nn.Sequential, tp: int, prefix: str = "", tied: frozenset[i
     shared |= {i for i, (_, m) in enumerate(layers) if any(id(p) in tied for p in m.parameters())}
     for i, (name, m) in enumerate(layers):
         q = _qual(prefix, name)
-        if isinstance(m, nn.TransformerEncoderLayer):  # torch's own block: its feed-forward pair, attention whole
-            if i not in shared and all(type(getattr(m, a, None)) is nn.Linear for a in ("linear1", "linear2")):
-                plan[f"{q}.linear1"], plan[f"{q}.linear2"] = LayerPlan("column"), LayerPlan("row")
+        blocks = _encoder_blocks(q, m)
+        if blocks is not None:  # torch's own blocks: each one's feed-forward pair, the attention whole
+            for b, block in blocks if i not in shared else []:
+                if all(type(getattr(block, a, None)) is nn.Linear for a in ("linear1", "linear2")):
+                    plan[f"{b}.linear1"], plan[f"{b}.linear2"] = LayerPlan("column"), LayerPlan("row")
             pending = None
             continue
         kind = _kind(m)
@@ -197,6 +200,16 @@ def derive_plan(seq: nn.Sequential, tp: int, prefix: str = "", tied: frozenset[i
         elif pending is not None and not (isinstance(m, _BETWEEN[pending[1]]) and _fits(m, pending[2], tp)):
             pending = None  # cannot carry split features across this module
     return plan
+
+
+def _encoder_blocks(q: str, m: nn.Module) -> Optional[list[tuple[str, nn.Module]]]:
+    """The encoder blocks of torch's ``nn.TransformerEncoderLayer`` ``m`` (itself) or ``nn.TransformerEncoder``
+    ``m`` (its ``layers``), by qualified name; None for any other module."""
+    if isinstance(m, nn.TransformerEncoderLayer):
+        return [(q, m)]
+    if isinstance(m, nn.TransformerEncoder):
+        return [(f"{q}.layers.{j}", b) for j, b in enumerate(m.layers) if isinstance(b, nn.TransformerEncoderLayer)]
+    return None
 
 
 def plan_for(module: nn.Module, plan: Optional[Mapping[str, Any]], tp: int, sequential: Optional[str] = None
