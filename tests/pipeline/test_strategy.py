@@ -250,11 +250,14 @@ class _SeesFallback(pl.Callback):
         pl_module.log("gpipe_fallback", float(trainer.strategy.pipeline.ran_short_batch_as_gpipe))
 
 
-def test_short_last_batch_runs_with_fewer_microbatches_and_stays_exact():
-    """51 samples in batches of 24: the last batch (3) cannot be 4 microbatches and 3 is not a multiple
-    of the 2 stages that interleaving needs, so it runs as GPipe over 3 microbatches of one sample,
-    each loss weighted by its share of the batch."""
-    ds = mnist_like(2 * GLOBAL_BATCH + 3, seed=1)
+@pytest.mark.parametrize("schedule, short", [("interleaved_1f1b", 3), ("zero_bubble", 1)])
+def test_short_last_batch_runs_with_fewer_microbatches_and_stays_exact(schedule, short):
+    """Batches of 24, the last one short: 3 samples cannot be 4 microbatches and 3 is not a multiple of the 2
+    stages that interleaving needs; 1 sample is fewer microbatches than the 2 stages ZB-H1 needs. Either runs
+    as GPipe over microbatches of one sample, each loss weighted by its share of the batch -- the zero-bubble
+    engine's deferred weight gradients taken after the last backward (until 2026-12-06 that step failed:
+    "pipeline rank 1: schedule left work undone")."""
+    ds = mnist_like(2 * GLOBAL_BATCH + short, seed=1)
 
     def run(strategy, ref, callbacks=()):
         pl.seed_everything(SEED)
@@ -264,7 +267,7 @@ def test_short_last_batch_runs_with_fewer_microbatches_and_stays_exact():
         t.fit(model, dl)
         return flat_params(model), t
 
-    got, t = run(pp(2, "interleaved_1f1b"), ref=False, callbacks=[_SeesFallback()])
+    got, t = run(pp(2, schedule), ref=False, callbacks=[_SeesFallback()])
     assert float(t.callback_metrics["gpipe_fallback"]) == 1.0
     torch.testing.assert_close(got, run("auto", ref=True)[0], rtol=0, atol=2e-5)
 

@@ -173,8 +173,12 @@ class PipelineEngine:
         if self.checkpointing:  # whether a checkpointed chunk's output will need a gradient (see _forward)
             self._trainable = {c: any(p.requires_grad for p in ch.parameters()) for c, ch in self.chunks.items()}
         run = {"F": self._forward, "B": self._backward, "W": self._weight}
-        for a in (schedule or self.schedule).actions(self.pp_index):
+        schedule = schedule or self.schedule
+        for a in schedule.actions(self.pp_index):
             run[a.kind](a, io, True)
+        if self._stash and schedule.kind != Schedule.ZERO_BUBBLE:  # a zero-bubble engine's step run as GPipe
+            for mb, chunk in list(self._stash):  # (fewer microbatches than stages): each W after the last B
+                self._weight(Action("W", mb, chunk), io, True)
         if self._rows:  # the products over every microbatch's rows still held
             t0 = time.perf_counter()
             for param in list(self._rows):
