@@ -351,7 +351,7 @@ class TorchEncoderStack(TorchEncoderNoPlan):
     def __init__(self, **kw):
         super().__init__(**kw)
         stack = torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True),
-                                            3, enable_nested_tensor=False)
+                                            3)
         self.net = torch.nn.Sequential(self.net[0], stack, self.net[-1])
 
 

@@ -52,7 +52,7 @@ def check_main_script(start_method: str, payload: Any, strategy_cls: type) -> No
         return
     path, tree = rerun
     line = _calling_line(main)
-    if line is not None and statement_is_unguarded(tree, line):
+    if line is not None and _statement_is_unguarded(tree, line):
         source = linecache.getline(path, line).strip()
         source = source if len(source) <= 100 else source[:97] + "..."
         raise RuntimeError(
@@ -61,7 +61,7 @@ def check_main_script(start_method: str, payload: Any, strategy_cls: type) -> No
             "worker would run it again and fail there. Put the script's training code under that guard (def "
             f"main(): ...; if __name__ == \"__main__\": main()), or pass {fork}: forked workers run nothing again."
         )
-    guarded = names_bound_only_under_the_guard(tree)
+    guarded = _names_bound_only_under_the_guard(tree)
     # (a class defined inside a function never pickles: the launch names it, with its own advice)
     missing = [n for n in (_defined_in_main(payload) if guarded else [])
                if n.split(".")[0] in guarded and "<locals>" not in n]
@@ -107,7 +107,7 @@ def _calling_line(main: types.ModuleType) -> Optional[int]:
     return frame.f_lineno if frame is not None else None
 
 
-def statement_is_unguarded(tree: ast.Module, line: int) -> bool:
+def _statement_is_unguarded(tree: ast.Module, line: int) -> bool:
     """Whether the top-level statement holding ``line`` runs when the module is imported under another name.
 
     Says True only when sure: the statement is not, and holds no, ``if`` that tests ``__name__``, and no
@@ -122,7 +122,7 @@ def statement_is_unguarded(tree: ast.Module, line: int) -> bool:
     return False
 
 
-def names_bound_only_under_the_guard(tree: ast.Module) -> set[str]:
+def _names_bound_only_under_the_guard(tree: ast.Module) -> set[str]:
     """Classes and functions the module defines only in the body of ``if __name__ == "__main__":`` -- a worker
     running it as ``__mp_main__`` has none of them. A name bound anywhere else (an import, another branch,
     another test of ``__name__``) counts as defined: where unsure, nothing is refused. Variables bound under

@@ -48,10 +48,10 @@ def piece_saves_warned(state: ModelState, layout: str, rank: int) -> Iterator[No
             found = _pieces_in(obj, pieces)
             if found:
                 warned[0] = True
-                pieces = ", ".join(f"'{n}' {list(s)} of {list(f)}" for n, s, f in found[:3])
+                named = ", ".join(f"'{n}' {list(s)} of {list(f)}" for n, s, f in found[:3])
                 more = f" and {len(found) - 3} more" if len(found) > 3 else ""
                 what = "a module" if isinstance(obj, nn.Module) else f"an object ({type(obj).__name__})"
-                warnings.warn(WHY.format(what=what, pieces=pieces + more, layout=layout, rank=rank), stacklevel=2)
+                warnings.warn(WHY.format(what=what, pieces=named + more, layout=layout, rank=rank), stacklevel=2)
         return original(obj, *args, **kwargs)
 
     torch.save = save
