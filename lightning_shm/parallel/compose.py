@@ -17,7 +17,8 @@ gathered over its microbatches, and their summed gradient is reduce-scattered on
 steps, the stage's full parameters within one).
 
 Nothing here knows the Trainer; :func:`validate` holds every check of the configuration against a
-model, called by the main process before any worker starts and by :func:`parallelize` in each.
+model, called by the main process before any worker starts. A model whose layers ``configure_model``
+builds in the workers meets the same rules there, in :func:`parallelize` and the pieces it calls.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from typing import Any, Callable, ContextManager, Mapping, Optional, Union
 import torch
 from torch import nn
 
-from lightning_shm.parallel.ddp import GradReducer, sparse_grad_parameters
+from lightning_shm.parallel.ddp import GradReducer, refuse_lazy, sparse_grad_parameters
 from lightning_shm.parallel.ddp.sync_batchnorm import convert_sync_batchnorm
 from lightning_shm.parallel.fsdp import FSDPState, UnitPolicy
 from lightning_shm.parallel.fsdp.policy import PolicyFn, selects_nothing, tied_outside
@@ -142,6 +143,7 @@ def validate(module: nn.Module, config: ParallelConfig, world_size: int, batch_s
     if topo.pp > 1 and not automatic_optimization:
         raise ValueError("a pipeline runs forward and backward inside its schedule; manual optimization "
                          "(automatic_optimization = False) is not supported with pipeline_parallel_size > 1")
+    refuse_lazy(module)
     if next(module.parameters(), None) is None:
         return
     plan = _tp_plan(module, config, topo.tp) if topo.tp > 1 else {}

@@ -35,6 +35,7 @@ from typing import Iterable, Iterator, Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 from lightning_shm.parallel.linear_grads import PaddedWeights, SinkLinear, restore_linears, route_linears
 from lightning_shm.runtime.group import Group, SharedBuffer
@@ -368,12 +369,33 @@ def _bucket_linear_forward(module: nn.Linear, reducer: GradReducer, x: torch.Ten
     return F.linear(x, w, module.bias)
 
 
+def refuse_lazy(module: nn.Module) -> None:
+    """ValueError naming the parameters and buffers of torch's lazy modules (``nn.LazyLinear``,
+    ``nn.LazyConv2d``, ...) that have no shape yet: they take it at their first forward, and every layout
+    needs it before the first step -- to make the ranks' weights equal (:func:`broadcast_module_state`), lay
+    out gradient buckets, shards, tp slices and pipeline stages. Torch's DistributedDataParallel refuses them
+    too ("Run a dummy forward pass")."""
+    lazy = [n for n, t in [*module.named_parameters(), *module.named_buffers()] if is_lazy(t)]
+    if not lazy:
+        return
+    owners = list(dict.fromkeys(n.rpartition(".")[0] for n in lazy))
+    shown = ", ".join(f"{o or 'the module itself'} ({type(module.get_submodule(o)).__name__})" for o in owners[:6])
+    shown += f" and {len(owners) - 6} more" if len(owners) > 6 else ""
+    raise ValueError(f"{type(module).__name__} holds layers whose tensors have no shape yet -- {shown}: torch's lazy "
+                     "modules take their shapes at the first forward, and the ranks lay out and share every weight "
+                     "by shape before the first step. Run one forward on an input shaped like a batch's where the "
+                     "model is built (before fit, or at the end of configure_model); torch's DistributedDataParallel "
+                     "asks the same.")
+
+
 def broadcast_module_state(module: nn.Module, group: Group, src_member: int = 0) -> None:
     """Make every rank's parameters and buffers equal to member ``src_member``'s.
 
     Explicit on purpose: pickling the model to spawned workers, ``fork``, and weights created in
-    ``configure_model`` with different RNG states must all end up identical.
+    ``configure_model`` with different RNG states must all end up identical. Lazy modules built in
+    ``configure_model`` are refused here, where the workers first need shapes.
     """
+    refuse_lazy(module)
     broadcast_tensors(list(module.parameters()) + list(module.buffers()), group, src_member)
 
 
