@@ -37,7 +37,7 @@ def _global_norm(pieces: Sequence[tuple[torch.Tensor, int]], group: Optional[Gro
     total = torch.zeros((), dtype=torch.float64)
     for t, n in pieces:
         if t.numel():
-            g = t.detach().double().abs()
+            g = t.detach().abs().double()  # |z| of a complex gradient (double() would drop its imaginary part)
             total = torch.maximum(total, g.max()) if inf else total + g.pow(norm_type).sum() / n
     if group is not None and group.size > 1:
         group.all_reduce(total, "max" if inf else "sum")
@@ -85,7 +85,7 @@ def torch_clipping_over(group: Group, copies: Callable[[torch.Tensor], int],
             raise RuntimeError(f"The total norm of order {float(norm_type)} for gradients from `parameters` is "
                                "non-finite, so it cannot be clipped. To disable this error and scale the gradients "
                                "by the non-finite norm anyway, set `error_if_nonfinite=False`")
-        return norm.to(ts[0].dtype) if ts else norm
+        return norm.to(ts[0].dtype.to_real()) if ts else norm  # torch's: real for complex gradients too
 
     clip_module._get_total_norm = total_norm  # type: ignore[assignment]
     if original[1] is not None:
@@ -121,8 +121,8 @@ def grad_norms(named: Iterable[tuple[str, torch.Tensor]], names: Sequence[str], 
         g = p.grad
         if g is None or name not in index:
             continue
-        dtype = dtype or g.dtype
-        g = (g.coalesce().values() if g.is_sparse else g).detach().double().abs()
+        dtype = dtype or g.dtype.to_real()
+        g = (g.coalesce().values() if g.is_sparse else g).detach().abs().double()
         i = index[name]
         if inf:
             vec[i] = g.max() if g.numel() else 0.0

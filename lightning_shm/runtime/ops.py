@@ -61,6 +61,7 @@ class Coll(enum.IntEnum):
 _DTYPES: list[torch.dtype] = [
     torch.float32, torch.float64, torch.bfloat16, torch.float16,
     torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+    torch.complex64, torch.complex128,  # complex weights (spectral layers): summed and averaged, never ordered
 ]
 DTYPE_CODE = {dt: i + 1 for i, dt in enumerate(_DTYPES)}
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
@@ -142,6 +143,9 @@ def check_reducible(dtype: torch.dtype, op: ReduceOp) -> None:
         raise TypeError("reductions of bool tensors are not supported; convert to uint8/int64 first")
     if op is _MEAN and not (dtype.is_floating_point or dtype.is_complex):
         raise TypeError(f"mean of an integer tensor ({dtype}) is not defined; reduce with 'sum' and divide")
+    if dtype.is_complex and op not in _ADDITIVE:
+        raise TypeError(f"{op.name.lower()} of a complex tensor ({dtype}) is not defined: complex numbers have no "
+                        "order; reduce with 'sum' or 'mean'")
 
 
 def even_split(n: int, parts: int) -> list[int]:

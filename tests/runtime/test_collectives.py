@@ -14,7 +14,7 @@ import torch
 from lightning_shm.runtime import GroupConfig, RuntimeConfig, launch
 from lightning_shm.runtime.ops import divide_, even_split
 
-DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.int64]
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.int64, torch.complex128]  # complex: sums and means only
 SMALL = RuntimeConfig(timeout_s=60, group=GroupConfig(slot_bytes=64 << 10, oneshot_max_bytes=4 << 10))
 
 
@@ -25,6 +25,8 @@ def sizes_for(world: int) -> list[int]:
 
 def make(rank: int, n: int, dtype: torch.dtype) -> torch.Tensor:
     g = torch.Generator().manual_seed(1000 * rank + n)
+    if dtype.is_complex:
+        return (torch.randn(n, generator=g, dtype=torch.complex128) * 4).to(dtype)
     if dtype.is_floating_point:
         return (torch.randn(n, generator=g, dtype=torch.float64) * 4).to(dtype)
     return torch.randint(-1000, 1000, (n,), generator=g, dtype=dtype)
@@ -33,6 +35,8 @@ def make(rank: int, n: int, dtype: torch.dtype) -> torch.Tensor:
 def close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> bool:
     if a.shape != b.shape:
         return False
+    if dtype.is_complex:
+        return torch.allclose(a, b, rtol=1e-12, atol=1e-12)
     if not dtype.is_floating_point:
         return torch.equal(a, b)
     tol = {torch.float32: 1e-5, torch.float64: 1e-12, torch.bfloat16: 2 ** -7}[dtype]
@@ -53,8 +57,8 @@ def reference(op: str, parts: list[torch.Tensor]) -> torch.Tensor:
 def check_all_reduce(world) -> list[str]:
     g, errors = world.group(), []
     for dtype in DTYPES:
-        for op in ("sum", "mean", "max", "min"):
-            if op == "mean" and not dtype.is_floating_point:
+        for op in ("sum", "mean") if dtype.is_complex else ("sum", "mean", "max", "min"):
+            if op == "mean" and not (dtype.is_floating_point or dtype.is_complex):
                 continue
             for n in sizes_for(world.size):
                 x = make(world.rank, n, dtype)
@@ -110,7 +114,7 @@ def check_common(world) -> list[str]:
 def check_reduce_scatter(world) -> list[str]:
     g, errors = world.group(), []
     for dtype in DTYPES:
-        for op in ("sum", "max"):
+        for op in ("sum", "mean") if dtype.is_complex else ("sum", "max"):
             for n in sizes_for(world.size):
                 out = g.reduce_scatter(make(world.rank, n, dtype), op)
                 b = even_split(n, world.size)
@@ -140,7 +144,8 @@ def check_reduce_scatter_coalesced(world) -> list[str]:
     sizes = [None if i % 3 == 0 else p for i, p in enumerate(parts)]  # None: the default even_split
     per_member = [sum(p[k] for p in parts) for k in range(W)]
     for dtype in DTYPES:
-        for op in (("sum", "mean", "max") if dtype.is_floating_point else ("sum", "max")):
+        for op in ("sum", "mean") if dtype.is_complex else ("sum", "mean", "max") if dtype.is_floating_point else \
+                ("sum", "max"):
             xs = [make(world.rank, n, dtype) for n in ns]
             gen = g._barrier.gen
             got = g.reduce_scatter_coalesced([x.clone() for x in xs], op, sizes=sizes)
@@ -369,7 +374,8 @@ def _errors(world):
     for call in (lambda: g.all_reduce(torch.arange(3), "mean"),
                  lambda: g.all_reduce(torch.ones(3), "median"),
                  lambda: g.broadcast(torch.ones(3), src_member=5),
-                 lambda: g.reduce_scatter(torch.ones(10), out=torch.empty(2))):
+                 lambda: g.reduce_scatter(torch.ones(10), out=torch.empty(2)),
+                 lambda: g.all_reduce(torch.ones(3, dtype=torch.complex64), "max")):
         try:
             call()
             out.append("no error")
@@ -384,6 +390,7 @@ def test_bad_arguments_raise_before_communicating():
     assert "median" in msgs[1]
     assert "src_member must be a member index in [0, 2), got 5" in msgs[2]
     assert "5 elements" in msgs[3]
+    assert "max of a complex tensor (torch.complex64) is not defined: complex numbers have no order" in msgs[4]
 
 
 def _inference_first(world):

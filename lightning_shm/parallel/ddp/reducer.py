@@ -175,8 +175,8 @@ class GradReducer:
         modules = list(modules)
         self._route_candidates = modules
         weights = {m: m._parameters.get("weight") for m in modules if isinstance(m, nn.Linear)}
-        mods = [m for m, w in weights.items()
-                if w is not None and w in self._views and w.numel() >= self.direct_min_numel]
+        mods = [m for m, w in weights.items()  # a complex weight's products take conjugates: autograd's F.linear
+                if w is not None and w in self._views and w.numel() >= self.direct_min_numel and not w.is_complex()]
         route_linears(mods, _bucket_linear_forward, self)
         self._routed.extend(mods)
 

@@ -109,6 +109,24 @@ def kept_whole(module: nn.Module, tied: Optional[set[int]] = None) -> dict[str, 
     return {n: p for n, p in module.named_parameters() if id(p) in whole or p.dim() == 0}
 
 
+def split_off_other_dtypes(units: list[UnitSpec]) -> dict[str, nn.Parameter]:
+    """A unit is one flat tensor, so of one dtype. Where a unit's modules hold several -- a Fourier layer's
+    complex mode weights beside its real bias, a float64 head kept in a float32 block -- the parameters of every
+    dtype but the one holding most of its elements leave the unit (``units`` is changed in place) and are
+    returned, to be kept whole as :func:`kept_whole`'s are: mostly small, where refusing the unit stopped the
+    model."""
+    apart: dict[str, nn.Parameter] = {}
+    for u in units:
+        numel: Counter = Counter()
+        for *_, p in u.params:
+            numel[p.dtype] += p.numel()
+        if len(numel) > 1:
+            main = max(numel, key=lambda dt: (numel[dt], str(dt)))  # the same choice on every rank
+            apart.update({n: p for n, _, _, p in u.params if p.dtype != main})
+            u.params = [t for t in u.params if t[3].dtype == main]
+    return apart
+
+
 def selects_nothing(module: nn.Module, policy: UnitPolicy) -> bool:
     """A unit policy that selects no module holding parameters: a mistake, not "shard everything per module".
     Checked on the whole model -- a pipeline stage may well hold none of the selected modules."""

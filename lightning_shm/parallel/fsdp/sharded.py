@@ -28,7 +28,7 @@ from typing import Any, Callable, Collection, Iterator, Optional, Union
 import torch
 from torch import nn
 
-from lightning_shm.parallel.fsdp.policy import PolicyFn, UnitPolicy, find_units, kept_whole
+from lightning_shm.parallel.fsdp.policy import PolicyFn, UnitPolicy, find_units, kept_whole, split_off_other_dtypes
 from lightning_shm.parallel.fsdp.prefetch import Prefetcher
 from lightning_shm.parallel.fsdp.unit import FSDPUnit, MemoryStats, check_gather
 from lightning_shm.parallel.placement import Placement, Split
@@ -55,10 +55,11 @@ class FSDPState:
         self.module = module
         self.group = group
         self.across = across
-        self.replicated = kept_whole(module, tied)  # whole on every rank, gradients averaged
+        specs = find_units(module, UnitPolicy.parse(policy), layers, tied)
+        # whole on every rank, gradients averaged
+        self.replicated = {**kept_whole(module, tied), **split_off_other_dtypes(specs)}
         self._averaging: dict[int, Any] = {}  # id -> hook handle, for those requiring gradients
         self._follow_requires_grad()
-        specs = find_units(module, UnitPolicy.parse(policy), layers, tied)
         owners: dict[int, list[tuple[nn.Module, str]]] = {}
         for m in module.modules():
             for attr, p in m._parameters.items():

@@ -385,7 +385,7 @@ class FSDPUnit:
                 across=self.across, site=self.index + 1)
         except CollectiveMismatchError as e:
             raise CollectiveMismatchError(self._out_of_order(e), e.mine, e.theirs, e.peer) from e
-        for (i, b, _), part, anywhere in zip(taken, parts, parts[-1].tolist()):
+        for (i, b, _), part, anywhere in zip(taken, parts, torch.real(parts[-1]).tolist()):  # a complex unit's too
             if anywhere > 0:
                 out[i] = part.view(b.rows[r], *b.shape[1:])
         return out

@@ -48,8 +48,8 @@ def detached(a: Activation) -> Activation:
 
 def leaves(a: Activation, grad: bool = True) -> Activation:
     """New leaves of ``a``'s values (a measured layer's input, a checkpointed chunk's output on its way to the
-    next stage), requiring a gradient -- if ``grad`` -- for their floating-point parts."""
-    return like(a, [t.detach().requires_grad_(grad and t.is_floating_point()) for t in parts(a)])
+    next stage), requiring a gradient -- if ``grad`` -- for their floating-point and complex parts."""
+    return like(a, [t.detach().requires_grad_(grad and (t.is_floating_point() or t.is_complex())) for t in parts(a)])
 
 
 class _Entry(torch.autograd.Function):

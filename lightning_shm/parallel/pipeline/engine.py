@@ -74,8 +74,8 @@ def _stage_linear_forward(module: nn.Linear | LinearRows, engine: "PipelineEngin
     # suspends them and runs them once on the step's sum, see PipelineSteps), for one computed from other
     # parameters (a parametrization such as weight_norm: the gradient must flow back through it), and --
     # unless zero-bubble defers it -- for one that is not a leaf (FSDP's held parameter) or too small to
-    # gain from the in-place sum
-    if torch.is_grad_enabled() and w.requires_grad \
+    # gain from the in-place sum; and for a complex weight, whose products take conjugates
+    if torch.is_grad_enabled() and w.requires_grad and not w.is_complex() \
             and (w.is_leaf and (engine.zero_bubble or w.numel() >= engine.in_place_min_numel)
                  or engine.zero_bubble and engine.held is not None and engine.held.holds(w)) \
             and not w._backward_hooks and not w._post_accumulate_grad_hooks:
