@@ -1,7 +1,8 @@
 """Parameters FSDP keeps whole on every rank: the LightningModule's own (read in its step, where no unit's
 forward hook sees the read), those of parameter containers it holds and 0-d ones (no rows to cut) -- once
 refused, now replicated with their gradients averaged (``parallel/fsdp/policy.py``, ``kept_whole``) -- and
-a container's parameters inside a module outside the Sequential, gathered around that module's forward."""
+a container's parameters inside a module outside the Sequential, gathered around that module's forward; and
+in a unit holding several dtypes, those of its smaller ones (a quantized layer's float scales and adapter)."""
 
 from __future__ import annotations
 
@@ -74,7 +75,36 @@ class Prompted(MNISTClassifier):
         return nn.functional.cross_entropy(logits, y)
 
 
-@pytest.mark.parametrize("model_cls", [Scaled, Prompted])
+class _QuantizedLoRA(nn.Module):
+    """QLoRA's layer: a frozen int8 weight with float row scales, a trainable bias and low-rank adapter."""
+
+    def __init__(self, n_in: int, n_out: int, rank: int = 4) -> None:
+        super().__init__()
+        w = torch.randn(n_out, n_in) * 0.05
+        scale = w.abs().amax(1) / 127
+        self.weight_q = nn.Parameter(torch.round(w / scale[:, None]).to(torch.int8), requires_grad=False)
+        self.scale = nn.Parameter(scale, requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(n_out))
+        self.lora_a = nn.Parameter(torch.randn(rank, n_in) * 0.01)
+        self.lora_b = nn.Parameter(torch.zeros(n_out, rank))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight_q.to(x.dtype) * self.scale.to(x.dtype)[:, None]
+        return x @ w.t() + self.bias + (x @ self.lora_a.t()) @ self.lora_b.t()
+
+
+class QuantizedLoRA(MNISTClassifier):
+    """Each unit holds an int8 weight beside float parameters: refused until 2026-12-06 ("FSDP unit 'net.1' mixes
+    dtypes ['torch.float64', 'torch.int8']"); now the int8 weight is sharded, the unit's float parameters kept
+    whole (``split_off_other_dtypes``)."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.net = nn.Sequential(nn.Flatten(), _QuantizedLoRA(784, 64), nn.ReLU(), _QuantizedLoRA(64, 32), nn.ReLU(),
+                                 nn.Linear(32, 10))
+
+
+@pytest.mark.parametrize("model_cls", [Scaled, Prompted, QuantizedLoRA])
 @pytest.mark.parametrize("layout", ["fsdp", "fsdp-copy", "dp2xpp2-shard"])
 def test_module_and_scalar_parameters_train_as_in_one_process(layout, model_cls):
     """Clipped by the global norm: a replicated gradient must count once, not once per rank."""
@@ -85,7 +115,7 @@ def test_module_and_scalar_parameters_train_as_in_one_process(layout, model_cls)
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-9)
 
 
-@pytest.mark.parametrize("model_cls", [Scaled, Prompted])
+@pytest.mark.parametrize("model_cls", [Scaled, Prompted, QuantizedLoRA])
 def test_checkpoint_is_plain_and_resumes_as_uninterrupted(tmp_path, model_cls):
     ds = mnist_like(GLOBAL_BATCH * 2, seed=1)
 
