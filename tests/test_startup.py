@@ -277,19 +277,26 @@ def test_fork_server_note_keeps_the_dead_workers_message_after_a_killed_workers_
     assert "guards the main" in last_lines(f"{dead}\n{killed}", NOTE_LINES)
 
 
+@pytest.mark.parametrize("what", ["lambda", "scripted layer"])
 @pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
-def test_what_cannot_be_pickled_for_the_workers_is_named_before_they_start(start_method):
-    """A lambda collate_fn, as Lightning's ddp_spawn fails on it: with the reason and the two ways out."""
+def test_what_cannot_be_pickled_for_the_workers_is_named_before_they_start(start_method, what):
+    """A lambda collate_fn, as Lightning's ddp_spawn fails on it, and a layer scripted with torch.jit (torch raises
+    a RuntimeError for it, which came without the note): with the reason and the two ways out."""
+    import torch
     from torch.utils.data import DataLoader, default_collate
 
     from lightning_shm import SHMDDPStrategy
     from lightning_shm.models import MNISTClassifier
     from tests.helpers import mnist_like, trainer
 
-    data = DataLoader(mnist_like(16), batch_size=8, collate_fn=lambda b: default_collate(b))
-    with pytest.raises((pickle.PicklingError, AttributeError)) as raised:
-        trainer(strategy=SHMDDPStrategy(start_method=start_method), devices=2, max_epochs=1).fit(MNISTClassifier(),
-                                                                                                 data)
+    model = MNISTClassifier()
+    if what == "lambda":
+        data = DataLoader(mnist_like(16), batch_size=8, collate_fn=lambda b: default_collate(b))
+    else:
+        data = DataLoader(mnist_like(16), batch_size=8)
+        model.net[1] = torch.jit.script(model.net[1])
+    with pytest.raises((pickle.PicklingError, AttributeError, RuntimeError)) as raised:
+        trainer(strategy=SHMDDPStrategy(start_method=start_method), devices=2, max_epochs=1).fit(model, data)
     note = "".join(getattr(raised.value, "__notes__", []))
     assert f"start_method='{start_method}' sends the job to every worker by pickling it" in note
-    assert "start_method='fork'" in note
+    assert "start_method='fork'" in note and "a TorchScript module (torch.jit.script)" in note

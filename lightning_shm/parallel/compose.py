@@ -34,7 +34,7 @@ from torch import nn
 from lightning_shm.parallel.ddp import GradReducer, refuse_lazy, sparse_grad_parameters
 from lightning_shm.parallel.ddp.sync_batchnorm import convert_sync_batchnorm
 from lightning_shm.parallel.fsdp import FSDPState, UnitPolicy
-from lightning_shm.parallel.fsdp.policy import PolicyFn, selects_nothing, tied_outside
+from lightning_shm.parallel.fsdp.policy import PolicyFn, scripted, selects_nothing, tied_outside
 from lightning_shm.parallel.fsdp.unit import check_gather
 from lightning_shm.parallel.optimizers import check_optimizers
 from lightning_shm.parallel.pipeline import PipelineEngine, PipelineSchedule, PipelineStage, Schedule
@@ -362,6 +362,10 @@ def parallelize(module: nn.Module, config: ParallelConfig, world: World, groups:
                          layers=layers, across=_node_mean(groups), gather=config.gather, tied=tied,
                          sliced=frozenset(n for n, pl in placements.items() if pl.splits))
         placements = {**placements, **fsdp.placements(placements)}
+        if scripts := scripted(module):
+            held = sum(p.numel() for _, m in scripts for p in m.parameters())
+            log(f"shm_fsdp: {[n for n, _ in scripts]} are TorchScript modules, whose forward runs no hooks: their "
+                f"{held:,} parameters (of {sum(p.numel() for p in module.parameters()):,}) stay whole on every rank")
         if groups.nodes > 1:
             placements = {n: p.replicated(groups.nodes) for n, p in placements.items()}
     elif groups.dp_size > 1:

@@ -202,11 +202,12 @@ class Launcher:
             return ("object", (fn, args, kwargs))
         try:
             data = pickle.dumps((fn, args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
-        except (pickle.PicklingError, AttributeError, TypeError) as e:
+        except (pickle.PicklingError, AttributeError, TypeError, RuntimeError) as e:  # RuntimeError: TorchScript's
             e.add_note(f"start_method={self.config.start_method!r} sends the job to every worker by pickling it -- the "
                        "function and its arguments, everything they refer to. A lambda, a function or class defined "
-                       "inside another, an open file or lock cannot be pickled: define it at a module's top level, or "
-                       "start the workers with start_method='fork'.")
+                       "inside another, an open file or lock, a TorchScript module (torch.jit.script) cannot be "
+                       "pickled: define it at a module's top level (script a model after training), or start the "
+                       "workers with start_method='fork'.")
             raise
         seg = self._create("job", len(data))
         seg.write_bytes(data)

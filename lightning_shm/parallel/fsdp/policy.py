@@ -29,6 +29,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Union
 
+import torch
 from torch import nn
 
 from lightning_shm.parallel.sequential import find_sequential, layers_of, parameter_holders
@@ -97,16 +98,29 @@ def kept_whole(module: nn.Module, tied: Optional[set[int]] = None) -> dict[str, 
     submodule's forward hook sees the read --, those of the parameter containers it holds (an
     ``nn.ParameterDict`` of per-task prompts, an ``nn.ParameterList`` of layer-mixing weights, also inside
     a ``ModuleDict`` / ``ModuleList``: they have no forward, so every read is direct), 0-d ones (no rows
-    to cut) and ``tied`` ones (ids: a pipeline stage's parameters tied to a module another stage runs --
-    GPT-2's embedding and head -- whose gradients the stages sum whole). Mostly small: 1/W of them would
-    save little."""
+    to cut), ``tied`` ones (ids: a pipeline stage's parameters tied to a module another stage runs --
+    GPT-2's embedding and head -- whose gradients the stages sum whole) and those of TorchScript modules
+    (``torch.jit.script(block)``): a scripted forward runs no hooks and reads its own parameter slots, so no
+    unit could gather around it ("register_forward_pre_hook is not supported on ScriptModules", refused until
+    2026-12-06). Mostly small: 1/W of them would save little."""
     read_directly, todo = [], [module]
     while todo:  # the module and the containers reachable from it through containers only
         m = todo.pop()
         read_directly.append(m)
         todo.extend(c for c in m.children() if isinstance(c, CONTAINERS))
     whole = {id(p) for m in read_directly for p in m.parameters(recurse=False)} | (tied or set())
+    whole |= {id(p) for _, m in scripted(module) for p in m.parameters()}
     return {n: p for n, p in module.named_parameters() if id(p) in whole or p.dim() == 0}
+
+
+def scripted(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The outermost TorchScript modules inside ``module`` that hold parameters (see :func:`kept_whole`)."""
+    found: list[tuple[str, nn.Module]] = []
+    for name, m in module.named_modules():
+        if isinstance(m, torch.jit.ScriptModule) and next(m.parameters(), None) is not None \
+                and not any(name.startswith(f"{outer}.") for outer, _ in found):
+            found.append((name, m))
+    return found
 
 
 def split_off_other_dtypes(units: list[UnitSpec]) -> dict[str, nn.Parameter]:
