@@ -37,8 +37,9 @@ def test_a_loss_reading_pieces_of_parameters_is_refused(layout, model_cls):
     gives the rank's rows under every FSDP gather; by attribute the step reads them under "copy", a tp slice
     under tp (net.1 is split by the derived plan, then cut into rows by FSDP under dp x tp sharded)."""
     strategy, devices, dp = RUNS[layout]
-    with pytest.raises(ValueError, match=r"training_step's loss reads parameters itself \(\[.*'net.1.weight'"):
+    with pytest.raises(ValueError, match=r"training_step's loss reads parameters itself \(\[.*'net.1.weight'") as e:
         train_mnist(strategy(), devices, "adam", batch=GLOBAL_BATCH // dp, model_cls=model_cls)
+    assert "as modules" not in str(e.value)  # its layers ran as modules: no word of calling their forward
 
 
 def test_where_every_rank_holds_whole_parameters_the_same_loss_trains_as_one_process():
@@ -143,3 +144,29 @@ def test_a_step_failing_for_another_reason_keeps_its_error(layout):
     with pytest.raises(RuntimeError, match="boom after a forward") as info:
         train_mnist(strategy(), devices, "adam", batch=GLOBAL_BATCH // dp, model_cls=FailsAfterItsForward)
     assert "training_step computed with" not in str(info.value)
+
+
+class CallsForwardDirectly(MNISTClassifier):
+    """Runs its layers by calling their ``forward`` itself: no module hooks run (FSDP gathers in them, tensor
+    parallelism's layers hand on their slices in them)."""
+
+    def forward(self, x):
+        for layer in self.net:
+            x = layer.forward(x)
+        return x
+
+
+@pytest.mark.parametrize("layout, said", [
+    ("fsdp-copy", r"It called the forward of \['net.1', 'net.2'\] itself \(layer.forward\(x\)\), which runs none of "
+                  r"the hooks the layout gathers or splits the parameters in: call the module, layer\(x\)"),
+    ("tp2", r"The step never called \['net.1'\] as modules: if it runs their forward itself \(layer.forward\(x\)\)"),
+    ("pp2-1f1b", r"layer 2 of the pipelined nn.Sequential is held by another pipeline stage: a pipeline cuts the "
+                 r"Sequential between stages and runs it as one call"),
+])
+def test_a_step_running_its_layers_forward_itself_is_told_to_call_them(layout, said):
+    """The messages said only that the step read parameters outside their layers' forward -- which it had called
+    -- (and to use the optimizer's weight_decay), or that a layer was on another stage. Under FSDP's "view"
+    gather the step's parameters are whole, and it trains (tests above)."""
+    strategy, devices, dp = RUNS[layout]
+    with pytest.raises((ValueError, RuntimeError), match=said):
+        train_mnist(strategy(), devices, "adam", batch=GLOBAL_BATCH // dp, model_cls=CallsForwardDirectly)

@@ -22,6 +22,7 @@ differentiates by itself, see :func:`differentiations`).
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
@@ -49,17 +50,19 @@ def read_outside(loss: torch.Tensor, pieces: Mapping[int, str], boundary: set[An
 
 
 @contextlib.contextmanager
-def output_nodes(modules: Iterable[nn.Module]) -> Iterator[set[Any]]:
-    """Inside, the autograd nodes of the ``modules``' outputs are collected into the yielded set (after the
-    model's own forward hooks: what the layer hands on)."""
+def output_nodes(modules: Iterable[nn.Module]) -> Iterator[tuple[set[Any], set[int]]]:
+    """Inside, the autograd nodes of the ``modules``' outputs are collected into the first yielded set (after the
+    model's own forward hooks: what the layer hands on), and the ids of the modules called into the second."""
     nodes: set[Any] = set()
+    ran: set[int] = set()
 
     def keep(module: nn.Module, args: Any, output: Any) -> None:
+        ran.add(id(module))
         apply_to_collection(output, torch.Tensor, lambda t: nodes.add(t.grad_fn) if t.grad_fn is not None else None)
 
     handles = [m.register_forward_hook(keep) for m in modules]
     try:
-        yield nodes
+        yield nodes, ran
     finally:
         for h in handles:
             h.remove()
@@ -92,11 +95,14 @@ def differentiations() -> Iterator[list[bool]]:
 class _PieceReads(TorchFunctionMode):
     """Records every piece (id in ``pieces``) a torch function takes while gradients are on, outside the forward of
     every module owning one (``depth``: how many such forwards are open) -- a layer's own forward, and FSDP's
-    gather in its pre-hook, read them legitimately. Tensor properties (``.shape``) are not reads."""
+    gather in its pre-hook, read them legitimately. Tensor properties (``.shape``) are not reads. A read inside
+    the ``forward`` of one of ``owners`` (their ids) while none is open was called directly, ``layer.forward(x)``,
+    which runs no hooks: that owner is recorded in ``direct``."""
 
-    def __init__(self, pieces: Mapping[int, str], depth: list[int]) -> None:
+    def __init__(self, pieces: Mapping[int, str], depth: list[int], owners: set[int]) -> None:
         super().__init__()
         self.pieces, self.depth, self.found = pieces, depth, dict[str, None]()
+        self.owners, self.direct = owners, dict[int, None]()
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -107,11 +113,19 @@ class _PieceReads(TorchFunctionMode):
     def _note(self, t: torch.Tensor) -> None:
         if id(t) in self.pieces:
             self.found[self.pieces[id(t)]] = None
+            frame = sys._getframe()
+            while frame is not None:
+                holder = frame.f_locals.get("self") if frame.f_code.co_name == "forward" else None
+                if id(holder) in self.owners:
+                    self.direct[id(holder)] = None
+                frame = frame.f_back
 
 
-def pieces_read_by(step: Callable[[], Any], pieces: Mapping[int, str], owners: Iterable[nn.Module]) -> list[str]:
+def pieces_read_by(step: Callable[[], Any], pieces: Mapping[int, str],
+                   owners: Iterable[nn.Module]) -> tuple[list[str], list[int]]:
     """Run ``step`` again (it failed; its side effects no longer matter) and name the pieces it computed with
-    outside the layers that own them, up to where it fails. Why a second run: a read of a piece usually fails
+    outside the layers that own them, up to where it fails, and the ids of the owners whose ``forward`` it called
+    directly. Why a second run: a read of a piece usually fails
     with some shape error deep in the step (``Expected input batch_size (72) to match target batch_size
     (144)``: a tied head's ``F.linear(h, self.wte.weight)`` on half the vocabulary) before the loss exists for
     :func:`read_outside` to walk, and watching every torch function of every first step would cost it (and a
@@ -124,9 +138,10 @@ def pieces_read_by(step: Callable[[], Any], pieces: Mapping[int, str], owners: I
     def leave(*_: Any) -> None:
         depth[0] -= 1
 
+    owners = list(owners)
     handles = [h for m in owners for h in (m.register_forward_pre_hook(enter, prepend=True),
                                            m.register_forward_hook(leave))]
-    mode = _PieceReads(pieces, depth)
+    mode = _PieceReads(pieces, depth, {id(m) for m in owners})
     try:
         with mode:
             step()
@@ -135,24 +150,33 @@ def pieces_read_by(step: Callable[[], Any], pieces: Mapping[int, str], owners: I
     finally:
         for h in handles:
             h.remove()
-    return list(mode.found)
+    return list(mode.found), list(mode.direct)
 
 
-def explain_failure(error: BaseException, names: list[str], held: str) -> ValueError:
-    """The error of a step that failed after reading pieces outside their layers, saying so."""
+def explain_failure(error: BaseException, names: list[str], held: str, direct: list[str] = ()) -> ValueError:
+    """The error of a step that failed after reading pieces outside their layers, saying so; ``direct``: the
+    modules holding them whose ``forward`` the step called itself."""
     return ValueError(
         f"{type(error).__name__}: {error}\n-- training_step computed with {names[:4]}"
         f"{' ...' if len(names) > 4 else ''} outside the forward of the modules holding them; here each rank holds "
-        f"{held} of them, which is most likely why it failed. Read a parameter through a module's forward -- "
-        "for an output layer tied to the input embedding, an nn.Linear holding its weight (self.lm_head.weight = "
-        "self.wte.weight), which shm_fsdp gathers around both -- or use shm_ddp.")
+        f"{held} of them, which is most likely why it failed. " + (
+            f"It called the forward of {direct[:4]} itself (layer.forward(x)), which runs none of the hooks the "
+            "layout gathers or splits the parameters in: call the module, layer(x)." if direct else
+            "Read a parameter through a module's forward -- for an output layer tied to the input embedding, an "
+            "nn.Linear holding its weight (self.lm_head.weight = self.wte.weight), which shm_fsdp gathers around "
+            "both -- or use shm_ddp."))
 
 
-def refuse_outside_reads(names: list[str], held: str) -> None:
+def refuse_outside_reads(names: list[str], held: str, never_called: list[str] = ()) -> None:
+    """``never_called``: the modules holding those parameters that the step never called as modules (their forward
+    hooks did not run) -- it ran their ``forward`` itself, or used their weights."""
     if names:
         raise ValueError(
             f"training_step's loss reads parameters itself ({names[:4]}{' ...' if len(names) > 4 else ''}), not "
             f"through the layers that own them; here each rank holds {held} of them, so such a term (an L2 "
             "penalty over self.parameters(), a norm of one weight) would be computed on this rank's piece -- "
             "another loss on every rank than one process's. Use the optimizer's weight_decay, compute the term "
-            "inside a layer's forward, or use shm_ddp.")
+            "inside a layer's forward, or use shm_ddp." + (
+                f" The step never called {never_called[:4]} as modules: if it runs their forward itself "
+                "(layer.forward(x)), that skips the hooks the layout gathers or splits the parameters in -- call "
+                "the module, layer(x)." if never_called else ""))

@@ -430,19 +430,23 @@ class SHMModelParallel(SHMStrategyBase):
         pieces = {id(p): n for n, p in module.named_parameters() if state.copies(p) < W}
         owners = [m for m in module.modules() if any(id(p) in pieces for p in m._parameters.values() if p is not None)]
         held = "only a piece (a row block under FSDP, a slice under tensor parallelism)"
+        where = {id(m): n for n, m in module.named_modules()}
         try:
-            with output_nodes(owners) as boundary, differentiations() as differentiated:
+            with output_nodes(owners) as (boundary, ran), differentiations() as differentiated:
                 out = super().training_step(*args, **kwargs)
         except Exception as e:
             again = (args[0].replay(),) if isinstance(args[0], PreparedBatches) else args  # the same batches
-            names = pieces_read_by(lambda: super(SHMModelParallel, self).training_step(*again, **kwargs), pieces,
-                                   owners)
+            names, direct = pieces_read_by(lambda: super(SHMModelParallel, self).training_step(*again, **kwargs),
+                                           pieces, owners)
             if names:
-                raise explain_failure(e, names, held) from e
+                raise explain_failure(e, names, held, [where[i] for i in direct]) from e
             raise
         loss = out.get("loss") if isinstance(out, Mapping) else out
         if isinstance(loss, Tensor) and loss.grad_fn is not None and not differentiated:
-            refuse_outside_reads(read_outside(loss, pieces, boundary), held)
+            names = read_outside(loss, pieces, boundary)
+            never_called = [where[id(m)] for m in owners if id(m) not in ran
+                            and any(f"{where[id(m)]}.{a}".lstrip(".") in names for a in m._parameters)]
+            refuse_outside_reads(names, held, never_called)
         return out
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -1015,7 +1015,8 @@ def test_a_stage_indexes_like_the_sequential_it_replaces():
     assert isinstance(stage[0], LayerElsewhere) and not list(stage[0].parameters())
     assert [id(p) for p in stage[:3].parameters()] == [id(p) for p in seq[2].parameters()]
     assert [type(m) for m in stage] == [LayerElsewhere, LayerElsewhere, nn.Linear, nn.Linear]
-    with pytest.raises(RuntimeError, match="layer 0 of the pipelined nn.Sequential is held by another"):
+    with pytest.raises(RuntimeError, match="layer 0 of the pipelined nn.Sequential is held by another pipeline "
+                                           "stage: a pipeline cuts the Sequential"):
         stage[0](torch.zeros(1, 4))
     with pytest.raises(IndexError, match="index 4 is out of range"):
         stage[4]

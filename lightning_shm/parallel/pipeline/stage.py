@@ -141,7 +141,11 @@ class LayerElsewhere(nn.Module):
         self.index = index
 
     def forward(self, *args: Any) -> Any:
-        raise RuntimeError(f"layer {self.index} of the pipelined nn.Sequential is held by another pipeline stage")
+        raise RuntimeError(
+            f"layer {self.index} of the pipelined nn.Sequential is held by another pipeline stage: a pipeline cuts "
+            "the Sequential between stages and runs it as one call inside its schedule (self.net(x)), so code "
+            "running its layers one by one (for layer in self.net: x = layer(x); self.net[i](x)) cannot be "
+            "pipelined. Call the Sequential whole, or use a strategy without pipeline_parallel_size.")
 
     def extra_repr(self) -> str:
         return f"layer {self.index}, on another stage"
