@@ -34,6 +34,10 @@ _MODULE_HOOKS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forwa
                  "_forward_hooks_always_called", "_backward_pre_hooks", "_backward_hooks")
 
 
+_STATE_DICT_HOOKS = ("_state_dict_pre_hooks", "_state_dict_hooks", "_load_state_dict_pre_hooks",
+                     "_load_state_dict_post_hooks")
+
+
 def has_module_hooks(m: nn.Module) -> bool:
     return any(getattr(m, attr) for attr in _MODULE_HOOKS)
 
@@ -93,12 +97,13 @@ def accumulate_grad(p: torch.Tensor, grad: torch.Tensor) -> None:
 
 
 def carry_over_module(old: nn.Module, new: nn.Module) -> None:
-    """``old``'s forward (pre-)hooks and backward (pre-)hooks run on ``new``, before any of ``new``'s own; and
-    ``new`` has the attributes the model set on ``old`` (``layer.lr_mult = 0.1``) that it does not set itself."""
+    """``old``'s forward (pre-)hooks, backward (pre-)hooks and state-dict hooks (one saving ``weight`` under an
+    older key) run on ``new``, before any of ``new``'s own; and ``new`` has the attributes the model set on ``old``
+    (``layer.lr_mult = 0.1``) that it does not set itself."""
     for key, value in old.__dict__.items():
         if not key.startswith("_") and key not in new.__dict__:
             new.__dict__[key] = value
-    for attr in _MODULE_HOOKS:
+    for attr in (*_MODULE_HOOKS, *_STATE_DICT_HOOKS):
         hooks = getattr(old, attr)
         if hooks and hooks is not getattr(new, attr):
             hooks.update(getattr(new, attr))

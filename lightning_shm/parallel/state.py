@@ -120,10 +120,20 @@ class ModelState:
         return {n: ids[p] for n, p in plain.items() if p in ids}  # by this rank's names
 
     # ------------------------------------------------------------------ any state dict of this layout
+    def _tensor_names(self) -> dict[str, str]:
+        """Each ``state_dict()`` key -> the name of the parameter or buffer it holds, where they differ: a module's
+        state-dict hooks may save a tensor under another key (``weight`` as ``w``, a checkpoint kept loadable by
+        older code), and placements follow the tensors' names. Found by identity (``keep_vars``)."""
+        named = {id(t): n for n, t in [*self.module.named_parameters(remove_duplicate=False),
+                                        *self.module.named_buffers(remove_duplicate=False)]}
+        return {k: named[id(v)] for k, v in self.module.state_dict(keep_vars=True).items()
+                if torch.is_tensor(v) and named.get(id(v), k) != k}
+
     def consolidate(self, local: Mapping[str, Any]) -> dict[str, Any]:
         """Full entries from this rank's pieces ``local`` (keys as in ``module.state_dict()``), all stages
         merged, in plain key order."""
-        full = {k: (self._rows(k, self.placement(k).gather(v)) if torch.is_tensor(v) else v)
+        name = self._tensor_names()
+        full = {k: (self._rows(name.get(k, k), self.placement(name.get(k, k)).gather(v)) if torch.is_tensor(v) else v)
                 for k, v in local.items()}
         if self.stages is not None:
             full = _merge_stages(self.stages.all_gather_object(full, _STAGE_STATES))
@@ -133,8 +143,9 @@ class ModelState:
 
     def localize(self, full: Mapping[str, Any], keys: Sequence[str]) -> dict[str, Any]:
         """This rank's pieces of the ``keys`` it holds, cut from full entries."""
-        return {k: (self.placement(k).cut(self._my_rows(k, full[k])) if torch.is_tensor(full[k]) else full[k])
-                for k in keys if k in full}
+        name = self._tensor_names()
+        return {k: (self.placement(name.get(k, k)).cut(self._my_rows(name.get(k, k), full[k]))
+                    if torch.is_tensor(full[k]) else full[k]) for k in keys if k in full}
 
     def _rows(self, key: str, entry: torch.Tensor) -> Any:
         """``entry`` (this stage's part of ``key``), tagged with its row offset if it holds only some rows."""
