@@ -117,3 +117,19 @@ def test_an_untimed_rail_barrier_outlasts_the_rails_timeout(untimed):
         assert got == {0: "arrived", 1: "arrived"}
     else:  # the rail's own timeout (1 s) ends node 1's wait
         assert "Timed out" in got[1], got
+
+
+def test_a_node_waiting_for_the_others_says_where_and_its_timeout_says_why():
+    """``num_nodes=2`` given to a run started on one machine only: node 0 waited the strategies' 30 minutes in
+    silence, then failed with torch's "Timed out after 1801 seconds waiting for clients". It now says where it
+    waits, again while it waits, and the timeout's error says the same."""
+    said: list[str] = []
+    port = find_free_network_port()
+    with pytest.raises(Exception, match="waiting for clients") as info:
+        connect_rail(NodeLayout(nodes=2, node=0, local_size=1, local_rank=0), "127.0.0.1", port, 2.0, said.append,
+                     every_s=0.5)
+    where = f"127.0.0.1:{port}, the TCP store global rank 0 hosts (MASTER_ADDR / MASTER_PORT); every node runs " \
+            "this script with its NODE_RANK, 0 to 1"
+    assert said[0] == f"node 0 of 2: meeting the other nodes' ranks at {where}"
+    assert any(s.startswith("node 0 of 2: still waiting for the other nodes (") and s.endswith(where) for s in said)
+    assert f"node 0 of 2 did not meet the other nodes within 2 s at {where}." in info.value.__notes__

@@ -22,8 +22,10 @@ from __future__ import annotations
 import contextlib
 import datetime
 import pickle
+import threading
+import time
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -117,13 +119,38 @@ class Rail:
         return self.all_gather_object(obj if self.index == src_node else None)[src_node]
 
 
-def connect_rail(layout: NodeLayout, address: str, port: int, timeout_s: float) -> Rail:
+def connect_rail(layout: NodeLayout, address: str, port: int, timeout_s: float,
+                 say: Callable[[str], None] = lambda _: None, every_s: float = 30.0) -> Rail:
     """This rank's rail: a gloo process group with the same local rank of every node, rendezvous through
-    the TCP store that global rank 0 hosts at ``address:port`` (one store, one key prefix per rail)."""
+    the TCP store that global rank 0 hosts at ``address:port`` (one store, one key prefix per rail).
+
+    The rendezvous waits up to ``timeout_s`` (the strategies': 30 minutes) for every node's ranks: a node not
+    started (``num_nodes=2`` given to a run started once), another address or port. ``say`` hears where this
+    rank waits, every ``every_s`` while it still does, and a timeout's error carries the same note -- a silent
+    half hour before torch's "client socket has timed out" was all there was."""
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(address, port, layout.world_size, layout.global_rank == 0, timeout=timeout)
-    prefix = f"lightning_shm/rail{layout.local_rank}"
-    pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), layout.node, layout.nodes, timeout)
-    untimed = dist.ProcessGroupGloo(dist.PrefixStore(f"{prefix}/untimed", store), layout.node, layout.nodes,
-                                    datetime.timedelta(days=10000))
+    where = (f"{address}:{port}, the TCP store global rank 0 hosts (MASTER_ADDR / MASTER_PORT); every node runs "
+             f"this script with its NODE_RANK, 0 to {layout.nodes - 1}")
+    say(f"node {layout.node} of {layout.nodes}: meeting the other nodes' ranks at {where}")
+    start, met = time.monotonic(), threading.Event()
+
+    def remind() -> None:
+        while not met.wait(every_s):
+            waited = time.monotonic() - start
+            say(f"node {layout.node} of {layout.nodes}: still waiting for the other nodes ({waited:.0f} s; the "
+                f"timeout is {timeout_s:.0f} s) at {where}")
+
+    threading.Thread(target=remind, name="lightning_shm-rail-reminder", daemon=True).start()
+    try:
+        store = dist.TCPStore(address, port, layout.world_size, layout.global_rank == 0, timeout=timeout)
+        prefix = f"lightning_shm/rail{layout.local_rank}"
+        pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), layout.node, layout.nodes, timeout)
+        untimed = dist.ProcessGroupGloo(dist.PrefixStore(f"{prefix}/untimed", store), layout.node, layout.nodes,
+                                        datetime.timedelta(days=10000))
+    except Exception as e:
+        e.add_note(f"node {layout.node} of {layout.nodes} did not meet the other nodes within {timeout_s:.0f} s at "
+                   f"{where}.")
+        raise
+    finally:
+        met.set()
     return Rail(layout, pg, store, untimed)

@@ -13,6 +13,7 @@ Lightning checks (read ``lightning/pytorch/strategies/ddp.py``, ``parallel.py``)
 
 from __future__ import annotations
 
+import logging
 import signal
 from typing import Any, Callable, Optional, Union
 
@@ -48,6 +49,9 @@ from lightning_shm.strategies.epoch_lengths import check_equal_epochs, check_rel
 from lightning_shm.strategies.launcher import SHMLauncher
 from lightning_shm.strategies.predictions import merge_predictions
 from lightning_shm.strategies.torch_distributed import hint_unsynced_epoch_metrics, warn_on_user_checks
+
+# the logger rank_zero_info writes to (Lightning shows it), for lines one rank of every node writes
+_log = logging.getLogger("lightning.pytorch.utilities.rank_zero")
 
 _STOP_REQUEST_VOTE = barrier_reason("a vote on a pending SIGINT / SIGTERM at the start of a step")
 _PREDICTIONS = barrier_reason("the ranks' predictions, for the main process in dataset order")
@@ -186,7 +190,8 @@ class SHMStrategyBase(ParallelStrategy):
             assert env is not None
             self._node = env.node_rank()
             layout = NodeLayout(self._num_nodes, self._node, self.num_processes, world.rank)
-            self._rail = connect_rail(layout, env.main_address, env.main_port, self.runtime_config.timeout_s)
+            say = _log.info if world.rank == 0 else (lambda _: None)  # one line per node
+            self._rail = connect_rail(layout, env.main_address, env.main_port, self.runtime_config.timeout_s, say)
             self._group = NodeSpanningGroup(world.world_group, self._rail)
 
     def detach_world(self) -> None:
