@@ -124,10 +124,12 @@ class ModelState:
         """Each ``state_dict()`` key -> the name of the parameter or buffer it holds, where they differ: a module's
         state-dict hooks may save a tensor under another key (``weight`` as ``w``, a checkpoint kept loadable by
         older code), and placements follow the tensors' names. Found by identity (``keep_vars``)."""
-        named = {id(t): n for n, t in [*self.module.named_parameters(remove_duplicate=False),
-                                        *self.module.named_buffers(remove_duplicate=False)]}
-        return {k: named[id(v)] for k, v in self.module.state_dict(keep_vars=True).items()
-                if torch.is_tensor(v) and named.get(id(v), k) != k}
+        named: dict[int, list[str]] = {}  # a tied tensor has several names, each its own key
+        for n, t in [*self.module.named_parameters(remove_duplicate=False),
+                     *self.module.named_buffers(remove_duplicate=False)]:
+            named.setdefault(id(t), []).append(n)
+        return {k: named[id(v)][0] for k, v in self.module.state_dict(keep_vars=True).items()
+                if torch.is_tensor(v) and k not in named.get(id(v), [k])}
 
     def consolidate(self, local: Mapping[str, Any]) -> dict[str, Any]:
         """Full entries from this rank's pieces ``local`` (keys as in ``module.state_dict()``), all stages
