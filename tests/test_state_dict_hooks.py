@@ -74,3 +74,45 @@ def test_renamed_keys_save_whole_and_resume_as_one_process(one_process, tmp_path
     assert mine["net.1.w"].shape == (64, 784)
     resumed = _fit(strategy(), devices, GLOBAL_BATCH // dp, 2, ckpt_path=saved_by_one)
     torch.testing.assert_close(resumed, straight, rtol=0, atol=1e-12)
+
+
+class HookedBatchNorm(MNISTClassifier):
+    """The CNN with hooks on its first BatchNorm: a forward hook scaling its output, state-dict hooks saving its
+    running mean as ``mean``."""
+
+    def __init__(self, **kw):
+        super().__init__(arch="cnn", channels=(4, 8), cnn_hidden=16, **kw)
+        bn = self.net[1]
+        bn.register_forward_hook(lambda module, args, out: out * 0.5)
+
+        def save(module, state_dict, prefix, local_metadata):
+            state_dict[prefix + "mean"] = state_dict.pop(prefix + "running_mean")
+
+        def load(state_dict, prefix, *args):
+            if prefix + "mean" in state_dict:
+                state_dict[prefix + "running_mean"] = state_dict.pop(prefix + "mean")
+
+        bn._register_state_dict_hook(save)
+        bn._register_load_state_dict_pre_hook(load)
+
+
+@pytest.mark.parametrize("name", ["ddp", "fsdp"])
+def test_a_batchnorm_synced_over_the_ranks_keeps_the_models_hooks(tmp_path, name):
+    """``sync_batchnorm=True`` replaces each BatchNorm by the shared-memory SyncBatchNorm, which did not take the
+    layer's hooks: the forward hook silently stopped running (3.4e-05 off one process after 2 SGD steps), and a
+    checkpoint lacked the renamed key one process writes."""
+
+    def fit(strategy, devices, batch, ref=False, save=None):
+        pl.seed_everything(SEED)
+        model = HookedBatchNorm(optimizer="sgd", lr=0.1)
+        data = mnist_like(GLOBAL_BATCH * 2, seed=1)
+        t = trainer(strategy=strategy, devices=devices, max_epochs=1, precision="64-true", sync_batchnorm=devices > 1)
+        t.fit(model, reference_loader(data, batch, SEED) if ref else loader(data, batch))
+        t.save_checkpoint(save)
+        return flat_params(model), torch.load(save, weights_only=False)["state_dict"]
+
+    one, one_saved = fit("auto", 1, GLOBAL_BATCH, ref=True, save=tmp_path / "one.ckpt")
+    strategy, devices, dp = layouts(name)[name]
+    got, saved = fit(strategy(), devices, GLOBAL_BATCH // dp, save=tmp_path / "layout.ckpt")
+    torch.testing.assert_close(got, one, rtol=0, atol=1e-12)
+    assert "net.1.mean" in saved and list(saved) == list(one_saved)

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
+from lightning_shm.parallel.replaced import carry_over_module
 from lightning_shm.runtime import Group
 
 
@@ -135,6 +136,7 @@ def convert_sync_batchnorm(module: nn.Module, group: Group,
                 if getattr(module, name) is not None:
                     getattr(new, name).copy_(getattr(module, name))
         new.train(module.training)
+        carry_over_module(module, new)  # the model's hooks on the layer (state-dict ones too) and its attributes
         done[id(module)] = new
         return new
     done[id(module)] = module
