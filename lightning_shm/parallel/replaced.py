@@ -39,7 +39,9 @@ _STATE_DICT_HOOKS = ("_state_dict_pre_hooks", "_state_dict_hooks", "_load_state_
 
 
 def has_module_hooks(m: nn.Module) -> bool:
-    return any(getattr(m, attr) for attr in _MODULE_HOOKS)
+    """Whether the model registered hooks on ``m`` -- forward, backward or state-dict ones -- which a layer cut
+    into pieces (a Linear's rows on two pipeline stages) could not run as they were written."""
+    return any(getattr(m, attr) for attr in (*_MODULE_HOOKS, *_STATE_DICT_HOOKS))
 
 
 @contextlib.contextmanager

@@ -35,6 +35,21 @@ def test_the_planner_cuts_inside_the_dominant_linear_and_balances_the_stages():
     assert max(a, b) < 0.8 * layer_only
 
 
+@pytest.mark.parametrize("hook", ["forward", "state_dict"])
+def test_a_linear_with_the_models_hooks_is_not_cut(hook):
+    """Its hooks expect the whole layer: a forward hook its whole output, a state-dict hook (one saving ``weight``
+    under another key) its whole entries -- the head and tail would run neither."""
+    seq = build_mlp(WIDE)
+    layers, costs = list(seq), layer_costs_by_params(seq)
+    (layer, _), = plan_row_cuts(layers, costs, 2, stages=2)[1:]
+    if hook == "forward":
+        layers[layer].register_forward_hook(lambda m, args, out: out)
+    else:
+        layers[layer]._register_state_dict_hook(lambda m, state_dict, prefix, meta: None)
+    cuts = plan_row_cuts(layers, costs, 2, stages=2)
+    assert cuts is None or all(row == 0 for _, row in cuts)
+
+
 def test_the_planner_keeps_layer_boundaries_where_they_balance():
     costs = [1.0, 10.0, 1.0, 1.0, 10.0, 1.0]
     layers = [nn.ReLU(), nn.Linear(4, 4), nn.ReLU(), nn.ReLU(), nn.Linear(4, 4), nn.ReLU()]
