@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
+from torch.nn.utils import parametrize
 
 from lightning_shm.parallel.replaced import carry_over_module
 from lightning_shm.runtime import Group
@@ -109,6 +110,22 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
         return super().extra_repr() + f", group={list(self.group.ranks)}"
 
 
+def _carry_parametrizations(old: nn.Module, new: nn.Module) -> None:
+    """``old``'s parametrizations (a weight kept positive through softplus, say) on ``new`` too, with the same
+    trained originals: the copy above gave ``new`` the computed values as plain tensors, so the constraint would
+    stop applying and the checkpoint's ``parametrizations.weight.original`` go missing."""
+    if not parametrize.is_parametrized(old):
+        return
+    for name, chain in old.parametrizations.items():
+        for fn in chain:
+            parametrize.register_parametrization(new, name, fn, unsafe=True)
+        mine = new.parametrizations[name]
+        with torch.no_grad():
+            for key, t in [*chain.named_parameters(recurse=False), *chain.named_buffers(recurse=False)]:
+                getattr(mine, key).copy_(t)
+                getattr(mine, key).requires_grad_(t.requires_grad)
+
+
 def convert_sync_batchnorm(module: nn.Module, group: Group,
                            kinds: tuple[type, ...] = (nn.modules.batchnorm._BatchNorm,),
                            _done: Optional[dict[int, nn.Module]] = None) -> nn.Module:
@@ -135,6 +152,7 @@ def convert_sync_batchnorm(module: nn.Module, group: Group,
             for name in ("running_mean", "running_var", "num_batches_tracked"):
                 if getattr(module, name) is not None:
                     getattr(new, name).copy_(getattr(module, name))
+        _carry_parametrizations(module, new)
         new.train(module.training)
         carry_over_module(module, new)  # the model's hooks on the layer (state-dict ones too) and its attributes
         done[id(module)] = new
