@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
@@ -125,11 +125,11 @@ def pieces_read_by(step: Callable[[], Any], pieces: Mapping[int, str],
                    owners: Iterable[nn.Module]) -> tuple[list[str], list[int]]:
     """Run ``step`` again (it failed; its side effects no longer matter) and name the pieces it computed with
     outside the layers that own them, up to where it fails, and the ids of the owners whose ``forward`` it called
-    directly. Why a second run: a read of a piece usually fails
-    with some shape error deep in the step (``Expected input batch_size (72) to match target batch_size
-    (144)``: a tied head's ``F.linear(h, self.wte.weight)`` on half the vocabulary) before the loss exists for
-    :func:`read_outside` to walk, and watching every torch function of every first step would cost it (and a
-    compiled model's tracing) for nothing."""
+    directly. Why a second run: a read of a piece usually fails with some shape error deep in the step
+    (``Expected input batch_size (72) to match target batch_size (144)``: a tied head's ``F.linear(h,
+    self.wte.weight)`` on half the vocabulary) before the loss exists for :func:`read_outside` to walk, and
+    watching every torch function of every first step would cost it (and a compiled model's tracing) for
+    nothing."""
     depth = [0]
 
     def enter(*_: Any) -> None:
@@ -153,21 +153,21 @@ def pieces_read_by(step: Callable[[], Any], pieces: Mapping[int, str],
     return list(mode.found), list(mode.direct)
 
 
-def explain_failure(error: BaseException, names: list[str], held: str, direct: list[str] = ()) -> ValueError:
+def explain_failure(error: BaseException, names: list[str], held: str, direct: Sequence[str] = ()) -> ValueError:
     """The error of a step that failed after reading pieces outside their layers, saying so; ``direct``: the
     modules holding them whose ``forward`` the step called itself."""
     return ValueError(
         f"{type(error).__name__}: {error}\n-- training_step computed with {names[:4]}"
         f"{' ...' if len(names) > 4 else ''} outside the forward of the modules holding them; here each rank holds "
         f"{held} of them, which is most likely why it failed. " + (
-            f"It called the forward of {direct[:4]} itself (layer.forward(x)), which runs none of the hooks the "
+            f"It called the forward of {list(direct[:4])} itself (layer.forward(x)), which runs none of the hooks the "
             "layout gathers or splits the parameters in: call the module, layer(x)." if direct else
             "Read a parameter through a module's forward -- for an output layer tied to the input embedding, an "
             "nn.Linear holding its weight (self.lm_head.weight = self.wte.weight), which shm_fsdp gathers around "
             "both -- or use shm_ddp."))
 
 
-def refuse_outside_reads(names: list[str], held: str, never_called: list[str] = ()) -> None:
+def refuse_outside_reads(names: list[str], held: str, never_called: Sequence[str] = ()) -> None:
     """``never_called``: the modules holding those parameters that the step never called as modules (their forward
     hooks did not run) -- it ran their ``forward`` itself, or used their weights."""
     if names:
@@ -177,6 +177,6 @@ def refuse_outside_reads(names: list[str], held: str, never_called: list[str] = 
             "penalty over self.parameters(), a norm of one weight) would be computed on this rank's piece -- "
             "another loss on every rank than one process's. Use the optimizer's weight_decay, compute the term "
             "inside a layer's forward, or use shm_ddp." + (
-                f" The step never called {never_called[:4]} as modules: if it runs their forward itself "
+                f" The step never called {list(never_called[:4])} as modules: if it runs their forward itself "
                 "(layer.forward(x)), that skips the hooks the layout gathers or splits the parameters in -- call "
                 "the module, layer(x)." if never_called else ""))

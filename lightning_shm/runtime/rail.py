@@ -127,7 +127,7 @@ def connect_rail(layout: NodeLayout, address: str, port: int, timeout_s: float,
     The rendezvous waits up to ``timeout_s`` (the strategies': 30 minutes) for every node's ranks: a node not
     started (``num_nodes=2`` given to a run started once), another address or port. ``say`` hears where this
     rank waits, every ``every_s`` while it still does, and a timeout's error carries the same note -- a silent
-    half hour before torch's "client socket has timed out" was all there was."""
+    half hour before torch's "Timed out after 1801 seconds waiting for clients" was all there was."""
     timeout = datetime.timedelta(seconds=timeout_s)
     where = (f"{address}:{port}, the TCP store global rank 0 hosts (MASTER_ADDR / MASTER_PORT); every node runs "
              f"this script with its NODE_RANK, 0 to {layout.nodes - 1}")
