@@ -9,7 +9,6 @@ shm_fsdp, shm_tp and dp x pp (shm_ddp and the pipelines keep the model's own ten
 
 from __future__ import annotations
 
-import lightning.pytorch as pl
 import pytest
 import torch
 from torch import nn
@@ -20,18 +19,7 @@ from lightning_shm import SHMModelParallel, SHMPipeline, SHMTensorParallel
 from lightning_shm.models import MNISTClassifier
 from lightning_shm.models.mlp import build_mlp
 from lightning_shm.parallel.pipeline.row_cut import LinearRows, plan_row_cuts
-from tests.helpers import (
-    GLOBAL_BATCH,
-    LAYOUTS,
-    SEED,
-    fit_seeded,
-    flat_params,
-    layouts,
-    loader,
-    mnist_like,
-    reference_loader,
-    trainer,
-)
+from tests.helpers import GLOBAL_BATCH, LAYOUTS, fit_seeded, flat_params, layouts
 
 PLAN = {"net.1": "column", "net.4": "row"}
 HOOK_LAYOUTS = {
@@ -391,11 +379,8 @@ def test_a_batchnorm_synced_over_the_ranks_keeps_the_models_hooks_and_parametriz
     without its constraint, and the run failed at its end ("KeyError: 'net.5.weight'")."""
 
     def fit(strategy, devices, batch, ref=False, save=None):
-        pl.seed_everything(SEED)
-        model = HookedBatchNorm(optimizer="sgd", lr=0.1)
-        data = mnist_like(GLOBAL_BATCH * 2, seed=1)
-        t = trainer(strategy=strategy, devices=devices, max_epochs=1, precision="64-true", sync_batchnorm=devices > 1)
-        t.fit(model, reference_loader(data, batch, SEED) if ref else loader(data, batch))
+        t, model = fit_seeded(lambda: HookedBatchNorm(optimizer="sgd", lr=0.1), strategy, devices, batch, ref=ref,
+                              sync_batchnorm=devices > 1)
         t.save_checkpoint(save)
         return flat_params(model), torch.load(save, weights_only=False)["state_dict"]
 
