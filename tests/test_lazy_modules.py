@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from lightning_shm.models import MNISTClassifier
-from tests.helpers import GLOBAL_BATCH, fit_seeded, flat_params, layouts, trainer
+from tests.helpers import GLOBAL_BATCH, fit_seeded, flat_params, layouts, loader, mnist_like, trainer
 
 _PATTERN = (r"holds layers whose tensors have no shape yet -- net\.0 \(LazyConv2d\), net\.1 \(LazyBatchNorm2d\), "
             r"net\.4 \(LazyLinear\), net\.6 \(LazyLinear\): .* Run one forward")
@@ -42,18 +42,15 @@ class BuiltLazyInConfigureModel(MNISTClassifier):
 @pytest.mark.parametrize("name", ["ddp", "fsdp", "tp2", "pp2-1f1b"])
 def test_lazy_layers_are_refused_before_any_worker_starts(no_worker_starts, name):
     strategy, devices, _ = layouts(name)[name]
-    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(8, 1, 28, 28),
-                                                                      torch.zeros(8, dtype=torch.long)), batch_size=4)
     with pytest.raises(ValueError, match=_PATTERN):
-        trainer(strategy=strategy(), devices=devices, max_steps=1).fit(LazyCNN(), data)
+        trainer(strategy=strategy(), devices=devices, max_steps=1).fit(LazyCNN(), loader(mnist_like(8), 4))
 
 
 def test_lazy_layers_built_in_configure_model_are_refused_in_the_workers():
     strategy, devices, _ = layouts("ddp")["ddp"]
-    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(8, 1, 28, 28),
-                                                                      torch.zeros(8, dtype=torch.long)), batch_size=4)
     with pytest.raises(ValueError, match=_PATTERN):
-        trainer(strategy=strategy(), devices=devices, max_steps=1).fit(BuiltLazyInConfigureModel(), data)
+        trainer(strategy=strategy(), devices=devices, max_steps=1).fit(BuiltLazyInConfigureModel(),
+                                                                       loader(mnist_like(8), 4))
 
 
 @pytest.mark.parametrize("name", ["ddp", "fsdp", "tp2"])  # a pipeline's BatchNorm sees microbatches (README, Limits)

@@ -75,3 +75,25 @@ def test_renamed_keys_save_whole_and_resume_as_one_process(one_process, tmp_path
     resumed = _fit(strategy(), devices, GLOBAL_BATCH // dp, 2, ckpt_path=saved_by_one)
     torch.testing.assert_close(resumed, straight, rtol=0, atol=1e-12)
 
+
+
+def test_a_key_is_mapped_to_its_tensors_name_only_where_it_names_none_of_them():
+    """Placements are keyed by a tensor's name -- for a tied one, possibly its first holder's only (as the
+    data-parallel placements are). A key naming the tensor keeps its own placement; a key a hook renamed
+    (``w``) takes the placement of the tensor it holds. Mapped to the tensor's last name, the renamed key took
+    ``b.weight``'s placement (none) and stayed whole."""
+    from types import SimpleNamespace
+
+    from lightning_shm.parallel.placement import Placement, Split
+    from lightning_shm.parallel.state import ModelState
+
+    module = nn.Module()
+    module.a, module.b = SavedAsW(4, 3, bias=False), nn.Linear(4, 3, bias=False)
+    module.b.weight = module.a.weight  # tied: names a.weight and b.weight
+    rows = Placement((Split(SimpleNamespace(size=2, index=1), 0, (2, 1)),))  # this rank holds row 2 of 3
+    state = ModelState(module, list(module.state_dict()), ["a.weight"], {"a.weight": rows})
+    full = torch.arange(12.0).view(3, 4)
+    assert list(module.state_dict()) == ["a.w", "b.weight"]
+    got = state.localize({"a.w": full, "b.weight": full}, ["a.w", "b.weight"])
+    assert torch.equal(got["a.w"], full[2:])  # renamed: the tensor's (first) name's placement
+    assert torch.equal(got["b.weight"], full)  # a name of the tensor: its own placement (whole)

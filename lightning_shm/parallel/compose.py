@@ -358,6 +358,7 @@ def parallelize(module: nn.Module, config: ParallelConfig, world: World, groups:
     placements: dict[str, Placement] = tp.placements() if tp is not None else {}
     fsdp = reducer = None
     if topo.dp > 1 and config.shard:  # FSDP inside the node; several nodes: replicas of it (HSDP)
+        unsharded = sum(p.numel() for p in module.parameters())
         fsdp = FSDPState(module, groups.node_dp, config.policy, config.reshard_after_forward, config.prefetch,
                          layers=layers, across=_node_mean(groups), gather=config.gather, tied=tied,
                          sliced=frozenset(n for n, pl in placements.items() if pl.splits))
@@ -365,7 +366,7 @@ def parallelize(module: nn.Module, config: ParallelConfig, world: World, groups:
         if scripts := scripted(module):
             held = sum(p.numel() for _, m in scripts for p in m.parameters())
             log(f"shm_fsdp: {[n for n, _ in scripts]} are TorchScript modules, whose forward runs no hooks: their "
-                f"{held:,} parameters (of {sum(p.numel() for p in module.parameters()):,}) stay whole on every rank")
+                f"{held:,} parameters (of {unsharded:,}) stay whole on every rank")
         if groups.nodes > 1:
             placements = {n: p.replicated(groups.nodes) for n, p in placements.items()}
     elif groups.dp_size > 1:

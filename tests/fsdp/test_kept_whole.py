@@ -148,3 +148,26 @@ def test_checkpoint_is_plain_and_resumes_as_uninterrupted(tmp_path, model_cls):
     torch.optim.Adam(plain.parameters()).load_state_dict(saved["optimizer_states"][0])
     resumed = fit(2, ckpt_path=ckpt.best_model_path)
     torch.testing.assert_close(resumed, straight, rtol=0, atol=0)
+
+
+
+def test_scripted_modules_kept_whole_are_named_in_the_log(tmp_path, monkeypatch):
+    """Rank 0 says which TorchScript modules stay whole, and how many parameters they hold: a user expecting
+    1/W of them per rank learns why not. (The forked workers write what the strategy logs to a file here.)"""
+    from lightning_shm.strategies import model_parallel
+
+    said = tmp_path / "said.txt"
+
+    def info(message: str) -> None:
+        with open(said, "a") as f:
+            f.write(message + "\n")
+
+    monkeypatch.setattr(model_parallel, "rank_zero_info", info)
+    strategy, devices, dp = layouts("fsdp")["fsdp"]
+    train_mnist(strategy(), devices, "sgd", batch=GLOBAL_BATCH // dp, model_cls=Scripted)
+    held = sum(p.numel() for p in Scripted().net[1].parameters())
+    total = sum(p.numel() for p in Scripted().parameters())
+    lines = said.read_text().splitlines()
+    line = (f"shm_fsdp: ['net.1'] are TorchScript modules, whose forward runs no hooks: their {held:,} parameters "
+            f"(of {total:,}) stay whole on every rank")
+    assert lines.count(line) == 2  # the strategy's info goes through rank_zero_info; each rank calls it

@@ -167,8 +167,8 @@ def derive_plan(seq: nn.Sequential, tp: int, prefix: str = "", tied: frozenset[i
         q = _qual(prefix, name)
         blocks = _encoder_blocks(q, m)
         if blocks is not None:  # torch's own blocks: each one's feed-forward pair, the attention whole
-            for b, block in blocks:
-                if i not in shared and all(type(getattr(block, a, None)) is nn.Linear for a in ("linear1", "linear2")):
+            for b, block in blocks if i not in shared else []:
+                if all(type(getattr(block, a, None)) is nn.Linear for a in ("linear1", "linear2")):
                     plan[f"{b}.linear1"], plan[f"{b}.linear2"] = LayerPlan("column"), LayerPlan("row")
             pending = None
             continue
