@@ -15,15 +15,18 @@ Boundaries are the outputs of the layers that own the parameters and, under FSDP
 (``_GatherUnit``) a unit's forward reads its full parameters through. The walk does not go below a
 boundary, so it finds what joins the graph after the layers -- a term added to the loss, the usual
 case -- not a read feeding some layer's input. One check, on the first training step (automatic
-optimization: under manual optimization backward runs inside the step; and not where the step
-differentiates by itself, see :func:`differentiations`).
+optimization: under manual optimization backward runs inside the step). Where the step differentiates by
+itself, the graph's backward nodes read parameters legitimately, so the walk looks instead for the gradients
+the step took with respect to pieces (:func:`differentiations`): a gradient-norm penalty reads one outside
+the layers (measured under tp2: 0.04 off one process after 2 Adam steps), MAML's inner step feeds it to them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import sys
-from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence
 
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
@@ -31,10 +34,13 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 
-def read_outside(loss: torch.Tensor, pieces: Mapping[int, str], boundary: set[Any]) -> list[str]:
+def read_outside(loss: torch.Tensor, pieces: Mapping[int, str], boundary: set[Any],
+                 grads: Mapping[tuple[Any, int], str] = {}) -> list[str]:
     """Names of the parameters in ``pieces`` (id -> name) that ``loss`` reaches without passing a node of
-    ``boundary`` (or a gather edge of FSDP), in ``pieces``' order: walks the autograd graph from ``loss``."""
-    found: set[str] = set()
+    ``boundary`` (or a gather edge of FSDP), in ``pieces``' order, then of those whose gradient in ``grads``
+    (its autograd edge, ``(grad_fn, output_nr)`` -> the parameter's name: see :func:`differentiations`) it
+    reaches so: walks the autograd graph from ``loss``."""
+    found: dict[str, None] = {}
     seen: set[Any] = set()
     todo = [loss.grad_fn]
     while todo:
@@ -44,9 +50,12 @@ def read_outside(loss: torch.Tensor, pieces: Mapping[int, str], boundary: set[An
         seen.add(fn)
         var = getattr(fn, "variable", None)  # an AccumulateGrad node: a leaf tensor
         if var is not None and id(var) in pieces:
-            found.add(pieces[id(var)])
-        todo.extend(f for f, _ in fn.next_functions)
-    return [n for n in pieces.values() if n in found]
+            found[pieces[id(var)]] = None
+        for edge in fn.next_functions:
+            if edge in grads:
+                found[grads[edge]] = None
+            todo.append(edge[0])
+    return [n for n in dict.fromkeys([*pieces.values(), *grads.values()]) if n in found]
 
 
 @contextlib.contextmanager
@@ -68,26 +77,48 @@ def output_nodes(modules: Iterable[nn.Module]) -> Iterator[tuple[set[Any], set[i
             h.remove()
 
 
+@dataclass
+class Differentiations:
+    """What the step's own calls of ``torch.autograd.grad`` / ``backward`` did (:func:`differentiations`)."""
+
+    called: bool = False
+    grads: dict[tuple[Any, int], str] = field(default_factory=dict)  # a piece's gradient's autograd edge -> name
+
+
 @contextlib.contextmanager
-def differentiations() -> Iterator[list[bool]]:
-    """Inside, a call of ``torch.autograd.grad`` / ``backward`` (``Tensor.backward`` too) appends to the yielded
-    list: a step that differentiates itself (a gradient penalty, ``create_graph=True``) builds graph nodes in
-    backward that read the parameters legitimately, which this walk cannot tell from a step's own reads."""
-    called: list[bool] = []
+def differentiations(pieces: Mapping[int, str] = {},
+                     refuse: Optional[Callable[[list[str]], None]] = None) -> Iterator[Differentiations]:
+    """Inside, a call of ``torch.autograd.grad`` / ``backward`` (``Tensor.backward`` too) sets ``called``: a step
+    that differentiates itself (a gradient penalty, ``create_graph=True``) builds graph nodes in backward that
+    read the parameters legitimately, which the walk cannot tell from a step's own reads. A gradient taken with
+    respect to one of ``pieces`` (id -> name) is what the rank holds -- a piece of the parameter's gradient:
+    ``refuse`` (given the names) is called before it is taken; else the gradient's edge is kept in ``grads``
+    (``create_graph=True``), for :func:`read_outside` to find whether the loss reads it outside the layers
+    (a norm of the gradient: a piece's) or only through them (MAML's ``p - lr * g`` given to the layer)."""
+    seen = Differentiations()
     autograd = torch.autograd
     originals = autograd.grad, autograd.backward
 
     def grad(*args: Any, **kwargs: Any) -> Any:
-        called.append(True)
-        return originals[0](*args, **kwargs)
+        seen.called = True
+        inputs = kwargs["inputs"] if "inputs" in kwargs else args[1] if len(args) > 1 else ()
+        inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+        names = [pieces[id(t)] for t in inputs if id(t) in pieces]
+        if names and refuse is not None:
+            refuse(names)
+        out = originals[0](*args, **kwargs)
+        for t, g in zip(inputs, out):
+            if id(t) in pieces and g is not None and g.grad_fn is not None:
+                seen.grads[(g.grad_fn, g.output_nr)] = pieces[id(t)]
+        return out
 
     def backward(*args: Any, **kwargs: Any) -> Any:
-        called.append(True)
+        seen.called = True
         return originals[1](*args, **kwargs)
 
     autograd.grad, autograd.backward = grad, backward
     try:
-        yield called
+        yield seen
     finally:
         autograd.grad, autograd.backward = originals
 
@@ -180,3 +211,17 @@ def refuse_outside_reads(names: list[str], held: str, never_called: Sequence[str
                 f" The step never called {list(never_called[:4])} as modules: if it runs their forward itself "
                 "(layer.forward(x)), that skips the hooks the layout gathers or splits the parameters in -- call "
                 "the module, layer(x)." if never_called else ""))
+
+
+def refuse_gradient_reads(names: list[str], held: str) -> None:
+    """The step's loss reads gradients it took itself with respect to ``names`` (``torch.autograd.grad(...,
+    create_graph=True)``) other than through the layers: each is a piece here, as its parameter is."""
+    if names:
+        raise ValueError(
+            f"training_step's loss reads gradients it took itself with respect to parameters ({names[:4]}"
+            f"{' ...' if len(names) > 4 else ''}: torch.autograd.grad(..., create_graph=True)), not through the "
+            f"layers that own them; here each rank holds {held} of those parameters and so of their gradients, so "
+            "such a term (a penalty on the gradient's norm) would be computed on this rank's piece -- another loss "
+            "on every rank than one process's. A gradient used inside the layers trains as one process (MAML's "
+            "inner step: functional_call(self, {name: p - lr * g}, x)); for a term on the gradient itself use "
+            "shm_ddp.")

@@ -53,6 +53,7 @@ from lightning_shm.parallel.outside_reads import (
     output_nodes,
     pieces_read_by,
     read_outside,
+    refuse_gradient_reads,
     refuse_outside_reads,
 )
 from lightning_shm.parallel.pipeline import PipelineEngine
@@ -432,7 +433,7 @@ class SHMModelParallel(SHMStrategyBase):
         held = "only a piece (a row block under FSDP, a slice under tensor parallelism)"
         where = {id(m): n for n, m in module.named_modules()}
         try:
-            with output_nodes(owners) as (boundary, ran), differentiations() as differentiated:
+            with output_nodes(owners) as (boundary, ran), differentiations(pieces) as differentiated:
                 out = super().training_step(*args, **kwargs)
         except Exception as e:
             again = (args[0].replay(),) if isinstance(args[0], PreparedBatches) else args  # the same batches
@@ -442,7 +443,10 @@ class SHMModelParallel(SHMStrategyBase):
                 raise explain_failure(e, names, held, [where[i] for i in direct]) from e
             raise
         loss = out.get("loss") if isinstance(out, Mapping) else out
-        if isinstance(loss, Tensor) and loss.grad_fn is not None and not differentiated:
+        if isinstance(loss, Tensor) and loss.grad_fn is not None:
+            if differentiated.called:
+                refuse_gradient_reads(read_outside(loss, {}, boundary, differentiated.grads), held)
+                return out
             names = read_outside(loss, pieces, boundary)
             never_called = [where[id(m)] for m in owners if id(m) not in ran
                             and any(f"{where[id(m)]}.{a}".lstrip(".") in names for a in m._parameters)]

@@ -25,6 +25,7 @@ import torch
 from lightning_utilities.core.apply_func import apply_to_collection, is_namedtuple
 from torch import Tensor, nn
 
+from lightning_shm.parallel.outside_reads import differentiations
 from lightning_shm.parallel.pipeline import CapturedInput, PipelineStage, split_batch
 from lightning_shm.parallel.pipeline.microbatches import batch_size as batch_size_of
 from lightning_shm.parallel.pipeline.stage import parameters_read_outside
@@ -120,6 +121,18 @@ def _refuse_reads(names: list[str]) -> None:
                          "Sequential.")
 
 
+def _refuse_gradients(names: list[str]) -> None:
+    """The step asked ``torch.autograd.grad`` for gradients of the stage's layers: the schedule's to take."""
+    raise ValueError(
+        f"training_step takes gradients with respect to parameters of the pipelined nn.Sequential ({names[:4]}"
+        f"{' ...' if len(names) > 4 else ''}) itself (torch.autograd.grad: MAML's inner step, a penalty on the "
+        "gradient's norm). A pipeline computes those gradients in its schedule -- each stage its own layers', "
+        "microbatch by microbatch -- and the step runs on the last stage, which holds only its own layers and one "
+        "microbatch: they cannot be taken in it. shm_ddp gives each rank the gradient of its own batch, as "
+        "Lightning's ddp does (MAML's per-task steps train there as one process); shm_tp too, where the gradient is "
+        "used inside the layers (functional_call(self, {name: p - lr * g}, x)).")
+
+
 _NOT_SET_HERE = (
     "shm_pipeline: each stage runs only its own layers of the Sequential, and the step's loss runs on the last "
     "stage: an attribute set while another stage's layers run -- by them, or by a forward hook on them (an inner "
@@ -171,6 +184,10 @@ class LightningStageIO:
         self.extras: dict[int, dict[str, Any]] = {}  # training: what the step returned beside the loss
         self.lists = _list_lengths(module)  # before the step: what it appends goes to every stage
         self._whole_input: Optional[list[Any]] = None  # evaluation, first stage: the batch's input, cut
+        # training: the stage's parameters of the Sequential (id -> name), which only the schedule differentiates
+        # (named here, before any call of the step: its enumerations of parameters are watched)
+        held = {id(p) for p in stage.parameters()} if training else set()
+        self._own = {id(p): n for n, p in module.named_parameters() if id(p) in held}
 
     def _seed(self, mb: int) -> None:
         """The streams for the step's call on microbatch ``mb`` (-1: the whole batch), alike on every stage."""
@@ -186,7 +203,8 @@ class LightningStageIO:
         # rank-zero calls (a logger's, print) are kept from the last stage's first microbatch only: one per batch
         calls = self.calls if sink is not None and mb == 0 else []
         self._seed(mb)
-        with recording_logs(self.module, sink, weight), recording_rank_zero_calls(self.module, calls):
+        own = differentiations(self._own, _refuse_gradients) if self.training else contextlib.nullcontext()
+        with recording_logs(self.module, sink, weight), recording_rank_zero_calls(self.module, calls), own:
             try:
                 return self._run_step(self.micro[mb] if batch is None else batch)
             except AttributeError as e:

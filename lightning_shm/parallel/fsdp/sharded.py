@@ -30,7 +30,8 @@ from torch import nn
 
 from lightning_shm.parallel.fsdp.policy import PolicyFn, UnitPolicy, find_units, kept_whole, split_off_other_dtypes
 from lightning_shm.parallel.fsdp.prefetch import Prefetcher
-from lightning_shm.parallel.fsdp.unit import FSDPUnit, MemoryStats, check_gather
+from lightning_shm.parallel.fsdp.unit import FSDPUnit, MemoryStats, check_gather, refuse_gradients_of_shards
+from lightning_shm.parallel.outside_reads import differentiations
 from lightning_shm.parallel.placement import Placement, Split
 from lightning_shm.runtime import Group
 
@@ -81,6 +82,7 @@ class FSDPState:
         self._step_units = [u for u in self.units if not any(b.name in sliced for b in u.blocks)] \
             if gather == "view" else []
         self._shards = {id(b.shard) for u in self.units for b in u.blocks}
+        self._shard_names = {id(b.shard): b.name for u in self.units for b in u.blocks}
         self._watched: list[Any] = []
         self.after_shards_written()
 
@@ -157,12 +159,16 @@ class FSDPState:
         reduce-scatter (:meth:`FSDPUnit.open`; the layers' forwards gather and reduce-scatter as before). Free
         under "view": the full parameters are the shared rows; under "copy" it would keep the whole model's
         private copy for the step, so it does nothing there (``parameters()`` stays the rank's rows in both:
-        the optimizer's, and a penalty over them is refused)."""
+        the optimizer's, and a penalty over them is refused). Under both, a gradient the step asks
+        ``torch.autograd.grad`` for with respect to the rank's rows is refused before it is taken
+        (:func:`.unit.refuse_gradients_of_shards`: the rows of every rank's mean, not this rank's gradient; under
+        "copy" the gather it freed was also gone for the step's own backward)."""
         steps = []
         for u in self._step_units:
             u.open()
         try:
-            yield
+            with differentiations(self._shard_names, refuse=refuse_gradients_of_shards):
+                yield
         finally:
             steps = [(u, u.close()) for u in self._step_units]
         for u, step in steps:  # once every unit shows its rows again (not after a failed step: its error stands)

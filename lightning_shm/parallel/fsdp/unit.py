@@ -66,6 +66,21 @@ _ROWS_WRITTEN = barrier_reason("FSDP: this rank wrote its rows of a parameter in
                                "rows at the same point")
 
 
+_NOT_THIS_RANKS = (
+    "Under shm_fsdp each rank holds a row block of these parameters, and a unit's gradient is averaged over the "
+    "ranks into that block as backward reaches the unit: what came back would be those rows of the mean over every "
+    "rank's batch, not the gradient of this rank's batch that one process differentiates again or reads (MAML's "
+    "inner step, a penalty on the gradient's norm, a logged gradient norm). shm_ddp gives each rank the gradient of "
+    "its own batch, as Lightning's ddp does (MAML's per-task steps train there as one process); shm_tp too, where "
+    "the gradient is used inside the layers (functional_call(self, {name: p - lr * g}, x)).")
+
+
+def refuse_gradients_of_shards(names: list[str]) -> None:
+    """The step asked ``torch.autograd.grad`` for the gradient of some of the rank's blocks (``names``)."""
+    raise ValueError(f"training_step takes gradients with respect to parameters ({names[:4]}"
+                     f"{' ...' if len(names) > 4 else ''}) itself (torch.autograd.grad). {_NOT_THIS_RANKS}")
+
+
 def check_gather(gather: str, reshard_after_forward: bool = True, prefetch: bool = False) -> None:
     """The options that shape private copies of the full parameters need ``gather="copy"``: a "view"
     gather makes none (nothing to keep after forward, nothing to prefetch)."""
@@ -139,6 +154,15 @@ class _GatherUnit(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         unit: FSDPUnit = ctx.unit
+        if torch.is_grad_enabled():  # create_graph=True: a graph of this backward is asked for
+            raise RuntimeError(
+                f"a backward with create_graph=True reached the parameters of FSDP unit {unit.name!r} "
+                "(loss.backward(create_graph=True), for a Hessian-vector product say): the reduce-scatter that "
+                "averages their gradient over the ranks into each rank's row block has no derivative here, and the "
+                "rows it leaves are not the gradient one process would differentiate again. Data parallelism does not "
+                "take such a step as one process: Lightning's ddp and shm_ddp fail on it too (torch's "
+                "DistributedDataParallel does not synchronize higher-order gradients). A gradient penalty with "
+                "respect to the input (create_graph on the input only) trains under shm_fsdp as one process.")
         nothing = (None, None, None)
         if unit.held is not None:
             unit.accumulate(grads)
