@@ -58,6 +58,7 @@ from lightning_shm.parallel.outside_reads import (
 )
 from lightning_shm.parallel.pipeline import PipelineEngine
 from lightning_shm.parallel.pipeline.split import attributes_kept, why_sample_fails
+from lightning_shm.parallel.replicas import parted
 from lightning_shm.parallel.state_copies import consolidate_copies, localize_copies
 from lightning_shm.parallel.tp.inputs import MODES, broadcast_from_first, check_same
 from lightning_shm.parallel.tp.loading import (
@@ -149,6 +150,7 @@ class SHMModelParallel(SHMStrategyBase):
         self._muted_writers: list[BasePredictionWriter] = []
         self._grads_split = False  # some rank holds a gradient that is not every rank's whole one (setup)
         self._reads_checked = False  # the first training step's loss was checked for reads of pieces
+        self._replicas_checked = False  # the ranks' whole copies were compared after the first optimizer step
         self._norm_logs = GradNormLogs(self._layout)
 
     # ------------------------------------------------------------------ grid
@@ -404,6 +406,9 @@ class SHMModelParallel(SHMStrategyBase):
         return PreparedBatches(args[0], self._same_on_replica)
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if not self._replicas_checked and self.lightning_module.trainer.global_step >= 1:
+            self._replicas_checked = True
+            self._check_replicas()
         fetching = self._fetching("training_step", args)
         if fetching is not None:
             args = (fetching,)
@@ -422,6 +427,24 @@ class SHMModelParallel(SHMStrategyBase):
                 return super().training_step(*args, **kwargs)
             self._reads_checked = True
             return self._step_checking_reads(*args, **kwargs)
+
+    def _check_replicas(self) -> None:
+        """Once, at the first training step after an optimizer step: the ranks' copies of every parameter they all
+        hold whole are still equal (:mod:`lightning_shm.parallel.replicas`), or the user hears why not. Not in a
+        pipeline: its stages hold different parameters, so no list of them is every rank's."""
+        if self.parallel is None or self.pipeline is not None or self.world_size == 1:
+            return
+        state, W = self.parallel.state, self.world_size
+        names = parted([(n, p) for n, p in self.lightning_module.named_parameters() if state.copies(p) == W],
+                       self.group)
+        if names:
+            rank_zero_warn(
+                f"lightning_shm: after the first optimizer step the ranks' copies of {names[:4]}"
+                f"{' ...' if len(names) > 4 else ''} differ: some rank stepped with a gradient that was not averaged "
+                "over the ranks -- one set outside backward (p.grad = ...: DP-SGD's clipped per-sample gradients, "
+                "gradients combined from torch.autograd.grad) or changed on one rank -- and from here each rank "
+                "trains its own model (as under Lightning's ddp, which saves rank 0's). Average such a gradient over "
+                "the ranks before the step: p.grad = self.trainer.strategy.reduce(p.grad, reduce_op='mean').")
 
     def _step_checking_reads(self, *args: Any, **kwargs: Any) -> Any:
         """The first training step, whose loss's graph shows what it reads: parameters this rank holds pieces of,

@@ -1,0 +1,86 @@
+"""The ranks' copies of a whole parameter stay equal, and a step that parts them is told so once
+(:mod:`lightning_shm.parallel.replicas`): DP-SGD's per-sample gradients set as ``p.grad`` without an average."""
+
+from __future__ import annotations
+
+import warnings
+from functools import partial
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.func import functional_call, grad, vmap
+
+from lightning_shm.models import MNISTClassifier
+from tests.helpers import GLOBAL_BATCH, LAYOUTS, fit_seeded, flat_params
+
+PARTED = "after the first optimizer step the ranks' copies of"
+
+
+class RecordsWarnings(MNISTClassifier):
+    """Logs ``parted`` = 1 once the strategy warned that the ranks' copies differ (recorded in the worker)."""
+
+    def on_train_start(self):
+        self._recording = warnings.catch_warnings(record=True)
+        self._caught = self._recording.__enter__()
+        warnings.simplefilter("always")
+
+    def on_train_end(self):
+        self._recording.__exit__(None, None, None)
+
+    def training_step(self, batch, batch_idx):
+        loss = self.step(batch)
+        self.log("parted", float(any(PARTED in str(w.message) for w in self._caught)))
+        return loss
+
+    def step(self, batch):
+        return super().training_step(batch, 0)
+
+
+class PerSampleClipped(RecordsWarnings):
+    """DP-SGD's update without noise: per-sample gradients (``torch.func``), each clipped to norm 1, their mean
+    set as ``p.grad`` by hand -- averaged over the ranks only with ``reduce``."""
+
+    def __init__(self, reduce: bool):
+        super().__init__(optimizer="sgd", lr=0.1)
+        self.reduce, self.automatic_optimization = reduce, False
+
+    def step(self, batch):
+        opt = self.optimizers()
+        opt.zero_grad()
+        x, y = batch
+        params = {n: p.detach() for n, p in self.named_parameters()}
+
+        def loss_of(ps, xi, yi):
+            return F.cross_entropy(functional_call(self, ps, (xi[None],)), yi[None])
+
+        per_sample = vmap(grad(loss_of), in_dims=(None, 0, 0))(params, x, y)
+        norms = torch.sqrt(sum(g.flatten(1).pow(2).sum(1) for g in per_sample.values()))
+        scale = norms.reciprocal().clamp(max=1.0)
+        for n, p in self.named_parameters():
+            p.grad = (per_sample[n] * scale.view(-1, *[1] * (p.dim()))).mean(0)
+            if self.reduce:
+                p.grad = self.trainer.strategy.reduce(p.grad, reduce_op="mean")
+        opt.step()
+        return F.cross_entropy(self(x), y).detach()
+
+
+@pytest.mark.parametrize("reduce", [False, True])
+def test_gradients_set_by_hand_part_the_ranks_unless_averaged_and_the_strategy_says_so(reduce):
+    """Unaveraged, each rank stepped with its own batch's gradient: rank 0's weights 2.0e-3 off one process after 2
+    steps, as under Lightning's ddp, and nothing said so; averaged with ``strategy.reduce``, as one process."""
+    _, ref = fit_seeded(partial(PerSampleClipped, True), "auto", 1, GLOBAL_BATCH, ref=True)
+    strategy, devices, dp = LAYOUTS["ddp"]
+    t, got = fit_seeded(partial(PerSampleClipped, reduce), strategy(), devices, GLOBAL_BATCH // dp)
+    assert float(t.callback_metrics["parted"]) == float(not reduce)
+    diff = float((flat_params(got) - flat_params(ref)).abs().max())
+    assert diff < 1e-12 if reduce else diff > 1e-4
+
+
+@pytest.mark.parametrize("layout", ["ddp", "fsdp", "tp2"])
+def test_a_plain_fit_keeps_every_whole_copy_equal(layout):
+    """Adam, float64: the check compares every parameter each layout holds whole on all ranks, and finds none
+    parted (shm_fsdp's kept-whole parameters, tp's replicated ones; a pipeline's stages hold different ones)."""
+    strategy, devices, dp = LAYOUTS[layout]
+    t, _ = fit_seeded(partial(RecordsWarnings, optimizer="adam", lr=0.01), strategy(), devices, GLOBAL_BATCH // dp)
+    assert float(t.callback_metrics["parted"]) == 0.0
