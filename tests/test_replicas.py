@@ -1,5 +1,6 @@
 """The ranks' copies of a whole parameter stay equal, and a step that parts them is told so once
-(:mod:`lightning_shm.parallel.replicas`): DP-SGD's per-sample gradients set as ``p.grad`` without an average."""
+(:mod:`lightning_shm.parallel.replicas`): DP-SGD's per-sample gradients set as ``p.grad`` without an average.
+Per-sample gradients (``torch.func``) run under shm_ddp only; elsewhere torch's error says why."""
 
 from __future__ import annotations
 
@@ -84,3 +85,31 @@ def test_a_plain_fit_keeps_every_whole_copy_equal(layout):
     strategy, devices, dp = LAYOUTS[layout]
     t, _ = fit_seeded(partial(RecordsWarnings, optimizer="adam", lr=0.01), strategy(), devices, GLOBAL_BATCH // dp)
     assert float(t.callback_metrics["parted"]) == 0.0
+
+
+class PerSampleNormLogged(MNISTClassifier):
+    """Automatic optimization; logs the mean per-sample gradient norm (``torch.func``)."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        params = {n: p.detach() for n, p in self.named_parameters()}
+
+        def loss_of(ps, xi, yi):
+            return F.cross_entropy(functional_call(self, ps, (xi[None],)), yi[None])
+
+        per_sample = vmap(grad(loss_of), in_dims=(None, 0, 0))(params, x, y)
+        self.log("per_sample_norm", torch.sqrt(sum(g.flatten(1).pow(2).sum(1) for g in per_sample.values())).mean())
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("layout, model", [("tp2", partial(PerSampleClipped, True)),
+                                           ("fsdp-copy", partial(PerSampleNormLogged, optimizer="sgd")),
+                                           ("pp2-1f1b", partial(PerSampleNormLogged, optimizer="sgd"))])
+def test_torch_func_over_split_layers_says_to_use_shm_ddp(layout, model):
+    """torch's own errors named our autograd Functions' missing ``setup_context``, a "TensorWrapper" storage, or
+    "an internal functorch error"; each now carries the note (shm_ddp trains the DP-SGD step, above)."""
+    strategy, devices, dp = LAYOUTS[layout]
+    with pytest.raises(Exception) as raised:
+        fit_seeded(model, strategy(), devices, GLOBAL_BATCH // dp)
+    assert any("torch.func transforms (vmap, grad: per-sample gradients, DP-SGD) cannot run through this layout"
+               in n for n in getattr(raised.value, "__notes__", []))

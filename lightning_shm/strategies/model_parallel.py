@@ -84,6 +84,23 @@ from lightning_shm.strategies.whole_loads import whole_loads_explained
 _ELEMENTWISE_FRONT = (nn.Flatten, nn.Identity, nn.Dropout, nn.ReLU)
 
 
+_FUNC_TRANSFORMS = (
+    "lightning_shm: torch.func transforms (vmap, grad: per-sample gradients, DP-SGD) cannot run through this "
+    "layout's layers: shm_fsdp's and shm_tp's layers communicate in autograd Functions torch.func does not "
+    "transform, a pipeline stage runs only its own layers, and named_parameters() gives the rank's pieces, which "
+    "functional_call would compute with. Under shm_ddp every layer is whole and they run as in one process (average "
+    "a gradient set by hand over the ranks: p.grad = self.trainer.strategy.reduce(p.grad, reduce_op='mean')).")
+
+
+def _from_func_transforms(e: BaseException) -> bool:
+    """Whether torch.func (functorch) raised ``e``, or the error it wraps (a failed first step's explanation)."""
+    while e is not None:
+        if "functorch" in str(e) or "TensorWrapper" in str(e):
+            return True
+        e = e.__cause__  # type: ignore[assignment]
+    return False
+
+
 class SHMModelParallel(SHMStrategyBase):
     """dp x tp x pp on W CPU processes through shared memory (``devices`` = dp x tp x pp).
 
@@ -409,6 +426,14 @@ class SHMModelParallel(SHMStrategyBase):
         if not self._replicas_checked and self.lightning_module.trainer.global_step >= 1:
             self._replicas_checked = True
             self._check_replicas()
+        try:
+            return self._training_step(*args, **kwargs)
+        except Exception as e:
+            if (self._grads_split or self.pipeline is not None) and _from_func_transforms(e):
+                e.add_note(_FUNC_TRANSFORMS)
+            raise
+
+    def _training_step(self, *args: Any, **kwargs: Any) -> Any:
         fetching = self._fetching("training_step", args)
         if fetching is not None:
             args = (fetching,)
