@@ -91,17 +91,18 @@ def trainer(**kwargs: Any) -> pl.Trainer:
 
 
 def fit_seeded(make_model: Callable[[], pl.LightningModule], strategy: Any, devices: int, batch: int, *,
-               ref: bool = False, samples: int = 0, validate: bool = False,
+               ref: bool = False, samples: int = 0, validate: bool = False, ckpt_path: Optional[str] = None,
                **trainer_kw: Any) -> tuple[pl.Trainer, pl.LightningModule]:
     """One seeded float64 fit of ``make_model()`` on ``samples`` synthetic samples (default 2 global batches) in
     batches of ``batch`` per data-parallel rank (``ref``: one process in the distributed sampler's order); with
-    ``validate`` the same loader validates. Returns the trainer and the model, for what a test reads of them."""
+    ``validate`` the same loader validates; ``ckpt_path``: resumed from there. Returns the trainer and the model,
+    for what a test reads of them."""
     pl.seed_everything(SEED)
     model = make_model()
     ds = mnist_like(samples or GLOBAL_BATCH * 2, seed=1)
     dl = reference_loader(ds, batch, SEED) if ref else loader(ds, batch)
     t = trainer(**{"strategy": strategy, "devices": devices, "max_epochs": 1, "precision": "64-true", **trainer_kw})
-    t.fit(model, dl, dl if validate else None)
+    t.fit(model, dl, dl if validate else None, ckpt_path=ckpt_path)
     return t, model
 
 

@@ -42,6 +42,7 @@ from lightning_shm.strategies.main_script import check_main_script
 from lightning_shm.strategies.main_state import (
     apply_found_learning_rates,
     apply_gathered_attributes,
+    end_checkpoint,
     fit_data,
     found_learning_rates,
     gathered_attributes,
@@ -132,7 +133,7 @@ class SHMLauncher(_Launcher):
             results = strategy.gather_predictions(trainer, results)
         checkpoint = None
         if trainer.state.fn == TrainerFn.FITTING and not tuned:  # what rank 0 would write now (collective if sharded)
-            checkpoint = strategy.plain_checkpoint(trainer._checkpoint_connector.dump_checkpoint(weights_only=False))
+            checkpoint = strategy.plain_checkpoint(end_checkpoint(trainer))
         attributes = strategy.plain_attributes(gathered_attributes(trainer))  # collective if sharded
         if strategy.local_rank != 0:  # local rank 0 of each node reports to that node's main process
             return None

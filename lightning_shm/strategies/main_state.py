@@ -6,7 +6,8 @@ in the main process behave as in one process, rank 0 hands back the full checkpo
 at the end (model, loops, optimizer and scheduler states -- consolidated by sharded strategies --,
 callback, precision and datamodule states) and :func:`restore_trainer` loads it here, the way
 Lightning restores a checkpoint, except for the module's own ``on_load_checkpoint`` hook, which a
-single process would not call after ``fit`` either.
+single process would not call after ``fit`` either -- nor is that checkpoint made through the module's
+``on_save_checkpoint`` (:func:`end_checkpoint`).
 
 Optimizers are built here by the module's ``configure_optimizers`` over the plain module and loaded
 with the plain (consolidated) state; if that cannot run in the main process the Trainer keeps no
@@ -53,6 +54,22 @@ def fit_data(function: Callable, args: Sequence[Any], kwargs: Mapping[str, Any])
     if isinstance(data["train_dataloaders"], pl.LightningDataModule):  # fit(model, dm), as fit reads it
         data["datamodule"], data["train_dataloaders"] = data["train_dataloaders"], None
     return data
+
+
+def end_checkpoint(trainer: "pl.Trainer") -> dict[str, Any]:
+    """What rank 0 hands back: the checkpoint it would write now, without the module's ``on_save_checkpoint`` --
+    it shapes files the user keeps (drops a frozen backbone's keys, casts to half), not the trained module the main
+    process takes over, which one process simply holds (and :func:`restore_trainer` calls no ``on_load_checkpoint``
+    either). Lightning's spawn launcher hands back ``state_dict()`` alike."""
+    module = trainer.lightning_module
+    own = module.__dict__.get("on_save_checkpoint")
+    module.on_save_checkpoint = lambda checkpoint: None  # type: ignore[method-assign]
+    try:
+        return trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+    finally:
+        del module.on_save_checkpoint
+        if own is not None:
+            module.on_save_checkpoint = own  # type: ignore[method-assign]
 
 
 def restore_trainer(trainer: "pl.Trainer", checkpoint: dict[str, Any], data: Mapping[str, Any]) -> None:
