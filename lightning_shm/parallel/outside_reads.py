@@ -125,54 +125,65 @@ def differentiations(pieces: Mapping[int, str] = {},
 
 class _PieceReads(TorchFunctionMode):
     """Records every piece (id in ``pieces``) a torch function takes while gradients are on, outside the forward of
-    every module owning one (``depth``: how many such forwards are open) -- a layer's own forward, and FSDP's
-    gather in its pre-hook, read them legitimately. Tensor properties (``.shape``) are not reads. A read inside
-    the ``forward`` of one of ``owners`` (their ids) while none is open was called directly, ``layer.forward(x)``,
-    which runs no hooks: that owner is recorded in ``direct``."""
+    each module holding it (``holders``: piece id -> those modules' ids; ``open``: module id -> its forwards now
+    open) -- a layer's own forward reads its piece legitimately; FSDP's gathered parameters are other tensors.
+    Tensor properties (``.shape``) are not reads. For each such read, the innermost module whose ``forward`` is
+    running: one of the piece's holders -- called directly, ``layer.forward(x)``, which runs no hooks -- goes
+    into ``direct``; another module into ``readers`` (a block passing its child's weight to a function itself,
+    as torchvision's Swin attention does with ``self.qkv.weight``)."""
 
-    def __init__(self, pieces: Mapping[int, str], depth: list[int], owners: set[int]) -> None:
+    def __init__(self, pieces: Mapping[int, str], holders: Mapping[int, frozenset[int]],
+                 open_: Mapping[int, int]) -> None:
         super().__init__()
-        self.pieces, self.depth, self.found = pieces, depth, dict[str, None]()
-        self.owners, self.direct = owners, dict[int, None]()
+        self.pieces, self.holders, self.open, self.found = pieces, holders, open_, dict[str, None]()
+        self.direct, self.readers = dict[int, None](), dict[int, None]()
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if not self.depth[0] and torch.is_grad_enabled() and getattr(func, "__name__", "") != "__get__":
+        if torch.is_grad_enabled() and getattr(func, "__name__", "") != "__get__":
             apply_to_collection((args, kwargs), torch.Tensor, self._note)
         return func(*args, **kwargs)
 
     def _note(self, t: torch.Tensor) -> None:
-        if id(t) in self.pieces:
-            self.found[self.pieces[id(t)]] = None
-            frame = sys._getframe()
-            while frame is not None:
-                holder = frame.f_locals.get("self") if frame.f_code.co_name == "forward" else None
-                if id(holder) in self.owners:
-                    self.direct[id(holder)] = None
-                frame = frame.f_back
+        holders = self.holders.get(id(t), frozenset())
+        if id(t) not in self.pieces or any(self.open.get(h) for h in holders):
+            return
+        self.found[self.pieces[id(t)]] = None
+        frame = sys._getframe()
+        while frame is not None:
+            module = frame.f_locals.get("self") if frame.f_code.co_name == "forward" else None
+            if isinstance(module, nn.Module):
+                (self.direct if id(module) in holders else self.readers)[id(module)] = None
+                return
+            frame = frame.f_back
 
 
 def pieces_read_by(step: Callable[[], Any], pieces: Mapping[int, str],
-                   owners: Iterable[nn.Module]) -> tuple[list[str], list[int]]:
+                   owners: Iterable[nn.Module]) -> tuple[list[str], list[int], list[int]]:
     """Run ``step`` again (it failed; its side effects no longer matter) and name the pieces it computed with
-    outside the layers that own them, up to where it fails, and the ids of the owners whose ``forward`` it called
-    directly. Why a second run: a read of a piece usually fails with some shape error deep in the step
-    (``Expected input batch_size (72) to match target batch_size (144)``: a tied head's ``F.linear(h,
-    self.wte.weight)`` on half the vocabulary) before the loss exists for :func:`read_outside` to walk, and
-    watching every torch function of every first step would cost it (and a compiled model's tracing) for
-    nothing."""
-    depth = [0]
+    outside the layers that own them, up to where it fails, with the ids of the modules in whose ``forward``
+    it did so (:class:`_PieceReads`): holders called directly, and other modules. Why a second run: a read of a
+    piece usually fails with some shape error deep in the step (``Expected input batch_size (72) to match
+    target batch_size (144)``: a tied head's ``F.linear(h, self.wte.weight)`` on half the vocabulary) before
+    the loss exists for :func:`read_outside` to walk, and watching every torch function of every first step
+    would cost it (and a compiled model's tracing) for nothing."""
+    open_: dict[int, int] = {}
 
-    def enter(*_: Any) -> None:
-        depth[0] += 1
+    def enter(module: nn.Module, *_: Any) -> None:
+        open_[id(module)] = open_.get(id(module), 0) + 1
 
-    def leave(*_: Any) -> None:
-        depth[0] -= 1
+    def leave(module: nn.Module, *_: Any) -> None:
+        open_[id(module)] -= 1
 
     owners = list(owners)
+    holders: dict[int, frozenset[int]] = {}
+    for m in owners:
+        for p in m._parameters.values():
+            if p is not None and id(p) in pieces:
+                holders[id(p)] = holders.get(id(p), frozenset()) | {id(m)}
     handles = [h for m in owners for h in (m.register_forward_pre_hook(enter, prepend=True),
                                            m.register_forward_hook(leave))]
-    mode = _PieceReads(pieces, depth, {id(m) for m in owners})
+    mode = _PieceReads(pieces, holders, open_)
     try:
         with mode:
             step()
@@ -181,21 +192,31 @@ def pieces_read_by(step: Callable[[], Any], pieces: Mapping[int, str],
     finally:
         for h in handles:
             h.remove()
-    return list(mode.found), list(mode.direct)
+    return list(mode.found), list(mode.direct), list(mode.readers)
 
 
-def explain_failure(error: BaseException, names: list[str], held: str, direct: Sequence[str] = ()) -> ValueError:
+def explain_failure(error: BaseException, names: list[str], held: str, direct: Sequence[str] = (),
+                    readers: Sequence[str] = ()) -> ValueError:
     """The error of a step that failed after reading pieces outside their layers, saying so; ``direct``: the
-    modules holding them whose ``forward`` the step called itself."""
+    modules holding them whose ``forward`` the step called itself; ``readers``: modules (of the model, below
+    the LightningModule) whose own ``forward`` read them without calling their holders."""
+    if direct:
+        advice = (f"It called the forward of {list(direct[:4])} itself (layer.forward(x)), which runs none of the "
+                  "hooks the layout gathers or splits the parameters in: call the module, layer(x).")
+    elif readers:
+        advice = (f"The forward of {list(readers[:4])} reads them itself, without calling the modules that hold "
+                  "them (a block passing its child's weight to a function, as torchvision's Swin attention does "
+                  "with self.qkv.weight): under shm_fsdp make such a block one unit (a unit_policy naming it, not "
+                  "its children) or keep the default gather='view', whose step sees whole parameters; under tensor "
+                  "parallelism leave its children out of the plan -- or use shm_ddp.")
+    else:
+        advice = ("Read a parameter through a module's forward -- for an output layer tied to the input embedding, "
+                  "an nn.Linear holding its weight (self.lm_head.weight = self.wte.weight), which shm_fsdp gathers "
+                  "around both -- or use shm_ddp.")
     return ValueError(
         f"{type(error).__name__}: {error}\n-- training_step computed with {names[:4]}"
         f"{' ...' if len(names) > 4 else ''} outside the forward of the modules holding them; here each rank holds "
-        f"{held} of them, which is most likely why it failed. " + (
-            f"It called the forward of {list(direct[:4])} itself (layer.forward(x)), which runs none of the hooks the "
-            "layout gathers or splits the parameters in: call the module, layer(x)." if direct else
-            "Read a parameter through a module's forward -- for an output layer tied to the input embedding, an "
-            "nn.Linear holding its weight (self.lm_head.weight = self.wte.weight), which shm_fsdp gathers around "
-            "both -- or use shm_ddp."))
+        f"{held} of them, which is most likely why it failed. " + advice)
 
 
 def refuse_outside_reads(names: list[str], held: str, never_called: Sequence[str] = ()) -> None:

@@ -485,10 +485,12 @@ class SHMModelParallel(SHMStrategyBase):
                 out = super().training_step(*args, **kwargs)
         except Exception as e:
             again = (args[0].replay(),) if isinstance(args[0], PreparedBatches) else args  # the same batches
-            names, direct = pieces_read_by(lambda: super(SHMModelParallel, self).training_step(*again, **kwargs),
-                                           pieces, owners)
+            names, direct, readers = pieces_read_by(
+                lambda: super(SHMModelParallel, self).training_step(*again, **kwargs), pieces, owners)
+            # a module reading its children's pieces in its own forward (not the LightningModule's: a tied head)
+            inner = [where[i] for i in readers if where.get(i) and any(n.startswith(where[i] + ".") for n in names)]
             if names:
-                raise explain_failure(e, names, held, [where[i] for i in direct]) from e
+                raise explain_failure(e, names, held, [where[i] for i in direct], inner) from e
             raise
         loss = out.get("loss") if isinstance(out, Mapping) else out
         if isinstance(loss, Tensor) and loss.grad_fn is not None:
