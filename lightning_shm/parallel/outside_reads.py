@@ -77,6 +77,13 @@ def output_nodes(modules: Iterable[nn.Module]) -> Iterator[tuple[set[Any], set[i
             h.remove()
 
 
+# where gradients the step takes with respect to parameters are what one process takes
+WHERE_GRADIENTS_WORK = (
+    "shm_ddp gives each rank the gradient of its own batch, as Lightning's ddp does (MAML's per-task steps train "
+    "there as one process); shm_tp too, where the gradient is used inside the layers (functional_call(self, "
+    "{name: p - lr * g}, x)).")
+
+
 @dataclass
 class Differentiations:
     """What the step's own calls of ``torch.autograd.grad`` / ``backward`` did (:func:`differentiations`)."""

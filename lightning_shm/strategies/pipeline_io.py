@@ -25,7 +25,7 @@ import torch
 from lightning_utilities.core.apply_func import apply_to_collection, is_namedtuple
 from torch import Tensor, nn
 
-from lightning_shm.parallel.outside_reads import differentiations
+from lightning_shm.parallel.outside_reads import WHERE_GRADIENTS_WORK, differentiations
 from lightning_shm.parallel.pipeline import CapturedInput, PipelineStage, split_batch
 from lightning_shm.parallel.pipeline.microbatches import batch_size as batch_size_of
 from lightning_shm.parallel.pipeline.stage import parameters_read_outside
@@ -128,9 +128,7 @@ def _refuse_gradients(names: list[str]) -> None:
         f"{' ...' if len(names) > 4 else ''}) itself (torch.autograd.grad: MAML's inner step, a penalty on the "
         "gradient's norm). A pipeline computes those gradients in its schedule -- each stage its own layers', "
         "microbatch by microbatch -- and the step runs on the last stage, which holds only its own layers and one "
-        "microbatch: they cannot be taken in it. shm_ddp gives each rank the gradient of its own batch, as "
-        "Lightning's ddp does (MAML's per-task steps train there as one process); shm_tp too, where the gradient is "
-        "used inside the layers (functional_call(self, {name: p - lr * g}, x)).")
+        f"microbatch: they cannot be taken in it. {WHERE_GRADIENTS_WORK}")
 
 
 _NOT_SET_HERE = (
@@ -187,7 +185,7 @@ class LightningStageIO:
         # training: the stage's parameters of the Sequential (id -> name), which only the schedule differentiates
         # (named here, before any call of the step: its enumerations of parameters are watched)
         held = {id(p) for p in stage.parameters()} if training else set()
-        self._own = {id(p): n for n, p in module.named_parameters() if id(p) in held}
+        self._own = {id(p): n for n, p in module.named_parameters() if id(p) in held} if held else {}
 
     def _seed(self, mb: int) -> None:
         """The streams for the step's call on microbatch ``mb`` (-1: the whole batch), alike on every stage."""

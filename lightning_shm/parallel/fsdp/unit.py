@@ -54,6 +54,7 @@ from torch import nn
 from lightning_shm.parallel.fsdp.policy import UnitSpec
 from lightning_shm.parallel.fsdp.prefetch import Prefetcher
 from lightning_shm.parallel.fsdp.rows import RowBlock
+from lightning_shm.parallel.outside_reads import WHERE_GRADIENTS_WORK
 from lightning_shm.parallel.replaced import accumulate_grad, carry_over
 from lightning_shm.runtime import Group, SharedBuffer, even_split
 from lightning_shm.runtime.errors import CollectiveMismatchError
@@ -70,9 +71,7 @@ _NOT_THIS_RANKS = (
     "Under shm_fsdp each rank holds a row block of these parameters, and a unit's gradient is averaged over the "
     "ranks into that block as backward reaches the unit: what came back would be those rows of the mean over every "
     "rank's batch, not the gradient of this rank's batch that one process differentiates again or reads (MAML's "
-    "inner step, a penalty on the gradient's norm, a logged gradient norm). shm_ddp gives each rank the gradient of "
-    "its own batch, as Lightning's ddp does (MAML's per-task steps train there as one process); shm_tp too, where "
-    "the gradient is used inside the layers (functional_call(self, {name: p - lr * g}, x)).")
+    f"inner step, a penalty on the gradient's norm, a logged gradient norm). {WHERE_GRADIENTS_WORK}")
 
 
 def refuse_gradients_of_shards(names: list[str]) -> None:
