@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import time
 
@@ -27,6 +28,7 @@ from tests.helpers import (
     StepsEveryOptimizer,
     check_plain_checkpoint,
     fit_adam64,
+    fit_seeded,
     flat_params,
     loader,
     mnist_like,
@@ -82,9 +84,11 @@ def test_default_units_are_the_parameter_owning_children_of_the_sequential():
     assert [u.numel for u in merged] == [200_960, 512 + 16_448 + 128 + 650]
 
 
-def _shard_and_step(world, reshard, gather="copy"):
+def _shard_and_step(world, reshard, gather="copy", twice=False):
     torch.manual_seed(0)
     model = MNISTClassifier(optimizer="adam")
+    if twice:  # a frozen unit in the middle, which backward passes through (freed by its input's gradient hook)
+        model.net[4].requires_grad_(False)
     sharded = FSDPState(model, world.group(), reshard_after_forward=reshard, gather=gather)
     opt = model.configure_optimizers()
     sharded.watch([opt])
@@ -98,6 +102,8 @@ def _shard_and_step(world, reshard, gather="copy"):
     in_common = unit.common is not None and unit.common.data_ptr() == seen[0]
     live_before_backward = sharded.stats.live
     gen = world.group()._barrier.gen
+    if twice:  # the graph kept for a second backward: each gathers the units again and frees them after
+        loss.backward(retain_graph=True)
     loss.backward()
     backward_barriers = world.group()._barrier.gen - gen  # the group's barriers passed during backward
     opt.step()  # ends with the barrier (watch): every shard written before anyone gathers
@@ -141,12 +147,14 @@ def test_each_rank_holds_its_rows_of_every_parameter_under_its_own_name(world_si
         assert barriers == len(unit_bytes) == 5
 
 
+@pytest.mark.parametrize("twice", [False, True], ids=["one-backward", "two-backwards"])
 @pytest.mark.parametrize("reshard", [True, False])
-def test_units_are_freed_after_forward_or_kept_until_backward(reshard):
+def test_units_are_freed_after_forward_or_kept_until_backward(reshard, twice):
     """gather="copy": ZeRO-3 frees every unit after its forward and gathers it again for backward; without
-    resharding the units stay gathered from forward to backward. Either way nothing full survives the step."""
-    (_, _, live, fwd_peak, unit_bytes, _, before_backward, _, _), _ = launch(_shard_and_step, 2, reshard,
-                                                                             start_method="fork")
+    resharding the units stay gathered from forward to backward. Either way nothing full survives the step, also
+    after a second backward through the kept graph (which gathers them again)."""
+    (_, _, live, fwd_peak, unit_bytes, _, before_backward, _, _), _ = launch(_shard_and_step, 2, reshard, "copy",
+                                                                             twice, start_method="fork")
     assert before_backward == (0 if reshard else sum(unit_bytes))
     assert live == 0 and fwd_peak == max(unit_bytes)  # a no-grad forward frees each unit at once either way
 
@@ -558,3 +566,38 @@ def test_a_unit_policy_selecting_nothing_is_refused(no_worker_starts):
     with pytest.raises(ValueError, match="the FSDP unit policy selected no module with parameters in MNISTClassifier"):
         train_mnist(SHMFSDPStrategy(start_method="fork", unit_policy=lambda name, m: False), 2, "sgd",
                     batch=GLOBAL_BATCH // 2)
+
+
+class _TwoBackwards(MNISTClassifier):
+    """Manual optimization: two losses of one forward, each with a backward of its own, the first keeping the
+    graph (``retain_graph=True``); ``frozen``: a middle layer frozen (a unit backward passes through)."""
+
+    def __init__(self, frozen: bool = False):
+        super().__init__(optimizer="adam", lr=0.01)
+        self.automatic_optimization = False
+        if frozen:
+            self.net[4].requires_grad_(False)
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        opt.zero_grad()
+        out = self(batch[0])
+        loss = nn.functional.cross_entropy(out, batch[1])
+        self.manual_backward(loss, retain_graph=True)
+        self.manual_backward(out.pow(2).mean())
+        opt.step()
+        return loss
+
+
+@pytest.mark.parametrize("kw", [{}, {"gather": "copy"}, {"gather": "copy", "reshard_after_forward": False},
+                                {"gather": "copy", "prefetch": True}],
+                         ids=["view", "copy", "copy-kept", "copy-prefetch"])
+@pytest.mark.parametrize("frozen", [False, True], ids=["trainable", "frozen-middle"])
+def test_a_graph_kept_for_a_second_backward_trains_as_one_process(kw, frozen):
+    """Under "copy" the first backward freed each unit's gathered copy and the second read the empty storage:
+    "setStorage: sizes [10, 64] ... out of bounds for storage of size 0". Each backward through a unit's forward
+    now gathers it again (and frees it after)."""
+    make = functools.partial(_TwoBackwards, frozen)
+    _, ref = fit_seeded(make, "auto", 1, GLOBAL_BATCH, ref=True)
+    _, got = fit_seeded(make, SHMFSDPStrategy(start_method="fork", **kw), 2, GLOBAL_BATCH // 2)
+    torch.testing.assert_close(flat_params(got), flat_params(ref), rtol=0, atol=1e-12)

@@ -33,7 +33,8 @@ Per training step ("copy"; "view" skips every copy and free)::
                         the registered block
     forward post-hook   free (reshard_after_forward): the flat tensor's storage is resized to 0;
                         autograd keeps the (now empty) views it saved for backward
-    output-grad hook    re-gather into the same storage just before the unit's backward runs
+    output-grad hook    re-gather into the same storage just before the unit's backward runs (each
+                        backward through it: a graph kept with retain_graph=True, differentiated again)
     backward of gather  reduce-scatter (mean) of every parameter's full gradient by rows, all the
                         unit's parameters in one collective: each block's gradient arrives on the
                         block, through autograd; free again
@@ -144,7 +145,7 @@ class _GatherUnit(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, unit: "FSDPUnit", key: int, full: torch.Tensor,  # type: ignore[override]
                 *shards: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.unit, ctx.key = unit, key
+        ctx.unit, ctx.key, ctx.full = unit, key, full  # full: freed again after each backward through this edge
         ctx.set_materialize_grads(False)  # a parameter the forward did not use gets None: see reduce_scatter
         params = unit.params_of(full)
         ctx.mark_non_differentiable(*[p for p, b in zip(params, unit.blocks) if not b.shard.requires_grad])
@@ -169,9 +170,8 @@ class _GatherUnit(torch.autograd.Function):
         # a sparse gradient (nn.Embedding(sparse=True)) is made dense: the shard's gradient is a dense row range
         shard_grads = unit.reduce_scatter([None if g is None else g.to_dense() if g.is_sparse else g.contiguous()
                                            for g in grads])
-        full = unit.pending.pop(ctx.key, None)
-        if full is not None:
-            unit.free(full)
+        unit.pending.pop(ctx.key, None)
+        unit.free(ctx.full)  # (a retained graph's next backward re-gathers it: FSDPUnit._post_forward)
         return (*nothing, *shard_grads)
 
 
@@ -594,7 +594,9 @@ class FSDPUnit:
             fired = [False]
 
             def pre_backward(grad: torch.Tensor) -> torch.Tensor:
-                if not fired[0]:
+                # once per backward through this forward: the first output's gradient, or -- a graph kept with
+                # retain_graph=True and differentiated again -- the first one after that backward freed ``full``
+                if not fired[0] or self._live is not full:
                     fired[0] = True
                     self.regather(full)
                     # the modules see this forward's full parameters again until the unit's backward
@@ -621,8 +623,8 @@ class FSDPUnit:
         self.pending[key] = full
 
         def after_backward(grad: torch.Tensor) -> None:
-            if self.pending.pop(key, None) is not None:
-                self.free(full)
+            self.pending.pop(key, None)
+            self.free(full)  # again after a retained graph's next backward
 
         for t in self._frozen_inputs:
             t.register_hook(after_backward)
