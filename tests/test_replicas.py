@@ -78,13 +78,31 @@ def test_gradients_set_by_hand_part_the_ranks_unless_averaged_and_the_strategy_s
     assert diff < 1e-12 if reduce else diff > 1e-4
 
 
+class WithTemperature(RecordsWarnings):
+    """A learnable logit temperature on the module itself (0-d: whole under every layout, shm_fsdp's too);
+    ``part``: rank 1 nudges it after the first step, as a per-rank write would."""
+
+    def __init__(self, part: bool):
+        super().__init__(optimizer="adam", lr=0.01)
+        self.temperature, self.part = torch.nn.Parameter(torch.ones(())), part
+
+    def forward(self, x):
+        return super().forward(x) / self.temperature
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        if self.part and batch_idx == 0 and self.global_rank == 1:
+            with torch.no_grad():
+                self.temperature.add_(1e-3)
+
+
+@pytest.mark.parametrize("part", [False, True], ids=["plain", "one-rank-writes"])
 @pytest.mark.parametrize("layout", ["ddp", "fsdp", "tp2"])
-def test_a_plain_fit_keeps_every_whole_copy_equal(layout):
-    """Adam, float64: the check compares every parameter each layout holds whole on all ranks, and finds none
-    parted (shm_fsdp's kept-whole parameters, tp's replicated ones; a pipeline's stages hold different ones)."""
+def test_the_check_compares_what_every_layout_holds_whole(layout, part):
+    """Adam, float64: a plain fit parts nothing; a write on one rank to the temperature -- a parameter shm_ddp,
+    shm_fsdp (a 0-d one) and tp (not split) all hold whole -- is found under each."""
     strategy, devices, dp = LAYOUTS[layout]
-    t, _ = fit_seeded(partial(RecordsWarnings, optimizer="adam", lr=0.01), strategy(), devices, GLOBAL_BATCH // dp)
-    assert float(t.callback_metrics["parted"]) == 0.0
+    t, _ = fit_seeded(partial(WithTemperature, part), strategy(), devices, GLOBAL_BATCH // dp)
+    assert float(t.callback_metrics["parted"]) == float(part)
 
 
 class PerSampleNormLogged(MNISTClassifier):

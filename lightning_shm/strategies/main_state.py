@@ -38,6 +38,8 @@ from lightning.pytorch.tuner.lr_finder import _determine_lr_attr_name
 from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_setattr
 from lightning_utilities.core.apply_func import apply_to_collection
 
+from lightning_shm.strategies.module_hooks import instead
+
 log = logging.getLogger(__name__)
 
 _LOOPS = ("fit_loop", "validate_loop", "test_loop", "predict_loop")
@@ -61,15 +63,8 @@ def end_checkpoint(trainer: "pl.Trainer") -> dict[str, Any]:
     it shapes files the user keeps (drops a frozen backbone's keys, casts to half), not the trained module the main
     process takes over, which one process simply holds (and :func:`restore_trainer` calls no ``on_load_checkpoint``
     either). Lightning's spawn launcher hands back ``state_dict()`` alike."""
-    module = trainer.lightning_module
-    own = module.__dict__.get("on_save_checkpoint")
-    module.on_save_checkpoint = lambda checkpoint: None  # type: ignore[method-assign]
-    try:
+    with instead(trainer.lightning_module, "on_save_checkpoint", lambda checkpoint: None):
         return trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
-    finally:
-        del module.on_save_checkpoint
-        if own is not None:
-            module.on_save_checkpoint = own  # type: ignore[method-assign]
 
 
 def restore_trainer(trainer: "pl.Trainer", checkpoint: dict[str, Any], data: Mapping[str, Any]) -> None:

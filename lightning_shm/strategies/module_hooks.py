@@ -13,8 +13,9 @@ own hook back, bound to the copy, without the wrapping.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 from torch import nn
 
@@ -45,3 +46,18 @@ def unwrap(module: nn.Module, names: Iterable[str]) -> None:
     for name in names:
         if isinstance(module.__dict__.get(name), WrappedHook):
             delattr(module, name)
+
+
+@contextlib.contextmanager
+def instead(module: nn.Module, name: str, value: Any) -> Iterator[None]:
+    """``module.<name>`` is ``value`` for a while: an instance attribute over the class's, then what was there
+    before -- an enclosing swap's, one the user set, or nothing -- again, so swaps nest."""
+    previous = module.__dict__.get(name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        if previous is None:
+            delattr(module, name)
+        else:
+            setattr(module, name, previous)
