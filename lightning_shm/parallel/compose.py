@@ -54,6 +54,7 @@ from lightning_shm.parallel.sequential import (
 from lightning_shm.parallel.state import ModelState
 from lightning_shm.parallel.tp import LayerPlan, TensorParallelState, check_plan, plan_for
 from lightning_shm.parallel.tp.plan import computed_weight
+from lightning_shm.parallel.tp.rng import share_stream
 from lightning_shm.runtime import ParallelGroups, ReduceOp, Topology, World
 from lightning_shm.runtime.ops import barrier_reason
 
@@ -283,8 +284,17 @@ class ParallelState:
         if self.copies is not None:
             self.copies.check()
 
+    def share_streams(self) -> None:
+        """The tp group's members on member 0's random stream (:func:`.tp.rng.share_stream`): before a step, and
+        after each batch a step fetches itself (each member may have drawn its own rows' augmentations)."""
+        if self.tp is not None and self.stage is None:
+            share_stream(self.tp.group)
+
     def step_scope(self) -> ContextManager[None]:
-        """Around a step (not a pipeline's): FSDP shows its full parameters (:meth:`FSDPState.step_scope`)."""
+        """Around a step (not a pipeline's, whose stages seed their streams per microbatch): the tp group's
+        members draw from member 0's stream (:meth:`share_streams`); FSDP shows its full parameters
+        (:meth:`FSDPState.step_scope`)."""
+        self.share_streams()
         if self.fsdp is None or self.stage is not None:
             return contextlib.nullcontext()
         return self.fsdp.step_scope()

@@ -420,7 +420,15 @@ class SHMModelParallel(SHMStrategyBase):
             self._fetches[key] = takes_loader_iter(self.lightning_module, step)
         if not self._fetches[key]:
             return None
-        return PreparedBatches(args[0], self._same_on_replica)
+        return PreparedBatches(args[0], self._fetched_on_replica)
+
+    def _fetched_on_replica(self, batch: Any) -> Any:
+        """A batch the step fetched itself, as the replica computes on it; loaded inside the step, after the step's
+        streams were shared (:meth:`ParallelState.share_streams`), so they are shared again."""
+        batch = self._same_on_replica(batch)
+        if self.parallel is not None:
+            self.parallel.share_streams()
+        return batch
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if not self._replicas_checked and self.lightning_module.trainer.global_step >= 1:

@@ -19,23 +19,6 @@ is not.
 
 from __future__ import annotations
 
-import hashlib
-import random
-import sys
+from lightning_shm.parallel.streams import call_seed, seed_streams
 
-import torch
-
-
-def call_seed(*parts: int) -> int:
-    """A 63-bit seed from ``parts`` (base seed, step count, microbatch): equal inputs, equal seed, any process."""
-    digest = hashlib.blake2b("/".join(map(str, parts)).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
-
-
-def seed_streams(seed: int) -> None:
-    """Seed torch's default (CPU) generator, Python's ``random`` and, if imported, numpy's global stream."""
-    torch.default_generator.manual_seed(seed)
-    random.seed(seed)
-    np = sys.modules.get("numpy")
-    if np is not None:
-        np.random.seed(seed % 2**32)
+__all__ = ["call_seed", "seed_streams"]

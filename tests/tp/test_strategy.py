@@ -157,6 +157,8 @@ def test_split_loading_each_rank_loads_its_rows_and_every_rank_computes_on_the_w
     got = train_mnist(tp(2), 2, "sgd", data=partial(Served, log_dir=tmp_path), **kw)  # default tp_batch="auto"
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
     served = [[int(i) for i in (tmp_path / f"rank{r}").read_text().split()] for r in (0, 1)]
+    assert [s[0] for s in served] == [0, 0]  # each member's look at whether loading draws (it does not: split)
+    served = [s[1:] for s in served]
     assert (len(served[0]), len(served[1])) == (12 + 12 + 1, 11 + 11 + 1)
     assert set(served[0]) | set(served[1]) == set(range(47)) and len(set(served[0]) & set(served[1])) == 1
     # a pipeline seeded per rank: each sample is augmented once, by the rank that loads it, and every

@@ -12,8 +12,12 @@ group's batch of ``L`` indices is cut like :func:`~lightning_shm.runtime.ops.eve
     all_gather(_v) over the replica        [L_0 | L_1 | ... | L_(T-1)]         -> [L, ...] on every member
 
 The result equals loading the whole batch on one rank as long as the collate function works sample
-by sample (torch's ``default_collate`` does: it stacks), and each sample is produced once, so a
-pipeline that draws random augmentations per rank cannot give the members different inputs.
+by sample (torch's ``default_collate`` does: it stacks) and the dataset draws nothing from the global
+random streams, and each sample is produced once, so a pipeline that draws random augmentations per rank
+cannot give the members different inputs. A dataset that draws from the global streams as it loads (random
+augmentations; seen by loading sample 0 once, in a loader without workers) would have every member draw its
+share's numbers from one state: "auto" broadcasts instead (:func:`why_not_splittable`). Loader workers each
+member seeds apart (:func:`_member_seeds`).
 A batch with fewer samples than members (a short last batch) is loaded by every member and the
 strategy broadcasts the first member's copy, as it does for loaders it cannot split.
 
@@ -35,6 +39,8 @@ import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, default_collate
 
+from lightning_shm.parallel.streams import call_seed, draws_of
+from lightning_shm.parallel.tp.rng import share_stream
 from lightning_shm.runtime import Group
 from lightning_shm.runtime.ops import barrier_reason, even_split
 
@@ -99,12 +105,32 @@ class SplitLoader(DataLoader):
         super().__init__(*args, batch_sampler=member_batches, **kwargs)
         self.tp_group = group
         self.member_batches = member_batches
+        self.seeds_from: Optional[torch.Generator] = self.generator  # the loader's own; None: the global stream
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         pending = self.member_batches.pending
         pending.clear()  # rows drawn ahead by an iteration that was stopped early
+        share_stream(self.tp_group)  # a sampler (or the workers' seed) drawing from it now gives every member one order
+        if self.num_workers and self.tp_group.index:
+            self.generator = _member_seeds(self.seeds_from, self.tp_group.index)
         for part in super().__iter__():
             yield gather_rows(part, pending.popleft(), self.tp_group)
+
+
+def _member_seeds(source: Optional[torch.Generator], member: int) -> torch.Generator:
+    """The generator member ``member`` (> 0) of a split loader's group draws its workers' base seed from.
+
+    Torch seeds worker ``k`` of a loader with ``base + k``, ``base`` drawn from the loader's generator (or the
+    global stream), which every member holds alike: member 1's worker ``k`` would draw the same numbers for its
+    rows of a batch as member 0's for its own -- a random augmentation applied alike to both shares. Member 0
+    keeps torch's base (its rows augmented as one process's); every other member draws ``base`` from the same
+    source (its stream advancing as member 0's does) and hashes it with its index::
+
+        member 0   base = draw(source)                 workers: base + k
+        member m   base = call_seed(draw(source), m)   workers: base + k
+    """
+    draw = int(torch.empty((), dtype=torch.int64).random_(generator=source).item())
+    return torch.Generator().manual_seed(call_seed(draw, member))
 
 
 _TAG = "_lightning_shm_group_batch"
@@ -133,7 +159,21 @@ def why_not_splittable(loader: Any, auto: bool) -> Optional[str]:
         return "it returns batches out of order (in_order=False)"
     if auto and loader.collate_fn is not default_collate:
         return "its collate_fn is not torch's default_collate (a batch-level collate needs the whole batch)"
+    if loader.num_workers == 0 and (drawn := _draws_at_load(loader.dataset)):
+        return (f"its dataset draws from the global random streams ({', '.join(drawn)}) as it loads a sample "
+                "(random augmentations), and loading in this process each member would draw its rows' numbers "
+                "from the same state -- its share of a batch augmented as every other member's, where one "
+                "process draws each row's own (loader workers are seeded apart per member: num_workers > 0)")
     return None
+
+
+def _draws_at_load(dataset: Any) -> list[str]:
+    """The global streams loading ``dataset[0]`` draws from (each put back). Only for a loader without workers:
+    this process loads its samples anyway, so nothing it opens (a file, a database) reaches a worker unforked."""
+    try:
+        return draws_of(lambda: dataset[0])
+    except Exception:  # no sample 0 (keys of its own, an empty dataset): nothing known, nothing changed
+        return []
 
 
 def _loading_kwargs(loader: DataLoader) -> dict[str, Any]:

@@ -21,6 +21,15 @@ activation checkpointing) replay a forward from S's saved state, and a seed deri
 the same masks. Why S advances when the region drew: the next region, and the next step, must not
 see the same seed again. A region that draws nothing leaves S exactly as one process leaves it, so
 a model without randomness between its split layers trains as before.
+
+S is equal on every tp rank only while every rank draws the same numbers. Code outside the model need not:
+a callback picking samples to log on rank 0, a split loader whose members each load their own rows through
+random augmentations (torchvision's transforms draw from the default generator, a crop a varying number of
+times). From there a dropout after a row layer drops other features on each rank, and the ranks' copies of
+the replicated layers drift apart, silently. One process has one stream: before each step
+(:func:`share_stream`) every member takes member 0's::
+
+    member 0     S0 --broadcast (5,056 bytes)--> every member: S0
 """
 
 from __future__ import annotations
@@ -29,6 +38,8 @@ import zlib
 from typing import Optional
 
 import torch
+
+from lightning_shm.runtime import Group
 
 
 class SplitRegionRandom:
@@ -65,3 +76,14 @@ class SplitRegionRandom:
         self._shared = self._seeded = None
         if drew:
             torch.empty((), dtype=torch.int64).random_()  # one draw from S
+
+
+def share_stream(group: Group) -> None:
+    """Member 0's default generator on every member of the tp ``group`` (see the module): one broadcast of
+    its state, before a step, on every member at the same point."""
+    if group.size == 1:
+        return
+    gen = torch.default_generator
+    state = group.broadcast(gen.get_state(), src_member=0)
+    if group.index != 0:
+        gen.set_state(state)
