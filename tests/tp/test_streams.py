@@ -148,10 +148,13 @@ class KeepsDraws(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def _draws(strategy, devices: int, out_dir, num_workers: int = 0) -> list[torch.Tensor]:
+def _draws(strategy, devices: int, out_dir, num_workers: int = 0, **kw) -> list[torch.Tensor]:
+    """``kw``: the loader's own (persistent_workers) and the Trainer's (max_epochs, use_distributed_sampler)."""
     pl.seed_everything(SEED)
-    dl = DataLoader(DrawsAtLoad(GLOBAL_BATCH * 2), batch_size=GLOBAL_BATCH, shuffle=True, num_workers=num_workers)
-    trainer(strategy=strategy, devices=devices, max_epochs=1, precision="64-true").fit(KeepsDraws(out_dir), dl)
+    dl = DataLoader(DrawsAtLoad(GLOBAL_BATCH * 2), batch_size=GLOBAL_BATCH, shuffle=True, num_workers=num_workers,
+                    persistent_workers=kw.pop("persistent_workers", False))
+    trainer(strategy=strategy, devices=devices, precision="64-true", **{"max_epochs": 1, **kw}).fit(
+        KeepsDraws(out_dir), dl)
     return [torch.load(out_dir / f"draws{r}.pt") for r in range(devices)]
 
 
@@ -171,10 +174,14 @@ def test_split_refuses_a_dataset_drawing_at_load_in_the_process(tmp_path):
         _draws(SHMTensorParallel(start_method="fork", tensor_parallel_size=2, tp_batch="split"), 2, tmp_path)
 
 
-def test_each_members_loader_workers_draw_numbers_of_their_own(tmp_path):
-    # every member's worker k was seeded base + k from the same stream: its rows drew member 0's rows' numbers
-    got = _draws(SHMTensorParallel(start_method="fork", tensor_parallel_size=2), 2, tmp_path, num_workers=1)
-    assert torch.equal(got[0], got[1])  # one gathered batch on both members
+@pytest.mark.parametrize("persistent", [False, True])
+def test_each_members_loader_workers_draw_numbers_of_their_own(persistent, tmp_path):
+    # every member's worker k was seeded base + k from the same stream: its rows drew member 0's rows' numbers.
+    # Over 3 epochs with the loader's own RandomSampler (drawing its order from the default generator): the base
+    # seed is drawn where torch draws it -- once with persistent workers -- or the members' orders part
+    got = _draws(SHMTensorParallel(start_method="fork", tensor_parallel_size=2), 2, tmp_path, num_workers=1,
+                 persistent_workers=persistent, max_epochs=3, use_distributed_sampler=False)
+    assert got[0].shape == (6, GLOBAL_BATCH) and torch.equal(got[0], got[1])  # one gathered batch on both members
     half = GLOBAL_BATCH // 2
     assert len(set(got[0].reshape(-1).tolist())) == got[0].numel()
     assert not torch.equal(got[0][:, :half], got[0][:, half:])

@@ -111,7 +111,9 @@ class SplitLoader(DataLoader):
         pending = self.member_batches.pending
         pending.clear()  # rows drawn ahead by an iteration that was stopped early
         share_stream(self.tp_group)  # a sampler (or the workers' seed) drawing from it now gives every member one order
-        if self.num_workers and self.tp_group.index:
+        # torch draws the workers' base seed when it starts them: every pass, or the first with persistent workers
+        starts = self.num_workers and not (self.persistent_workers and self._iterator is not None)
+        if starts and self.tp_group.index:
             self.generator = _member_seeds(self.seeds_from, self.tp_group.index)
         for part in super().__iter__():
             yield gather_rows(part, pending.popleft(), self.tp_group)
