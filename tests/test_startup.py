@@ -15,7 +15,10 @@ import textwrap
 import time
 from pathlib import Path
 
+import lightning.pytorch as pl
 import pytest
+import torch
+import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -300,3 +303,52 @@ def test_what_cannot_be_pickled_for_the_workers_is_named_before_they_start(start
     note = "".join(getattr(raised.value, "__notes__", []))
     assert f"start_method='{start_method}' sends the job to every worker by pickling it" in note
     assert "start_method='fork'" in note and "a TorchScript module (torch.jit.script)" in note
+
+
+class _MadeWithoutDtype(torch.utils.data.Dataset):
+    """Samples created in ``__getitem__`` without a dtype: the worker's default dtype."""
+
+    def __len__(self) -> int:
+        return 32
+
+    def __getitem__(self, i: int):
+        return torch.randn(8, generator=torch.Generator().manual_seed(i)), i % 2
+
+
+class _LogsDefaultDtype(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("default_float64", float(torch.get_default_dtype() == torch.float64), sync_dist=True)
+        return F.cross_entropy(self.net(x) * (1 + torch.tensor(0.1)), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
+def test_the_main_processs_default_dtype_reaches_the_workers(start_method):
+    """``torch.set_default_dtype(torch.float64)`` in the main process: a spawned or fork-server worker started from
+    float32, and the float32 samples its dataset created met float64 weights ("mat1 and mat2 must have the same
+    dtype"); Lightning's spawn launcher carries the deterministic flags and random states, not the dtype. Now it
+    trains as a forked worker, which inherits it."""
+    from lightning_shm import SHMDDPStrategy
+    from tests.helpers import flat_params, trainer
+
+    torch.set_default_dtype(torch.float64)
+    try:
+        weights = []
+        for method in (start_method, "fork"):
+            pl.seed_everything(3)
+            model = _LogsDefaultDtype()
+            t = trainer(strategy=SHMDDPStrategy(start_method=method), devices=2, max_epochs=1)
+            t.fit(model, torch.utils.data.DataLoader(_MadeWithoutDtype(), batch_size=8))
+            assert float(t.callback_metrics["default_float64"]) == 1.0
+            weights.append(flat_params(model))
+    finally:
+        torch.set_default_dtype(torch.float32)
+    assert weights[0].dtype == torch.float64
+    torch.testing.assert_close(weights[0], weights[1], rtol=0, atol=1e-15)
