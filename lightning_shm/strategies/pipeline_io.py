@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from lightning_shm.parallel.outside_reads import WHERE_GRADIENTS_WORK, differentiations
 from lightning_shm.parallel.pipeline import CapturedInput, PipelineStage, split_batch
 from lightning_shm.parallel.pipeline.microbatches import batch_size as batch_size_of
-from lightning_shm.parallel.pipeline.stage import parameters_read_outside
+from lightning_shm.parallel.pipeline.stage import LayerElsewhere, parameters_read_outside
 from lightning_shm.runtime import Group
 from lightning_shm.runtime.ops import barrier_reason
 from lightning_shm.strategies.loader_iter import OneMicrobatch
@@ -137,6 +137,15 @@ _NOT_SET_HERE = (
     "layer's activation kept for the loss) -- is never set there. A loss on an inner activation cannot be "
     "pipelined: compute it from the Sequential's output, or use shm_ddp / shm_fsdp / shm_tp.")
 
+def _held_elsewhere(index: int, name: str) -> str:
+    """The step read ``.name`` of a layer this stage does not hold (a weight for a logged norm, a loss term)."""
+    return (f"shm_pipeline: layer {index} of the pipelined nn.Sequential is held by another pipeline stage, and the "
+            "step runs on the last stage, which holds only its own layers: it cannot read that layer's "
+            f"'{name}' (a weight whose norm it logs, a term of its loss) -- no stage holds every layer. Read it in "
+            "shm_ddp, or in shm_fsdp's default gather='view' by attribute (self.net[i].weight is the whole "
+            "parameter inside a step there), or read only the last stage's layers here.")
+
+
 _NOT_FROM_THE_INPUT = (
     "shm_pipeline: on the last stage the step's batch is not what the Sequential computes from -- the first "
     "stage feeds it, and this stage runs its layers on the activation it receives (in evaluation the "
@@ -206,7 +215,9 @@ class LightningStageIO:
             try:
                 return self._run_step(self.micro[mb] if batch is None else batch)
             except AttributeError as e:
-                if isinstance(getattr(e, "obj", None), nn.Module):
+                if isinstance(getattr(e, "obj", None), LayerElsewhere):
+                    e.add_note(_held_elsewhere(e.obj.index, e.name))  # type: ignore[attr-defined]
+                elif isinstance(getattr(e, "obj", None), nn.Module):
                     e.add_note(_NOT_SET_HERE)
                 raise
             except RuntimeError as e:

@@ -1187,6 +1187,23 @@ def test_a_loss_on_another_stages_activation_fails_saying_why():
     assert "each stage runs only its own layers" in str(raised.value) + "".join(getattr(raised.value, "__notes__", []))
 
 
+class LogsAWeightNorm(MNISTClassifier):
+    """Logs the norm of the first Linear's weight (on the first stage) from its step."""
+
+    def training_step(self, batch, batch_idx):
+        self.log("w_norm", self.net[1].weight.norm())
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_step_reading_another_stages_weight_fails_saying_why():
+    """It failed with the note for an attribute a forward hook sets (an inner activation kept for the loss)."""
+    with pytest.raises(AttributeError, match="no attribute 'weight'") as raised:
+        train_mnist(pp(2), 2, "adam", batch=GLOBAL_BATCH, model_cls=LogsAWeightNorm)
+    notes = "".join(getattr(raised.value, "__notes__", []))
+    assert "layer 1 of the pipelined nn.Sequential is held by another pipeline stage" in notes
+    assert "cannot read that layer's 'weight'" in notes and "each stage runs only its own layers" not in notes
+
+
 def test_timing_the_layers_leaves_the_modules_attributes_as_they_were():
     model = InnerActivationLoss()
     model.kept = "before"
