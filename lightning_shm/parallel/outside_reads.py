@@ -253,3 +253,18 @@ def refuse_gradient_reads(names: list[str], held: str) -> None:
             "on every rank than one process's. A gradient used inside the layers trains as one process (MAML's "
             "inner step: functional_call(self, {name: p - lr * g}, x)); for a term on the gradient itself use "
             "shm_ddp.")
+
+
+def logged_reads(reads: Mapping[str, list[str]], held: str) -> Optional[str]:
+    """What to tell the user about values the step logged (name -> the pieces each read outside the layers, found
+    as a loss's are), or None. Not refused: training is right, the numbers are not."""
+    reads = {name: names for name, names in reads.items() if names}
+    if not reads:
+        return None
+    first = next(iter(reads.values()))
+    return (f"lightning_shm: training_step logged {list(reads)[:4]}{' ...' if len(reads) > 4 else ''} computed from "
+            f"parameters it read itself ({first[:4]}{' ...' if len(first) > 4 else ''}), not through the layers "
+            f"that own them; here each rank holds {held} of them, so the values logged are of this rank's piece, "
+            "not one process's (a weight's norm over a row block or a slice). Where parameters are whole they are "
+            "one process's: shm_ddp, or shm_fsdp's default gather='view' reading a layer's weight by attribute "
+            "(self.net[1].weight) in the step.")

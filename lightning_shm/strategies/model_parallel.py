@@ -50,6 +50,7 @@ from lightning_shm.parallel.optimizers import replicas_loss
 from lightning_shm.parallel.outside_reads import (
     differentiations,
     explain_failure,
+    logged_reads,
     output_nodes,
     pieces_read_by,
     read_outside,
@@ -73,6 +74,7 @@ from lightning_shm.strategies.base import SHMStrategyBase
 from lightning_shm.strategies.collectives import MetricSync
 from lightning_shm.strategies.grad_norm import GradNormLogs, split_grad_norm
 from lightning_shm.strategies.loader_iter import PreparedBatches, takes_loader_iter
+from lightning_shm.strategies.module_log import logging_through
 from lightning_shm.strategies.piece_saves import piece_saves_warned
 from lightning_shm.strategies.pipeline_steps import PipelineSteps
 from lightning_shm.strategies.prediction_writers import mute_writers, unmute_writers
@@ -488,8 +490,17 @@ class SHMModelParallel(SHMStrategyBase):
         owners = [m for m in module.modules() if any(id(p) in pieces for p in m._parameters.values() if p is not None)]
         held = "only a piece (a row block under FSDP, a slice under tensor parallelism)"
         where = {id(m): n for n, m in module.named_modules()}
+        logged: list[tuple[str, Tensor]] = []  # values logged with a graph: what they read is found as the loss's is
+        log = module.log
+
+        def keeping(name: str, value: Any, *a: Any, **kw: Any) -> None:
+            if isinstance(value, Tensor) and value.grad_fn is not None:
+                logged.append((name, value))
+            log(name, value, *a, **kw)
+
         try:
-            with output_nodes(owners) as (boundary, ran), differentiations(pieces) as differentiated:
+            with output_nodes(owners) as (boundary, ran), differentiations(pieces) as differentiated, \
+                    logging_through(module, keeping):
                 out = super().training_step(*args, **kwargs)
         except Exception as e:
             again = (args[0].replay(),) if isinstance(args[0], PreparedBatches) else args  # the same batches
@@ -504,11 +515,14 @@ class SHMModelParallel(SHMStrategyBase):
         if isinstance(loss, Tensor) and loss.grad_fn is not None:
             if differentiated.called:
                 refuse_gradient_reads(read_outside(loss, {}, boundary, differentiated.grads), held)
-                return out
-            names = read_outside(loss, pieces, boundary)
-            never_called = [where[id(m)] for m in owners if id(m) not in ran
-                            and any(f"{where[id(m)]}.{a}".lstrip(".") in names for a in m._parameters)]
-            refuse_outside_reads(names, held, never_called)
+            else:
+                names = read_outside(loss, pieces, boundary)
+                never_called = [where[id(m)] for m in owners if id(m) not in ran
+                                and any(f"{where[id(m)]}.{a}".lstrip(".") in names for a in m._parameters)]
+                refuse_outside_reads(names, held, never_called)
+        message = logged_reads({name: read_outside(value, pieces, boundary) for name, value in logged}, held)
+        if message is not None:
+            rank_zero_warn(message)
         return out
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
