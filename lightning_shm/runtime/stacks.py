@@ -20,6 +20,7 @@ import faulthandler
 import os
 import re
 import signal
+import sysconfig
 import threading
 import time
 from typing import IO, Optional
@@ -125,14 +126,33 @@ def parse(text: str) -> list[tuple[str, int, str]]:
 _RUNTIME_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
+_PACKAGE_DIR = os.path.dirname(_RUNTIME_DIR.rstrip(os.sep)) + os.sep
+_STDLIB_DIR = os.path.abspath(sysconfig.get_paths()["stdlib"]) + os.sep
+
+
+def _libraries(path: str) -> bool:
+    """A frame of this package, of an installed one or of Python's own: not the program's."""
+    path = os.path.abspath(path)
+    return (path.startswith((_PACKAGE_DIR, _STDLIB_DIR)) or f"{os.sep}site-packages{os.sep}" in path
+            or f"{os.sep}dist-packages{os.sep}" in path)
+
+
 def describe(rank: int, frames: list[tuple[str, int, str]], depth: int = 4) -> str:
     """The ``depth`` innermost frames outside this runtime: a rank blocked in a wait is in the runtime's
-    waiter, barrier and group, which say nothing of which call of the program it waits in."""
+    waiter, barrier and group, which say nothing of which call of the program it waits in. If none of them is
+    the program's own (a collective inside a library's layer), the innermost one that is follows: the line of
+    the program that made the call (a callback running the model on rank 0 alone)."""
     outside = [f for f in frames if not os.path.abspath(f[0]).startswith(_RUNTIME_DIR)]
     left_out = len(frames) - len(outside) if outside else 0
-    shown = "\n".join(f'    File "{f}", line {n}, in {fn}' for f, n, fn in (outside or frames)[:depth])
+    kept = (outside or frames)[:depth]
+    lines = [f'    File "{f}", line {n}, in {fn}' for f, n, fn in kept]
+    if kept and all(_libraries(f) for f, _, _ in kept):
+        own = next((i for i, (f, _, _) in enumerate(outside) if not _libraries(f)), None)
+        if own is not None:
+            f, n, fn = outside[own]
+            lines += [f"    ... {own - len(kept)} frames of libraries ...", f'    File "{f}", line {n}, in {fn}']
     runtime = f", {left_out} of the runtime's own left out" if left_out else ""
-    return f"rank {rank} was here (innermost frame first{runtime}):\n{shown}"
+    return f"rank {rank} was here (innermost frame first{runtime}):\n" + "\n".join(lines)
 
 
 def _read(path: str) -> bytes:

@@ -697,3 +697,31 @@ def test_the_fork_server_leaves_without_an_interpreter_shutdown(tmp_path):
                          text=True, timeout=120)  # returns once the server has closed stdout too
     assert out.returncode == 0, out.stderr[-3000:]
     assert sorted(os.listdir(marks)) == sorted(out.stdout.split()), "the server ran its handlers, or a worker did not"
+
+
+def test_where_a_rank_was_reaches_the_programs_own_line_past_library_frames():
+    """A collective inside a library's layer (a tp layer's all-gather, under torch's module call) showed four
+    frames of libraries and not the program's line that ran the model -- a callback running it on rank 0 alone."""
+    from lightning_shm.runtime import stacks
+
+    runtime = os.path.dirname(os.path.abspath(stacks.__file__))
+    package = os.path.dirname(runtime)
+    site = "/venv/lib/python3.11/site-packages"
+    frames = [(f"{runtime}/wait.py", 88, "wait_ge"), (f"{package}/parallel/tp/mappings.py", 89, "_gather"),
+              (f"{package}/parallel/tp/layers.py", 95, "forward"),
+              (f"{site}/torch/nn/modules/module.py", 1794, "_call"),
+              (f"{site}/torch/nn/modules/module.py", 1783, "_wrapped"), (f"{site}/lightning/a.py", 3, "hook"),
+              ("/home/me/train.py", 41, "on_train_epoch_end"), ("/home/me/train.py", 90, "main")]
+    said = stacks.describe(0, frames)
+    assert said.splitlines()[1:] == [
+        f'    File "{package}/parallel/tp/mappings.py", line 89, in _gather',
+        f'    File "{package}/parallel/tp/layers.py", line 95, in forward',
+        f'    File "{site}/torch/nn/modules/module.py", line 1794, in _call',
+        f'    File "{site}/torch/nn/modules/module.py", line 1783, in _wrapped',
+        "    ... 1 frames of libraries ...",
+        '    File "/home/me/train.py", line 41, in on_train_epoch_end']
+    # the program's own frame among the innermost four: those four alone, as before
+    assert stacks.describe(0, frames[:2] + frames[6:]).splitlines()[1:] == [
+        f'    File "{package}/parallel/tp/mappings.py", line 89, in _gather',
+        '    File "/home/me/train.py", line 41, in on_train_epoch_end',
+        '    File "/home/me/train.py", line 90, in main']

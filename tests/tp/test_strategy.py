@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from functools import partial
 
 import lightning.pytorch as pl
@@ -455,3 +456,26 @@ def test_in_batch_negatives_gathered_with_sync_grads_train_as_one_process(device
     assert float(ours.callback_metrics["negatives"]) == float(one.callback_metrics["negatives"]) == GLOBAL_BATCH - 1
     torch.testing.assert_close(flat_params(got), flat_params(ref), rtol=0, atol=1e-10)
 
+
+
+class _RunsTheModelOnRankZero(pl.Callback):
+    """Runs the module on a sample at each epoch's end on rank 0 alone (an image-logging callback)."""
+
+    @pl.utilities.rank_zero_only
+    def on_train_epoch_end(self, trainer, pl_module):
+        with torch.no_grad():
+            pl_module(torch.zeros(2, 1, 28, 28, dtype=pl_module.dtype))
+
+
+def test_a_model_run_on_rank_zero_alone_is_stopped_naming_the_line_that_ran_it():
+    """Its tp layers' collectives wait for the other member, which meets another collective: the mismatch said where
+    rank 0 was in four frames of the tp layer and torch's module call, not which line of the program ran the model."""
+    from lightning_shm.runtime import CollectiveMismatchError, DeadlockError
+
+    with pytest.raises((CollectiveMismatchError, DeadlockError)) as raised:
+        fit_seeded(MNISTClassifier, tp(2), 2, GLOBAL_BATCH, callbacks=[_RunsTheModelOnRankZero()])
+    where = next(n for n in raised.value.__notes__ if n.startswith("rank 0 was here"))
+    assert "frames of libraries ..." in where
+    lines, first = inspect.getsourcelines(_RunsTheModelOnRankZero)
+    line = first + next(i for i, text in enumerate(lines) if "pl_module(torch.zeros" in text)
+    assert where.splitlines()[-1].endswith(f'{__file__}", line {line}, in on_train_epoch_end')
