@@ -23,13 +23,14 @@ if TYPE_CHECKING:  # what the names below are, for type checkers and editors
         SHMStrategyBase,
         SHMTensorParallel,
         grad_norm,
+        param_norm,
     )
 
 __version__ = "0.1.0"
 
 __all__ = [
     "MNISTClassifier", "SHMDDPStrategy", "SHMFSDPStrategy", "SHMModelParallel", "SHMPipeline", "SHMStrategyBase",
-    "SHMTensorParallel", "build_mlp", "grad_norm",
+    "SHMTensorParallel", "build_mlp", "grad_norm", "param_norm",
 ]
 _MODELS = ("MNISTClassifier", "build_mlp")  # the rest come from lightning_shm.strategies
 

@@ -17,6 +17,7 @@ from torch.nn.utils import clip_grad_norm_ as imported_clip_grad_norm_  # as cod
 import lightning_shm
 from lightning_shm.models import MNISTClassifier
 from lightning_shm.parallel.clip import grad_norms
+from lightning_shm.strategies.grad_norm import whole_param_norm
 from tests.helpers import (
     GLOBAL_BATCH,
     LAYOUTS,
@@ -46,12 +47,16 @@ class LogsGradNorms(MNISTClassifier):
             warnings.simplefilter("always")
             for norm in NORMS:
                 self.log_dict(self.norm_fn(self, norm))
+                if self.norm_fn is lightning_shm.grad_norm:  # and the weights' own norms
+                    self.log_dict(lightning_shm.param_norm(self, norm))
         self.warned = getattr(self, "warned", False) or any("grad_norm" in str(w.message) for w in caught)
         self.log("warned", float(self.warned))  # the last step's value is kept: whether any step warned
         if self.norm_fn is lightning_shm.grad_norm:  # a submodule: through the strategy
             strategy = self.trainer.strategy
             norm_of = strategy.grad_norm if hasattr(strategy, "grad_norm") else lightning_grad_norm
             self.log_dict({f"net/{k}": v for k, v in norm_of(self.net, 2).items()})
+            param_of = strategy.param_norm if hasattr(strategy, "param_norm") else whole_param_norm
+            self.log_dict({f"net/{k}": v for k, v in param_of(self.net, 2).items()})
 
 
 def _logged(strategy, devices, batch, ref=False, **kw):
@@ -75,6 +80,18 @@ def test_grad_norms_equal_one_process(one_process, name):
     for k in keys:
         assert got[k] == pytest.approx(one_process[k], rel=1e-12, abs=1e-15), k
     assert got["warned"] == 0.0
+
+
+@pytest.mark.parametrize("name", ["ddp", "fsdp", "fsdp-copy", "tp2", "pp2-1f1b", "dp2xpp2-shard"])
+def test_param_norms_equal_one_process(one_process, name):
+    """A weight's norm taken of what a rank holds is of its rows, slice or stage (tp2: 7.257 against one process's
+    10.268 for net.1.weight); ``lightning_shm.param_norm`` gives one process's under every layout."""
+    strategy, devices, dp = layouts(name)[name]
+    got = _logged(strategy(), devices, GLOBAL_BATCH // dp)
+    keys = [k for k in one_process if k.startswith(("param_", "net/param_"))]
+    assert len(keys) == 4 * 11 and "param_2.0_norm/net.1.weight" in keys and "net/param_2.0_norm/1.weight" in keys
+    for k in keys:
+        assert got[k] == pytest.approx(one_process[k], rel=1e-12, abs=1e-15), k
 
 
 @pytest.mark.parametrize("name", ["fsdp", "pp2-1f1b"])

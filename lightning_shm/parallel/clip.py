@@ -99,8 +99,10 @@ def torch_clipping_over(group: Group, copies: Callable[[torch.Tensor], int],
 
 
 def grad_norms(named: Iterable[tuple[str, torch.Tensor]], names: Sequence[str], norm_type: float,
-               group: Optional[Group], copies: Callable[[torch.Tensor], int] = lambda p: 1) -> dict[str, torch.Tensor]:
-    """Each parameter's gradient ``norm_type``-norm over all ranks' pieces: one process's ``p.grad.norm()``.
+               group: Optional[Group], copies: Callable[[torch.Tensor], int] = lambda p: 1,
+               of: Callable[[torch.Tensor], Optional[torch.Tensor]] = lambda p: p.grad) -> dict[str, torch.Tensor]:
+    """Each parameter's gradient ``norm_type``-norm over all ranks' pieces: one process's ``p.grad.norm()`` (with
+    ``of=lambda p: p``, the parameter's own norm: one process's ``p.norm()``).
 
     ``names`` are the plain module's parameter names, the same list in the same order on every rank;
     ``named`` this rank's ``(name, parameter)`` pairs -- a pipeline stage holds some of the names, an
@@ -118,7 +120,7 @@ def grad_norms(named: Iterable[tuple[str, torch.Tensor]], names: Sequence[str], 
     vec = torch.zeros(2 * len(names), dtype=torch.float64)
     dtype = None
     for name, p in named:
-        g = p.grad
+        g = of(p)
         if g is None or name not in index:
             continue
         dtype = dtype or g.dtype.to_real()

@@ -265,6 +265,7 @@ def logged_reads(reads: Mapping[str, list[str]], held: str) -> Optional[str]:
     return (f"lightning_shm: training_step logged {list(reads)[:4]}{' ...' if len(reads) > 4 else ''} computed from "
             f"parameters it read itself ({first[:4]}{' ...' if len(first) > 4 else ''}), not through the layers "
             f"that own them; here each rank holds {held} of them, so the values logged are of this rank's piece, "
-            "not one process's (a weight's norm over a row block or a slice). Where parameters are whole they are "
-            "one process's: shm_ddp, or shm_fsdp's default gather='view' reading a layer's weight by attribute "
+            "not one process's (a weight's norm over a row block or a slice). lightning_shm.param_norm(self, 2) gives "
+            "each parameter's norm as one process's under every layout; where parameters are whole the values are "
+            "one process's too: shm_ddp, or shm_fsdp's default gather='view' reading a layer's weight by attribute "
             "(self.net[1].weight) in the step.")

@@ -12,7 +12,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning_shm.strategies.base import SHMStrategyBase
 from lightning_shm.strategies.ddp import SHMDDPStrategy
 from lightning_shm.strategies.fsdp import SHMFSDPStrategy
-from lightning_shm.strategies.grad_norm import grad_norm
+from lightning_shm.strategies.grad_norm import grad_norm, param_norm
 from lightning_shm.strategies.model_parallel import SHMModelParallel
 from lightning_shm.strategies.pipeline import SHMPipeline
 from lightning_shm.strategies.tp import SHMTensorParallel
@@ -36,4 +36,4 @@ def register_all(strategy_registry: Any) -> None:
 register_all(StrategyRegistry)
 
 __all__ = ["REGISTRY", "SHMDDPStrategy", "SHMFSDPStrategy", "SHMModelParallel", "SHMPipeline", "SHMStrategyBase",
-           "SHMTensorParallel", "grad_norm", "register_all"]
+           "SHMTensorParallel", "grad_norm", "param_norm", "register_all"]

@@ -45,26 +45,60 @@ def grad_norm(module: nn.Module, norm_type: Union[float, int, str],
     return lightning_grad_norm(module, norm_type, group_separator)
 
 
-def split_grad_norm(module: nn.Module, root: nn.Module, state: ModelState, group: Group,
-                    norm_type: Union[float, int, str], group_separator: str = "/") -> dict[str, Tensor]:
-    """Lightning's dict for ``module`` (``root`` or one of its submodules on this rank), its values over every
-    rank's pieces of ``state.plain_params``; the total is the norm of those norms, as Lightning's."""
+def param_norm(module: nn.Module, norm_type: Union[float, int, str], group_separator: str = "/") -> dict[str, Tensor]:
+    """Each parameter's own norm, keyed as :func:`grad_norm`'s with ``param`` for ``grad``
+    (``param_2.0_norm/net.1.weight``, ``param_2.0_norm_total``), with one process's values under every layout --
+    a norm the step takes of what a rank holds is of its row block, slice or stage (collective where a rank holds
+    pieces: call it on every rank). For a submodule: ``self.trainer.strategy.param_norm(self.encoder, 2)``."""
+    strategy = None
+    if isinstance(module, pl.LightningModule):
+        with contextlib.suppress(RuntimeError):  # not attached to a Trainer
+            strategy = module.trainer.strategy
+    if strategy is not None and hasattr(strategy, "param_norm"):
+        return strategy.param_norm(module, norm_type, group_separator)
+    return whole_param_norm(module, norm_type, group_separator)
+
+
+def whole_param_norm(module: nn.Module, norm_type: Union[float, int, str],
+                     group_separator: str = "/") -> dict[str, Tensor]:
+    """:func:`param_norm` where the rank holds every parameter whole (one process, shm_ddp)."""
+    norm_type = _checked(norm_type)
+    norms = {f"param_{norm_type}_norm{group_separator}{name}": p.detach().norm(norm_type)
+             for name, p in module.named_parameters()}
+    if norms:
+        norms[f"param_{norm_type}_norm_total"] = torch.stack(list(norms.values())).norm(norm_type)
+    return norms
+
+
+def _checked(norm_type: Union[float, int, str]) -> float:
     norm_type = float(norm_type)
     if norm_type <= 0:
         raise ValueError(f"`norm_type` must be a positive number or 'inf' (infinity norm). Got {norm_type}")
+    return norm_type
+
+
+def split_grad_norm(module: nn.Module, root: nn.Module, state: ModelState, group: Group,
+                    norm_type: Union[float, int, str], group_separator: str = "/",
+                    of_params: bool = False) -> dict[str, Tensor]:
+    """Lightning's dict for ``module`` (``root`` or one of its submodules on this rank), its values over every
+    rank's pieces of ``state.plain_params``; the total is the norm of those norms, as Lightning's. ``of_params``:
+    the parameters' own norms (:func:`param_norm`), not their gradients'."""
+    norm_type = _checked(norm_type)
     prefix = next((name for name, m in root.named_modules() if m is module), None)
     if prefix is None:
-        raise ValueError(f"grad_norm: this {type(module).__name__} is not part of the trained "
-                         f"{type(root).__name__} on rank {group.global_rank}; every rank must pass a module it holds "
-                         "(a pipeline stage holds only its layers: pass the LightningModule)")
+        what = "param_norm" if of_params else "grad_norm"
+        raise ValueError(f"{what}: this {type(module).__name__} is not part of the trained {type(root).__name__} "
+                         f"on rank {group.global_rank}; every rank must pass a module it holds (a pipeline stage "
+                         "holds only its layers: pass the LightningModule)")
     head = f"{prefix}." if prefix else ""
     names = [n for n in state.plain_params if n.startswith(head)]  # the root's names: one checksum per module
     # by the plain module's name: a stage may hold a tied parameter under another holder's name only
+    key = "param" if of_params else "grad"
     norms = grad_norms(((state.plain_name(head + n), p) for n, p in module.named_parameters()), names, norm_type,
-                       group, state.copies)
-    out = {f"grad_{norm_type}_norm{group_separator}{name[len(head):]}": v for name, v in norms.items()}
+                       group, state.copies, (lambda p: p.detach()) if of_params else (lambda p: p.grad))
+    out = {f"{key}_{norm_type}_norm{group_separator}{name[len(head):]}": v for name, v in norms.items()}
     if norms:
-        out[f"grad_{norm_type}_norm_total"] = torch.stack(list(norms.values())).norm(norm_type)
+        out[f"{key}_{norm_type}_norm_total"] = torch.stack(list(norms.values())).norm(norm_type)
     return out
 
 

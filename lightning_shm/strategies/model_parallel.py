@@ -72,7 +72,7 @@ from lightning_shm.parallel.tp.loading import (
 from lightning_shm.runtime import Group, ParallelGroups, Topology, World
 from lightning_shm.strategies.base import SHMStrategyBase
 from lightning_shm.strategies.collectives import MetricSync
-from lightning_shm.strategies.grad_norm import GradNormLogs, split_grad_norm
+from lightning_shm.strategies.grad_norm import GradNormLogs, split_grad_norm, whole_param_norm
 from lightning_shm.strategies.loader_iter import PreparedBatches, takes_loader_iter
 from lightning_shm.strategies.module_log import logging_through
 from lightning_shm.strategies.piece_saves import piece_saves_warned
@@ -337,6 +337,15 @@ class SHMModelParallel(SHMStrategyBase):
             return lightning_grad_norm(module, norm_type, group_separator)
         return self._norm_logs.record(split_grad_norm(module, self.lightning_module, self.parallel.state,
                                                       self.group, norm_type, group_separator))
+
+    def param_norm(self, module: nn.Module, norm_type: Union[float, int, str],
+                   group_separator: str = "/") -> dict[str, Tensor]:
+        """Each parameter's norm (:func:`~lightning_shm.strategies.grad_norm.param_norm`) for ``module``, one
+        process's values: over every rank's pieces where a rank holds pieces (collective there)."""
+        if self.parallel is None or not self._grads_split:
+            return whole_param_norm(module, norm_type, group_separator)
+        return split_grad_norm(module, self.lightning_module, self.parallel.state, self.group, norm_type,
+                               group_separator, of_params=True)
 
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         """Lightning's, watching what ``on_before_optimizer_step`` logs where gradients are split; an optimizer

@@ -141,9 +141,10 @@ def _held_elsewhere(index: int, name: str) -> str:
     """The step read ``.name`` of a layer this stage does not hold (a weight for a logged norm, a loss term)."""
     return (f"shm_pipeline: layer {index} of the pipelined nn.Sequential is held by another pipeline stage, and the "
             "step runs on the last stage, which holds only its own layers: it cannot read that layer's "
-            f"'{name}' (a weight whose norm it logs, a term of its loss) -- no stage holds every layer. Read it in "
-            "shm_ddp, or in shm_fsdp's default gather='view' by attribute (self.net[i].weight is the whole "
-            "parameter inside a step there), or read only the last stage's layers here.")
+            f"'{name}' (a weight whose norm it logs, a term of its loss) -- no stage holds every layer. For norms, "
+            "lightning_shm.param_norm(self, 2) (called on every stage: in on_before_optimizer_step, say) gives each "
+            "parameter's as one process's; otherwise read it in shm_ddp, or in shm_fsdp's default gather='view' by "
+            "attribute (self.net[i].weight is the whole parameter inside a step there).")
 
 
 _NOT_FROM_THE_INPUT = (
