@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, Optional
 
 import lightning.pytorch as pl
@@ -41,6 +42,18 @@ class PerRankDraws(torch.utils.data.Dataset):
     def draw(self, x: torch.Tensor, y: torch.Tensor, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
+
+class KeepsWarnings:
+    """A LightningModule mixin: the warnings raised in this process (a worker: rank 0 is where the strategies warn)
+    from ``on_train_start`` to ``on_train_end``, in ``self._caught``, for the module to log what it saw."""
+
+    def on_train_start(self) -> None:
+        self._recording = warnings.catch_warnings(record=True)
+        self._caught = self._recording.__enter__()
+        warnings.simplefilter("always")
+
+    def on_train_end(self) -> None:
+        self._recording.__exit__(None, None, None)
 
 class MeanOverTokens(torch.nn.Module):
     """``[B, T, D] -> [B, D]``: the pooling between a token model's layers and its classifier head."""

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 from torch import nn
 
 from lightning_shm import SHMModelParallel
 from lightning_shm.models import MNISTClassifier
-from tests.helpers import GLOBAL_BATCH, LAYOUTS, fit_seeded, flat_params, train_mnist
+from tests.helpers import GLOBAL_BATCH, LAYOUTS, KeepsWarnings, fit_seeded, flat_params, train_mnist
 
 
 class MeanSquarePenalty(MNISTClassifier):
@@ -174,18 +172,10 @@ def test_a_step_running_its_layers_forward_itself_is_told_to_call_them(layout, s
         train_mnist(strategy(), devices, "adam", batch=GLOBAL_BATCH // dp, model_cls=CallsForwardDirectly)
 
 
-class LogsWeightNorms(MNISTClassifier):
+class LogsWeightNorms(KeepsWarnings, MNISTClassifier):
     """Logs, from its step, the first Linear's weight norm (by attribute) and the sum of squares over
     ``self.parameters()`` -- diagnostics, not loss terms -- and after each batch, per name, whether the strategy
     said in this worker (rank 0) that the value is of pieces."""
-
-    def on_train_start(self):
-        self._recording = warnings.catch_warnings(record=True)
-        self._caught = self._recording.__enter__()
-        warnings.simplefilter("always")
-
-    def on_train_end(self):
-        self._recording.__exit__(None, None, None)
 
     def training_step(self, batch, batch_idx):
         self.log("w_attr", self.net[1].weight.norm())

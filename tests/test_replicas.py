@@ -4,7 +4,6 @@ Per-sample gradients (``torch.func``) run under shm_ddp only; elsewhere torch's 
 
 from __future__ import annotations
 
-import warnings
 from functools import partial
 
 import pytest
@@ -13,21 +12,13 @@ import torch.nn.functional as F
 from torch.func import functional_call, grad, vmap
 
 from lightning_shm.models import MNISTClassifier
-from tests.helpers import GLOBAL_BATCH, LAYOUTS, fit_seeded, flat_params
+from tests.helpers import GLOBAL_BATCH, LAYOUTS, KeepsWarnings, fit_seeded, flat_params
 
 PARTED = "after the first optimizer step the ranks' copies of"
 
 
-class RecordsWarnings(MNISTClassifier):
+class RecordsWarnings(KeepsWarnings, MNISTClassifier):
     """Logs ``parted`` = 1 once the strategy warned that the ranks' copies differ (recorded in the worker)."""
-
-    def on_train_start(self):
-        self._recording = warnings.catch_warnings(record=True)
-        self._caught = self._recording.__enter__()
-        warnings.simplefilter("always")
-
-    def on_train_end(self):
-        self._recording.__exit__(None, None, None)
 
     def training_step(self, batch, batch_idx):
         loss = self.step(batch)

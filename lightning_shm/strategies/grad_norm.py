@@ -36,13 +36,7 @@ def grad_norm(module: nn.Module, norm_type: Union[float, int, str],
     """Lightning's ``grad_norm(module, norm_type, group_separator)``, with one process's values when ``module``
     is a LightningModule trained by an shm strategy that splits gradients (collective: call it on every rank,
     as ``on_before_optimizer_step`` is). For a submodule: ``self.trainer.strategy.grad_norm(self.encoder, 2)``."""
-    strategy = None
-    if isinstance(module, pl.LightningModule):
-        with contextlib.suppress(RuntimeError):  # not attached to a Trainer
-            strategy = module.trainer.strategy
-    if strategy is not None and hasattr(strategy, "grad_norm"):
-        return strategy.grad_norm(module, norm_type, group_separator)
-    return lightning_grad_norm(module, norm_type, group_separator)
+    return _strategys(module, "grad_norm", lightning_grad_norm)(module, norm_type, group_separator)
 
 
 def param_norm(module: nn.Module, norm_type: Union[float, int, str], group_separator: str = "/") -> dict[str, Tensor]:
@@ -50,13 +44,16 @@ def param_norm(module: nn.Module, norm_type: Union[float, int, str], group_separ
     (``param_2.0_norm/net.1.weight``, ``param_2.0_norm_total``), with one process's values under every layout --
     a norm the step takes of what a rank holds is of its row block, slice or stage (collective where a rank holds
     pieces: call it on every rank). For a submodule: ``self.trainer.strategy.param_norm(self.encoder, 2)``."""
-    strategy = None
+    return _strategys(module, "param_norm", whole_param_norm)(module, norm_type, group_separator)
+
+
+def _strategys(module: nn.Module, name: str, otherwise: Callable[..., dict[str, Tensor]]) -> Callable[..., Any]:
+    """The method ``name`` of the strategy training ``module`` (a LightningModule attached to a Trainer whose
+    strategy has one), else ``otherwise``."""
     if isinstance(module, pl.LightningModule):
         with contextlib.suppress(RuntimeError):  # not attached to a Trainer
-            strategy = module.trainer.strategy
-    if strategy is not None and hasattr(strategy, "param_norm"):
-        return strategy.param_norm(module, norm_type, group_separator)
-    return whole_param_norm(module, norm_type, group_separator)
+            return getattr(module.trainer.strategy, name, otherwise)
+    return otherwise
 
 
 def whole_param_norm(module: nn.Module, norm_type: Union[float, int, str],

@@ -18,17 +18,21 @@ from lightning_shm.parallel.streams import draws_of
 from tests.helpers import GLOBAL_BATCH, SEED, flat_params, loader, mnist_like, trainer
 
 
-class GlobalDraws(Dataset):
-    """Samples augmented from the default generator, as torchvision's random transforms are: a crop's
-    rejection loop drawing a varying number of times, then a flip. Sample 0 is left as it is, so the strategy's
-    look at it (tp/loading.py) misses the draws and "auto" splits the loading: each member augments its own rows
-    from its stream, which the members' streams then differ by."""
+class _MnistLike(Dataset):
+    """``n`` MNIST-shaped samples (tests/helpers.py); subclasses say what loading one adds."""
 
     def __init__(self, n: int) -> None:
         self.ds = mnist_like(n, seed=1)
 
     def __len__(self) -> int:
         return len(self.ds)
+
+
+class GlobalDraws(_MnistLike):
+    """Samples augmented from the default generator, as torchvision's random transforms are: a crop's
+    rejection loop drawing a varying number of times, then a flip. Sample 0 is left as it is, so the strategy's
+    look at it (tp/loading.py) misses the draws and "auto" splits the loading: each member augments its own rows
+    from its stream, which the members' streams then differ by."""
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = self.ds[i]
@@ -111,15 +115,9 @@ def test_a_replica_loading_on_its_first_member_trains_as_the_data_parallel_ranks
 
 
 # ---------------------------------------------------------------------- random augmentations at load time
-class DrawsAtLoad(Dataset):
+class DrawsAtLoad(_MnistLike):
     """Each sample scaled by ``1 + r``, ``r`` drawn from the default generator after a varying number of other
     draws (a crop's rejection loop); ``r`` is returned too, so a step sees which number each row got."""
-
-    def __init__(self, n: int) -> None:
-        self.ds = mnist_like(n, seed=1)
-
-    def __len__(self) -> int:
-        return len(self.ds)
 
     def __getitem__(self, i: int):
         x, y = self.ds[i]
@@ -202,12 +200,8 @@ def test_draws_of_names_the_streams_a_call_draws_from_and_puts_them_back():
     assert (np.random.get_state()[1] == before[2]).all()
 
 
-class Indexed(Dataset):
-    def __init__(self, n: int) -> None:
-        self.ds = mnist_like(n, seed=1)
-
-    def __len__(self) -> int:
-        return len(self.ds)
+class Indexed(_MnistLike):
+    """Each sample with its index, where ``KeepsDraws`` reads a draw."""
 
     def __getitem__(self, i: int):
         x, y = self.ds[i]

@@ -13,11 +13,12 @@ group's batch of ``L`` indices is cut like :func:`~lightning_shm.runtime.ops.eve
 
 The result equals loading the whole batch on one rank as long as the collate function works sample
 by sample (torch's ``default_collate`` does: it stacks) and the dataset draws nothing from the global
-random streams, and each sample is produced once, so a pipeline that draws random augmentations per rank
-cannot give the members different inputs. A dataset that draws from the global streams as it loads (random
-augmentations; seen by loading sample 0 once, in a loader without workers) would have every member draw its
-share's numbers from one state: "auto" broadcasts instead (:func:`why_not_splittable`). Loader workers each
-member seeds apart (:func:`_member_seeds`).
+random streams. Each sample is produced once, so loader workers seeded per rank cannot give the members
+different inputs. A dataset that does draw as it loads (random augmentations; seen by loading sample 0 once,
+in a loader without workers) would have every member draw its share's numbers from one state -- each share
+augmented as the first: "auto" broadcasts instead (:func:`why_not_splittable`), and each member's loader
+workers are seeded apart (:func:`_member_seeds`). Every pass starts with the members' default generators made
+one (:func:`~lightning_shm.parallel.tp.rng.share_stream`), so a sampler drawing from it gives them one order.
 A batch with fewer samples than members (a short last batch) is loaded by every member and the
 strategy broadcasts the first member's copy, as it does for loaders it cannot split.
 
@@ -99,7 +100,8 @@ def _check_same_indices(indices: list[int], group: Group, batches: Any) -> None:
 
 
 class SplitLoader(DataLoader):
-    """A DataLoader whose batches are the tp group's, each member having loaded only its rows."""
+    """A DataLoader whose batches are the tp group's, each member having loaded only its rows; each pass starts
+    from member 0's default generator, with workers of the member's own seeds (see the module)."""
 
     def __init__(self, *args: Any, group: Group, member_batches: MemberBatches, **kwargs: Any) -> None:
         super().__init__(*args, batch_sampler=member_batches, **kwargs)

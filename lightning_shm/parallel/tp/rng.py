@@ -26,8 +26,8 @@ S is equal on every tp rank only while every rank draws the same numbers. Code o
 a callback picking samples to log on rank 0, a split loader whose members each load their own rows through
 random augmentations (torchvision's transforms draw from the default generator, a crop a varying number of
 times). From there a dropout after a row layer drops other features on each rank, and the ranks' copies of
-the replicated layers drift apart, silently. One process has one stream: before each step
-(:func:`share_stream`) every member takes member 0's::
+the replicated layers drift apart, silently. One process has one stream: before each step, and at each pass
+of a split loader (:func:`share_stream`), every member takes member 0's::
 
     member 0     S0 --broadcast (5,056 bytes)--> every member: S0
 """
@@ -79,8 +79,8 @@ class SplitRegionRandom:
 
 
 def share_stream(group: Group) -> None:
-    """Member 0's default generator on every member of the tp ``group`` (see the module): one broadcast of
-    its state, before a step, on every member at the same point."""
+    """Member 0's default generator on every member of ``group`` (a tp group, or a replica's ranks: see the
+    module): one broadcast of its state, on every member at the same point."""
     if group.size == 1:
         return
     gen = torch.default_generator
