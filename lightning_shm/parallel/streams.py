@@ -3,15 +3,17 @@
 
 Seeded alike on every rank of a replica they give the same draws (a pipeline's step, every stage:
 :mod:`lightning_shm.strategies.step_randomness`); kept aside around a call, they show whether it drew
-(:func:`draws_of`: does a dataset's ``__getitem__`` augment at random?).
+(:func:`draws_of`: does a dataset's ``__getitem__`` augment at random -- from the global streams or from a generator
+it keeps, :func:`generators_of`?).
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import random
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -31,27 +33,54 @@ def seed_streams(seed: int) -> None:
         np.random.seed(seed % 2**32)
 
 
-def draws_of(fn: Callable[[], Any]) -> list[str]:
-    """Which global streams ``fn()`` draws from, each put back as it was before the call (also if it raises)."""
+Stream = tuple[str, Callable[[], Any], Callable[[Any], Any]]  # a name, how to read its state, how to put it back
+
+
+def draws_of(fn: Callable[[], Any], own: Sequence[Stream] = ()) -> list[str]:
+    """Which global streams -- and ``own`` ones (:func:`generators_of`) -- ``fn()`` draws from, each put back as it
+    was before the call (also if it raises)."""
     np = sys.modules.get("numpy")
-    kept = [("torch", torch.default_generator.get_state(), torch.default_generator.set_state),
-            ("random", random.getstate(), random.setstate)]
+    streams: list[Stream] = [("torch", torch.default_generator.get_state, torch.default_generator.set_state),
+                             ("random", random.getstate, random.setstate)]
     if np is not None:
-        kept.append(("numpy", np.random.get_state(), np.random.set_state))
+        streams.append(("numpy", np.random.get_state, np.random.set_state))
+    streams += own
+    before = [get() for _, get, _ in streams]
     try:
         fn()
     finally:
-        after = [torch.default_generator.get_state(), random.getstate()]
-        if np is not None:
-            after.append(np.random.get_state())
-        for _, state, put in kept:
+        after = [get() for _, get, _ in streams]
+        for (_, _, put), state in zip(streams, before):
             put(state)
-    return [name for (name, state, _), now in zip(kept, after) if not _same(state, now)]
+    return [name for (name, _, _), a, b in zip(streams, before, after) if not _same(a, b)]
+
+
+def generators_of(obj: Any) -> list[Stream]:
+    """The random generators ``obj`` keeps as attributes of its own (a ``torch.Generator``, numpy's ``Generator``
+    or ``RandomState``), as streams for :func:`draws_of`: a dataset augmenting from one draws the same numbers in
+    every process that holds a copy of it."""
+    np = sys.modules.get("numpy")
+    out: list[Stream] = []
+    for name, value in vars(obj).items() if hasattr(obj, "__dict__") else ():
+        if isinstance(value, torch.Generator):
+            out.append((name, value.get_state, value.set_state))
+        elif np is not None and isinstance(value, np.random.Generator):
+            bits = value.bit_generator
+            out.append((name, lambda bits=bits: copy.deepcopy(bits.state),
+                        lambda state, bits=bits: setattr(bits, "state", state)))
+        elif np is not None and isinstance(value, np.random.RandomState):
+            out.append((name, value.get_state, value.set_state))
+    return out
 
 
 def _same(a: Any, b: Any) -> bool:
+    """Equal states: tensors, numpy arrays and the tuples and dicts that hold them compared element by element."""
     if isinstance(a, torch.Tensor):
         return torch.equal(a, b)
-    if isinstance(a, tuple) and a and a[0] == "MT19937":  # numpy: (name, keys, pos, has_gauss, gauss)
-        return bool((a[1] == b[1]).all()) and a[2:] == b[2:]
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (tuple, list)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if hasattr(a, "shape") and hasattr(a, "dtype"):  # a numpy array
+        return a.shape == b.shape and bool((a == b).all())
     return a == b

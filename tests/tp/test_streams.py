@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_shm import SHMDDPStrategy, SHMModelParallel, SHMTensorParallel
-from lightning_shm.parallel.streams import draws_of
+from lightning_shm.parallel.streams import draws_of, generators_of
 from tests.helpers import GLOBAL_BATCH, SEED, flat_params, loader, mnist_like, trainer
 
 
@@ -126,6 +126,19 @@ class DrawsAtLoad(_MnistLike):
         return x * (1 + r), y, r
 
 
+class DrawsFromItsGenerator(DrawsAtLoad):
+    """The same, ``r`` drawn from a ``torch.Generator`` the dataset keeps (every member holds a copy of it)."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__(n)
+        self.gen = torch.Generator().manual_seed(5)
+
+    def __getitem__(self, i: int):
+        x, y = self.ds[i]
+        r = torch.rand((), dtype=torch.float64, generator=self.gen)
+        return x * (1 + r), y, r
+
+
 class KeepsDraws(pl.LightningModule):
     """Saves the ``r`` of every row of every training batch it computes on (``out_dir/draws<rank>.pt``)."""
 
@@ -146,28 +159,29 @@ class KeepsDraws(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def _draws(strategy, devices: int, out_dir, num_workers: int = 0, **kw) -> list[torch.Tensor]:
+def _draws(strategy, devices: int, out_dir, num_workers: int = 0, dataset=DrawsAtLoad, **kw) -> list[torch.Tensor]:
     """``kw``: the loader's own (persistent_workers) and the Trainer's (max_epochs, use_distributed_sampler)."""
     pl.seed_everything(SEED)
-    dl = DataLoader(DrawsAtLoad(GLOBAL_BATCH * 2), batch_size=GLOBAL_BATCH, shuffle=True, num_workers=num_workers,
+    dl = DataLoader(dataset(GLOBAL_BATCH * 2), batch_size=GLOBAL_BATCH, shuffle=True, num_workers=num_workers,
                     persistent_workers=kw.pop("persistent_workers", False))
     trainer(strategy=strategy, devices=devices, precision="64-true", **{"max_epochs": 1, **kw}).fit(
         KeepsDraws(out_dir), dl)
     return [torch.load(out_dir / f"draws{r}.pt") for r in range(devices)]
 
 
-def test_auto_loads_a_dataset_drawing_at_load_on_the_first_member_as_one_process(tmp_path):
+@pytest.mark.parametrize("dataset", [DrawsAtLoad, DrawsFromItsGenerator])
+def test_auto_loads_a_dataset_drawing_at_load_on_the_first_member_as_one_process(dataset, tmp_path):
     # before: split, each member drew its 12 rows' numbers from the same state -- rows i and i + 12 of every batch
     # scaled alike; now the first look at sample 0 finds the draws and member 0 loads the whole batch
-    (ref,) = _draws(SHMDDPStrategy(start_method="fork"), 1, tmp_path)
-    got = _draws(SHMTensorParallel(start_method="fork", tensor_parallel_size=2), 2, tmp_path)
+    (ref,) = _draws(SHMDDPStrategy(start_method="fork"), 1, tmp_path, dataset=dataset)
+    got = _draws(SHMTensorParallel(start_method="fork", tensor_parallel_size=2), 2, tmp_path, dataset=dataset)
     assert ref.shape == (2, GLOBAL_BATCH) and len(set(ref.reshape(-1).tolist())) == ref.numel()
     for r in got:
         assert torch.equal(r, ref)
 
 
 def test_split_refuses_a_dataset_drawing_at_load_in_the_process(tmp_path):
-    with pytest.raises(ValueError, match=r"tp_batch='split' cannot split .* draws from the global random streams "
+    with pytest.raises(ValueError, match=r"tp_batch='split' cannot split .* draws from random streams "
                                          r"\(torch\) as it loads a sample"):
         _draws(SHMTensorParallel(start_method="fork", tensor_parallel_size=2, tp_batch="split"), 2, tmp_path)
 
@@ -198,6 +212,19 @@ def test_draws_of_names_the_streams_a_call_draws_from_and_puts_them_back():
         draws_of(lambda: (torch.rand(1), {}[0]))
     assert torch.equal(torch.get_rng_state(), before[0]) and random.getstate() == before[1]
     assert (np.random.get_state()[1] == before[2]).all()
+    # generators an object keeps: torch's, numpy's Generator (PCG64, MT19937) and RandomState
+    holder = DrawsFromItsGenerator(2)
+    holder.rng, holder.mt = np.random.default_rng(0), np.random.Generator(np.random.MT19937(0))
+    holder.legacy, holder.other = np.random.RandomState(0), 3
+    kept = generators_of(holder)
+    assert [name for name, _, _ in kept] == ["gen", "rng", "mt", "legacy"]
+    states = [get() for _, get, _ in kept]
+    assert draws_of(lambda: None, kept) == []
+    assert draws_of(lambda: (holder[1], holder.mt.random(), holder.legacy.rand()), kept) == ["gen", "mt", "legacy"]
+    assert draws_of(lambda: holder.rng.random(), kept) == ["rng"]
+    assert torch.equal(holder.gen.get_state(), states[0]) and holder.rng.bit_generator.state == states[1]
+    assert (holder.mt.bit_generator.state["state"]["key"] == states[2]["state"]["key"]).all()
+    assert (holder.legacy.get_state()[1] == states[3][1]).all()  # each put back
 
 
 class Indexed(_MnistLike):

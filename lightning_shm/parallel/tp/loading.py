@@ -40,7 +40,7 @@ import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, default_collate
 
-from lightning_shm.parallel.streams import call_seed, draws_of
+from lightning_shm.parallel.streams import call_seed, draws_of, generators_of
 from lightning_shm.parallel.tp.rng import share_stream
 from lightning_shm.runtime import Group
 from lightning_shm.runtime.ops import barrier_reason, even_split
@@ -164,7 +164,7 @@ def why_not_splittable(loader: Any, auto: bool) -> Optional[str]:
     if auto and loader.collate_fn is not default_collate:
         return "its collate_fn is not torch's default_collate (a batch-level collate needs the whole batch)"
     if loader.num_workers == 0 and (drawn := _draws_at_load(loader.dataset)):
-        return (f"its dataset draws from the global random streams ({', '.join(drawn)}) as it loads a sample "
+        return (f"its dataset draws from random streams ({', '.join(drawn)}) as it loads a sample "
                 "(random augmentations), and loading in this process each member would draw its rows' numbers "
                 "from the same state -- its share of a batch augmented as every other member's, where one "
                 "process draws each row's own (loader workers are seeded apart per member: num_workers > 0)")
@@ -172,10 +172,11 @@ def why_not_splittable(loader: Any, auto: bool) -> Optional[str]:
 
 
 def _draws_at_load(dataset: Any) -> list[str]:
-    """The global streams loading ``dataset[0]`` draws from (each put back). Only for a loader without workers:
-    this process loads its samples anyway, so nothing it opens (a file, a database) reaches a worker unforked."""
+    """The streams loading ``dataset[0]`` draws from -- global, or a generator the dataset keeps (every member holds
+    a copy of it, in the same state) -- each put back. Only for a loader without workers: this process loads its
+    samples anyway, so nothing it opens (a file, a database) reaches a worker unforked."""
     try:
-        return draws_of(lambda: dataset[0])
+        return draws_of(lambda: dataset[0], generators_of(dataset))
     except Exception:  # no sample 0 (keys of its own, an empty dataset): nothing known, nothing changed
         return []
 
