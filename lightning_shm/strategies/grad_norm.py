@@ -74,7 +74,7 @@ def _checked(norm_type: Union[float, int, str]) -> float:
     return norm_type
 
 
-def split_grad_norm(module: nn.Module, root: nn.Module, state: ModelState, group: Group,
+def split_norm(module: nn.Module, root: nn.Module, state: ModelState, group: Group,
                     norm_type: Union[float, int, str], group_separator: str = "/",
                     of_params: bool = False) -> dict[str, Tensor]:
     """Lightning's dict for ``module`` (``root`` or one of its submodules on this rank), its values over every
@@ -104,7 +104,7 @@ class GradNormLogs:
 
     def __init__(self, layout: Callable[[], str]) -> None:
         self.layout = layout
-        self.ours: set[str] = set()  # the keys :func:`split_grad_norm` returned: their values are right
+        self.ours: set[str] = set()  # the keys :func:`split_norm` returned: their values are right
         self.warned = False
 
     def record(self, norms: dict[str, Tensor]) -> dict[str, Tensor]:

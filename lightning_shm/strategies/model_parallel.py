@@ -72,7 +72,7 @@ from lightning_shm.parallel.tp.loading import (
 from lightning_shm.runtime import Group, ParallelGroups, Topology, World
 from lightning_shm.strategies.base import SHMStrategyBase
 from lightning_shm.strategies.collectives import MetricSync
-from lightning_shm.strategies.grad_norm import GradNormLogs, split_grad_norm, whole_param_norm
+from lightning_shm.strategies.grad_norm import GradNormLogs, split_norm, whole_param_norm
 from lightning_shm.strategies.loader_iter import PreparedBatches, takes_loader_iter
 from lightning_shm.strategies.module_log import logging_through
 from lightning_shm.strategies.piece_saves import piece_saves_warned
@@ -335,7 +335,7 @@ class SHMModelParallel(SHMStrategyBase):
         process's values: per parameter over every rank's pieces (collective where gradients are split)."""
         if self.parallel is None or not self._grads_split:
             return lightning_grad_norm(module, norm_type, group_separator)
-        return self._norm_logs.record(split_grad_norm(module, self.lightning_module, self.parallel.state,
+        return self._norm_logs.record(split_norm(module, self.lightning_module, self.parallel.state,
                                                       self.group, norm_type, group_separator))
 
     def param_norm(self, module: nn.Module, norm_type: Union[float, int, str],
@@ -344,7 +344,7 @@ class SHMModelParallel(SHMStrategyBase):
         process's values: over every rank's pieces where a rank holds pieces (collective there)."""
         if self.parallel is None or not self._grads_split:
             return whole_param_norm(module, norm_type, group_separator)
-        return split_grad_norm(module, self.lightning_module, self.parallel.state, self.group, norm_type,
+        return split_norm(module, self.lightning_module, self.parallel.state, self.group, norm_type,
                                group_separator, of_params=True)
 
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:

@@ -137,6 +137,7 @@ _NOT_SET_HERE = (
     "layer's activation kept for the loss) -- is never set there. A loss on an inner activation cannot be "
     "pipelined: compute it from the Sequential's output, or use shm_ddp / shm_fsdp / shm_tp.")
 
+
 def _held_elsewhere(index: int, name: str) -> str:
     """The step read ``.name`` of a layer this stage does not hold (a weight for a logged norm, a loss term)."""
     return (f"shm_pipeline: layer {index} of the pipelined nn.Sequential is held by another pipeline stage, and the "

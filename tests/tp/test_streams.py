@@ -261,3 +261,30 @@ def test_a_sampler_drawing_from_the_stream_gives_every_member_the_first_members_
     assert ref.shape == (6, GLOBAL_BATCH)
     for r in got:
         assert torch.equal(r, ref)
+
+
+class SamplesInValidation(DropoutOnReplicatedFeatures):
+    """Draws in its validation step (sampling from logits, MC dropout) and keeps the draws; rank 0 alone draws
+    after each validation batch."""
+
+    def validation_step(self, batch, batch_idx):
+        self.masks.append(torch.rand(16) < 0.5)
+
+    def on_validation_batch_end(self, outputs, batch, batch_idx, dataloader_idx=0):
+        if self.global_rank == 0:
+            torch.randint(0, 100, (8,))
+
+    def on_validation_end(self) -> None:
+        torch.save(torch.stack(self.masks), self.out_dir / f"val{self.global_rank}.pt")
+
+
+def test_tp_members_draw_alike_in_evaluation_steps_after_draws_apart(tmp_path):
+    # the evaluation steps share member 0's stream as the training steps do (ParallelState.step_scope)
+    pl.seed_everything(SEED)
+    model = SamplesInValidation()
+    model.out_dir = tmp_path
+    data = loader(GlobalDraws(GLOBAL_BATCH * 3), GLOBAL_BATCH)
+    trainer(strategy=SHMTensorParallel(start_method="fork", tensor_parallel_size=2), devices=2,
+            precision="64-true").validate(model, data)
+    got = [torch.load(tmp_path / f"val{r}.pt") for r in (0, 1)]
+    assert got[0].shape == (3, 16) and 0 < int(got[0].sum()) < got[0].numel() and torch.equal(got[0], got[1])
