@@ -7,12 +7,14 @@ timeout; a slow detection by the time from the dead worker's ``fit()`` to the ex
 
 from __future__ import annotations
 
+import logging
 import pickle
 import re
 import subprocess
 import sys
 import textwrap
 import time
+import warnings
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -352,3 +354,117 @@ def test_the_main_processs_default_dtype_reaches_the_workers(start_method):
         torch.set_default_dtype(torch.float32)
     assert weights[0].dtype == torch.float64
     torch.testing.assert_close(weights[0], weights[1], rtol=0, atol=1e-15)
+
+
+class _WarnsAndLogs(_LogsDefaultDtype):
+    def training_step(self, batch, batch_idx):
+        warnings.warn("a warning the main process silenced")
+        logging.getLogger("tests.carried").info("rank %d step %d", self.global_rank, batch_idx)
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
+def test_the_main_processs_warning_filters_and_logging_reach_the_workers(start_method, tmp_path, capfd):
+    """What a script's main block set up before ``fit``: a spawned or fork-server worker printed the warning the main
+    process silenced (once per rank), and Lightning's model summary and its "`Trainer.fit` stopped" under
+    ``lightning.pytorch`` set to ERROR, and its INFO records never reached the file handler the main process added
+    (the logger's level and handler were the fresh interpreter's). A forked worker inherits them; so do these now."""
+    from lightning_shm import SHMDDPStrategy
+    from tests.helpers import trainer
+
+    path = tmp_path / "carried.log"
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    carried, lightning_log = logging.getLogger("tests.carried"), logging.getLogger("lightning.pytorch")
+    levels = carried.level, lightning_log.level
+    carried.addHandler(handler)
+    carried.setLevel(logging.INFO)
+    lightning_log.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="a warning the main process silenced")
+            capfd.readouterr()
+            t = trainer(strategy=SHMDDPStrategy(start_method=start_method), devices=2, max_epochs=1,
+                        enable_model_summary=True)
+            t.fit(_WarnsAndLogs(), torch.utils.data.DataLoader(_MadeWithoutDtype(), batch_size=8))
+    finally:
+        carried.removeHandler(handler)
+        handler.close()
+        carried.setLevel(levels[0])
+        lightning_log.setLevel(levels[1])
+    printed = "".join(capfd.readouterr())
+    assert "a warning the main process silenced" not in printed, printed
+    assert "Trainable params" not in printed and "`Trainer.fit` stopped" not in printed, printed
+    said = sorted(path.read_text().splitlines())
+    assert said == sorted(f"INFO tests.carried: rank {r} step {i}" for r in (0, 1) for i in (0, 1)), said
+
+
+_DEFINED_IN_THE_MAIN_BLOCK = textwrap.dedent(
+    """
+    import logging
+    import sys
+    import warnings
+    import lightning.pytorch as pl
+    import lightning_shm
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    class Warns(BoringModel):
+        def training_step(self, batch, batch_idx):
+            warnings.warn("a filter that loads in the workers")
+            logging.getLogger("script").warning("logged through the handler kept behind")
+            return super().training_step(batch, batch_idx)
+
+    if __name__ == "__main__":
+        class OnlyHere(UserWarning):
+            pass
+
+        class OwnFormat(logging.Formatter):
+            pass
+
+        warnings.filterwarnings("ignore", category=OnlyHere)
+        warnings.filterwarnings("ignore", message="a filter that loads in the workers")
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(OwnFormat("main block's format: %(message)s"))
+        logging.getLogger("script").addHandler(handler)
+        pl.Trainer(strategy="shm_ddp", accelerator="cpu", devices=2, max_steps=2, logger=False,
+                   enable_checkpointing=False, enable_progress_bar=False).fit(Warns())
+        print("trained")
+    """
+)
+
+
+def test_what_only_the_main_block_defines_stays_behind_and_the_rest_reaches_the_workers(tmp_path):
+    """A warning category and a formatter class the main block defines are pickled by reference to ``__main__``,
+    which a fork-server or spawned worker runs without that block: carried with the job, they failed its
+    unpickling and no worker would start. Each filter and each logger's handlers load on their own: those two
+    stay behind (the logger keeps the worker's own handler: its record prints bare), the other filter reaches
+    the workers."""
+    script = tmp_path / "main_block.py"
+    script.write_text(_DEFINED_IN_THE_MAIN_BLOCK)
+    out = subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "trained" in out.stdout, out.stderr[-3000:]
+    assert "a filter that loads in the workers" not in out.stderr, out.stderr[-3000:]
+    assert "logged through the handler kept behind" in out.stderr, out.stderr[-3000:]
+    assert "main block's format" not in out.stderr, out.stderr[-3000:]
+
+
+def test_carried_warning_filters_keep_their_order_and_what_each_matches():
+    """The first filter that matches decides: the worker's list is the main process's, in its order. The
+    interpreter's own filters name a module by a plain string, which matches only that module."""
+    from lightning_shm.strategies.main_globals import capture_warning_filters, restore_warning_filters
+
+    with warnings.catch_warnings():
+        warnings.resetwarnings()
+        warnings.filters.append(("default", None, DeprecationWarning, "__main__", 0))  # as the interpreter has it
+        warnings.simplefilter("ignore", DeprecationWarning)
+        warnings.filterwarnings("error", message="Stop here", category=UserWarning, module="pkg\\.mod", lineno=3)
+        main = list(warnings.filters)
+        carried = capture_warning_filters()
+        warnings.resetwarnings()
+        restore_warning_filters(carried)
+        worker = list(warnings.filters)
+    assert [(a, c, n) for a, _, c, _, n in worker] == [(a, c, n) for a, _, c, _, n in main]
+    assert worker[0][1].match("stop HERE, said the worker") and worker[0][3].match("pkg.mod")
+    assert not worker[0][3].match("pkgXmod")
+    plain = worker[2][3]
+    assert plain.match("__main__") and not plain.match("__main__2") and not plain.match("_x_main__")

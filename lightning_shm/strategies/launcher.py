@@ -23,14 +23,12 @@ import io
 import os
 import signal
 import tempfile
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional
 
 import torch
 from lightning.fabric.strategies.launchers.multiprocessing import _check_missing_main_guard
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
-from lightning.pytorch.strategies.launchers.multiprocessing import _GlobalStateSnapshot
 from lightning.pytorch.trainer import call
 from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
 from lightning.pytorch.trainer.states import TrainerFn, TrainerState, TrainerStatus
@@ -39,6 +37,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 
 from lightning_shm.runtime import LaunchConfig, Launcher, World, stacks
 from lightning_shm.strategies.loop_position import note_loop_position
+from lightning_shm.strategies.main_globals import MainGlobals
 from lightning_shm.strategies.main_script import check_main_script
 from lightning_shm.strategies.main_state import (
     apply_found_learning_rates,
@@ -59,24 +58,6 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
 
     from lightning_shm.strategies.base import SHMStrategyBase
-
-
-@dataclass
-class _MainGlobals(_GlobalStateSnapshot):
-    """What Lightning's spawn launcher carries to its workers (deterministic flags, random states), and torch's
-    default dtype: a spawned or fork-server worker starts from torch's float32, so the main process's
-    ``torch.set_default_dtype(torch.float64)`` did not reach it -- a tensor its step or dataset created without a
-    dtype was float32 beside float64 weights ("mat1 and mat2 must have the same dtype", or silently rounder)."""
-
-    default_dtype: torch.dtype = torch.float32
-
-    @classmethod
-    def capture(cls) -> "_MainGlobals":
-        return cls(**vars(_GlobalStateSnapshot.capture()), default_dtype=torch.get_default_dtype())
-
-    def restore(self) -> None:
-        super().restore()
-        torch.set_default_dtype(self.default_dtype)
 
 
 class WorkerOutput(NamedTuple):
@@ -119,7 +100,7 @@ class SHMLauncher(_Launcher):
             strategy.check_shared_memory(trainer.lightning_module)
         if trainer is not None:
             _resolve_log_versions(trainer)
-        snapshot = _MainGlobals.capture() if self._start_method != "fork" else None
+        snapshot = MainGlobals.capture() if self._start_method != "fork" else None
         predicting = trainer is not None and trainer.state.fn == TrainerFn.PREDICTING
         config = LaunchConfig(world_size=strategy.num_processes, start_method=self._start_method,
                               runtime=strategy.runtime_config, graceful_stop=not predicting,
@@ -217,7 +198,7 @@ class _StopRequestConnector(_SignalConnector):
 
 
 def _run_in_worker(world: World, launcher: SHMLauncher, trainer: Optional["pl.Trainer"], function: Callable,
-                   args: Any, kwargs: Any, snapshot: Optional[_MainGlobals]) -> Optional[WorkerOutput]:
+                   args: Any, kwargs: Any, snapshot: Optional[MainGlobals]) -> Optional[WorkerOutput]:
     if snapshot is not None:
         snapshot.restore()
     os.environ["LOCAL_RANK"] = str(world.rank)
