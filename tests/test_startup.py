@@ -317,6 +317,14 @@ class _MadeWithoutDtype(torch.utils.data.Dataset):
         return torch.randn(8, generator=torch.Generator().manual_seed(i)), i % 2
 
 
+def _legacy_precision() -> float:
+    """``torch.get_float32_matmul_precision()`` as a number; -1 where torch refuses to read it (set mixed)."""
+    try:
+        return {"highest": 0.0, "high": 1.0, "medium": 2.0}[torch.get_float32_matmul_precision()]
+    except RuntimeError:
+        return -1.0
+
+
 class _LogsDefaultDtype(pl.LightningModule):
     def __init__(self) -> None:
         super().__init__()
@@ -325,22 +333,32 @@ class _LogsDefaultDtype(pl.LightningModule):
     def training_step(self, batch, batch_idx):
         x, y = batch
         self.log("default_float64", float(torch.get_default_dtype() == torch.float64), sync_dist=True)
+        self.log("matmul_bf16", float(torch.backends.mkldnn.matmul.fp32_precision == "bf16"), sync_dist=True)
+        self.log("legacy_precision", _legacy_precision(), sync_dist=True)
         return F.cross_entropy(self.net(x) * (1 + torch.tensor(0.1)), y)
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
-def test_the_main_processs_default_dtype_reaches_the_workers(start_method):
+@pytest.mark.parametrize("start_method,precision_api", [("forkserver", "legacy"), ("spawn", "per-backend")])
+def test_the_main_processs_default_dtype_and_float32_precision_reach_the_workers(start_method, precision_api):
     """``torch.set_default_dtype(torch.float64)`` in the main process: a spawned or fork-server worker started from
     float32, and the float32 samples its dataset created met float64 weights ("mat1 and mat2 must have the same
-    dtype"); Lightning's spawn launcher carries the deterministic flags and random states, not the dtype. Now it
-    trains as a forked worker, which inherits it."""
+    dtype"); Lightning's spawn launcher carries the deterministic flags and random states, not the dtype. Nor the
+    float32 matmul precision -- ``torch.set_float32_matmul_precision("medium")`` or the per-backend setting it
+    makes: on a CPU with bfloat16 units oneDNN multiplies in bfloat16 in one process, in float32 in those
+    workers. Now they train as a forked worker, which inherits them. (Anomaly detection is the Trainer's own:
+    its ``detect_anomaly`` flag decides inside every fit, in one process too.)"""
     from lightning_shm import SHMDDPStrategy
     from tests.helpers import flat_params, trainer
 
     torch.set_default_dtype(torch.float64)
+    if precision_api == "legacy":
+        torch.set_float32_matmul_precision("medium")
+    else:  # set alone, it makes torch refuse to read the legacy setting: the workers are left as mixed
+        torch.backends.mkldnn.matmul.fp32_precision = "bf16"
+    legacy = _legacy_precision()
     try:
         weights = []
         for method in (start_method, "fork"):
@@ -348,10 +366,13 @@ def test_the_main_processs_default_dtype_reaches_the_workers(start_method):
             model = _LogsDefaultDtype()
             t = trainer(strategy=SHMDDPStrategy(start_method=method), devices=2, max_epochs=1)
             t.fit(model, torch.utils.data.DataLoader(_MadeWithoutDtype(), batch_size=8))
-            assert float(t.callback_metrics["default_float64"]) == 1.0
+            said = {k: float(t.callback_metrics[k]) for k in ("default_float64", "matmul_bf16", "legacy_precision")}
+            assert said == {"default_float64": 1.0, "matmul_bf16": 1.0, "legacy_precision": legacy}, said
             weights.append(flat_params(model))
     finally:
         torch.set_default_dtype(torch.float32)
+        torch.backends.mkldnn.matmul.fp32_precision = "none"
+        torch.set_float32_matmul_precision("highest")
     assert weights[0].dtype == torch.float64
     torch.testing.assert_close(weights[0], weights[1], rtol=0, atol=1e-15)
 

@@ -8,6 +8,9 @@ also takes, as a forked one would have them:
 
 * torch's default dtype -- ``torch.set_default_dtype(torch.float64)`` did not reach it: a tensor its step
   or dataset created without a dtype was float32 beside float64 weights;
+* torch's float32 precision for matmuls and convolutions (``torch.set_float32_matmul_precision("medium")``,
+  or the ``torch.backends.*.fp32_precision`` settings): on a CPU with bfloat16 units "medium" has oneDNN
+  multiply in bfloat16 -- one process did, the workers multiplied in float32;
 * the warning filters -- ``warnings.filterwarnings("ignore", ...)`` silenced a warning in one process,
   and each worker printed it; a test run's ``filterwarnings`` did not reach the workers;
 * the logging configuration -- every logger's level, ``propagate`` and ``disabled``, ``logging.disable``,
@@ -148,11 +151,48 @@ def _pattern(p: Any) -> str:
     return "" if p is None else p.pattern if isinstance(p, re.Pattern) else re.escape(p) + r"\Z"
 
 
+# the settings torch keeps per backend (CPU ones); where a version lacks one, it is not carried
+_FP32_PRECISIONS = ("", "mkldnn", "mkldnn.matmul", "mkldnn.conv", "mkldnn.rnn")
+
+
+def _backend(path: str) -> Any:
+    obj: Any = torch.backends
+    for name in filter(None, path.split(".")):
+        obj = getattr(obj, name, None)
+    return obj
+
+
+def capture_precision() -> tuple[Optional[str], dict[str, str]]:
+    """The legacy setting's value (None where the main process mixed it with the per-backend settings, which
+    makes torch refuse to read it) and each per-backend ``fp32_precision``."""
+    try:
+        legacy: Optional[str] = torch.get_float32_matmul_precision()
+    except RuntimeError:
+        legacy = None
+    backends = {p: getattr(_backend(p), "fp32_precision") for p in _FP32_PRECISIONS
+                if hasattr(_backend(p), "fp32_precision")}
+    return legacy, backends
+
+
+def restore_precision(legacy: Optional[str], backends: dict[str, str]) -> None:
+    """The legacy call first (it sets the backends' values as it did in the main process), then only the values
+    that still differ: a worker set as the main process was reads back as it does."""
+    if legacy is not None and torch.get_float32_matmul_precision() != legacy:
+        torch.set_float32_matmul_precision(legacy)
+    for path, value in backends.items():
+        obj = _backend(path)
+        if obj is not None and getattr(obj, "fp32_precision", value) != value:
+            obj.fp32_precision = value
+
+
 @dataclass
 class MainGlobals(_GlobalStateSnapshot):
-    """Lightning's snapshot plus the default dtype, the warning filters and the logging configuration."""
+    """Lightning's snapshot plus the default dtype, the float32 precision, the warning filters and the logging
+    configuration."""
 
     default_dtype: torch.dtype = torch.float32
+    matmul_precision: Optional[str] = "highest"
+    fp32_precisions: dict = field(default_factory=dict)
     warning_filters: tuple = ()
     logging_disable: int = logging.NOTSET
     loggers: dict = field(default_factory=dict)
@@ -160,11 +200,14 @@ class MainGlobals(_GlobalStateSnapshot):
     @classmethod
     def capture(cls) -> "MainGlobals":
         disable, loggers = capture_logging()
+        legacy, backends = capture_precision()
         return cls(**vars(_GlobalStateSnapshot.capture()), default_dtype=torch.get_default_dtype(),
+                   matmul_precision=legacy, fp32_precisions=backends,
                    warning_filters=capture_warning_filters(), logging_disable=disable, loggers=loggers)
 
     def restore(self) -> None:
         super().restore()
         torch.set_default_dtype(self.default_dtype)
+        restore_precision(self.matmul_precision, self.fp32_precisions)
         restore_warning_filters(self.warning_filters)
         restore_logging(self.logging_disable, self.loggers)
