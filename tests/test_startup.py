@@ -389,12 +389,14 @@ def test_the_main_processs_warning_filters_and_logging_reach_the_workers(start_m
     """What a script's main block set up before ``fit``: a spawned or fork-server worker printed the warning the main
     process silenced (once per rank), and Lightning's model summary and its "`Trainer.fit` stopped" under
     ``lightning.pytorch`` set to ERROR, and its INFO records never reached the file handler the main process added
-    (the logger's level and handler were the fresh interpreter's). A forked worker inherits them; so do these now."""
+    (the logger's level and handler were the fresh interpreter's). A forked worker inherits them; so do these now.
+    The handler's file is opened with "w": the main process's record after the fit landed over the workers' lines
+    (its own file offset); it appends now, as it does after forked workers (their offset is its)."""
     from lightning_shm import SHMDDPStrategy
     from tests.helpers import trainer
 
     path = tmp_path / "carried.log"
-    handler = logging.FileHandler(path)
+    handler = logging.FileHandler(path, mode="w")
     handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
     carried, lightning_log = logging.getLogger("tests.carried"), logging.getLogger("lightning.pytorch")
     levels = carried.level, lightning_log.level
@@ -402,12 +404,14 @@ def test_the_main_processs_warning_filters_and_logging_reach_the_workers(start_m
     carried.setLevel(logging.INFO)
     lightning_log.setLevel(logging.ERROR)
     try:
+        carried.info("main before the fit")
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="a warning the main process silenced")
             capfd.readouterr()
             t = trainer(strategy=SHMDDPStrategy(start_method=start_method), devices=2, max_epochs=1,
                         enable_model_summary=True)
             t.fit(_WarnsAndLogs(), torch.utils.data.DataLoader(_MadeWithoutDtype(), batch_size=8))
+        carried.info("main after the fit")
     finally:
         carried.removeHandler(handler)
         handler.close()
@@ -416,8 +420,10 @@ def test_the_main_processs_warning_filters_and_logging_reach_the_workers(start_m
     printed = "".join(capfd.readouterr())
     assert "a warning the main process silenced" not in printed, printed
     assert "Trainable params" not in printed and "`Trainer.fit` stopped" not in printed, printed
-    said = sorted(path.read_text().splitlines())
-    assert said == sorted(f"INFO tests.carried: rank {r} step {i}" for r in (0, 1) for i in (0, 1)), said
+    said = path.read_text().splitlines()
+    steps = sorted(f"INFO tests.carried: rank {r} step {i}" for r in (0, 1) for i in (0, 1))
+    assert said[0] == "INFO tests.carried: main before the fit" and said[-1] == "INFO tests.carried: main after the fit"
+    assert sorted(said[1:-1]) == steps, said
 
 
 _DEFINED_IN_THE_MAIN_BLOCK = textwrap.dedent(

@@ -15,7 +15,8 @@ also takes, as a forked one would have them:
   and each worker printed it; a test run's ``filterwarnings`` did not reach the workers;
 * the logging configuration -- every logger's level, ``propagate`` and ``disabled``, ``logging.disable``,
   and its handlers where they can be rebuilt: a stream handler on stdout or stderr (``basicConfig``'s) and
-  a file handler (reopened for appending), with their level, formatter and filters. Before, a worker
+  a file handler (reopened for appending; the main process's own file appends from then on), with their level,
+  formatter and filters. Before, a worker
   printed Lightning's model summary under ``logging.getLogger("lightning.pytorch").setLevel(ERROR)``, and
   dropped the INFO records ``logging.basicConfig(level=INFO)`` asked for.
 
@@ -29,7 +30,9 @@ socket, a test runner's capture) keeps the worker's own handlers.
 
 from __future__ import annotations
 
+import fcntl
 import logging
+import os
 import pickle
 import re
 import sys
@@ -71,6 +74,7 @@ class HandlerSpec:
         """None where ``h`` is of a kind not rebuilt."""
         kept = (h.level, h.formatter, tuple(h.filters))
         if type(h) is logging.FileHandler:
+            _append_from_now_on(h)
             return cls(*kept, path=h.baseFilename, encoding=h.encoding)
         if type(h) is logging.StreamHandler:
             for name in ("stdout", "stderr"):
@@ -89,6 +93,21 @@ class HandlerSpec:
         for f in self.filters:
             h.addFilter(f)
         return h
+
+
+def _append_from_now_on(h: logging.FileHandler) -> None:
+    """The main process's own records after the workers' land after theirs, as a forked worker's shared file
+    offset has them: its file opened with "w" (``basicConfig(filename=..., filemode="w")``) wrote at its own
+    offset, over the lines the workers had appended (a record after the fit overwrote them)."""
+    if h.stream is None:  # not opened yet (delay=True)
+        return
+    try:
+        fd = h.stream.fileno()
+        flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+        if not flags & os.O_APPEND:
+            fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_APPEND)
+    except (OSError, ValueError, AttributeError):  # a closed or unusual stream: left as it is
+        pass
 
 
 @dataclass(frozen=True)
