@@ -428,18 +428,32 @@ def test_the_main_processs_warning_filters_and_logging_reach_the_workers(start_m
 
 _DEFINED_IN_THE_MAIN_BLOCK = textwrap.dedent(
     """
+    import dataclasses
     import logging
     import sys
     import warnings
     import lightning.pytorch as pl
+    import torch
     import lightning_shm
     from lightning.pytorch.demos.boring_classes import BoringModel
 
+    @dataclasses.dataclass
+    class Config:
+        lr: float = 0.1
+
     class Warns(BoringModel):
+        def __init__(self, config: Config = Config()):
+            super().__init__()
+            self.save_hyperparameters()
+
         def training_step(self, batch, batch_idx):
             warnings.warn("a filter that loads in the workers")
             logging.getLogger("script").warning("logged through the handler kept behind")
             return super().training_step(batch, batch_idx)
+
+    def trainer(**kw):
+        return pl.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+                          default_root_dir=sys.argv[1], **kw)
 
     if __name__ == "__main__":
         class OnlyHere(UserWarning):
@@ -450,11 +464,16 @@ _DEFINED_IN_THE_MAIN_BLOCK = textwrap.dedent(
 
         warnings.filterwarnings("ignore", category=OnlyHere)
         warnings.filterwarnings("ignore", message="a filter that loads in the workers")
+        logging.getLogger("script").disabled = True
+        first = trainer(max_steps=1)  # one process: a checkpoint whose hyperparameters hold a __main__.Config
+        first.fit(Warns())
+        logging.getLogger("script").disabled = False
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(OwnFormat("main block's format: %(message)s"))
         logging.getLogger("script").addHandler(handler)
-        pl.Trainer(strategy="shm_ddp", accelerator="cpu", devices=2, max_steps=2, logger=False,
-                   enable_checkpointing=False, enable_progress_bar=False).fit(Warns())
+        torch.serialization.add_safe_globals([Config])
+        last = first.checkpoint_callback.best_model_path
+        trainer(strategy="shm_ddp", devices=2, max_steps=3).fit(Warns(), ckpt_path=last)
         print("trained")
     """
 )
@@ -465,10 +484,13 @@ def test_what_only_the_main_block_defines_stays_behind_and_the_rest_reaches_the_
     which a fork-server or spawned worker runs without that block: carried with the job, they failed its
     unpickling and no worker would start. Each filter and each logger's handlers load on their own: those two
     stay behind (the logger keeps the worker's own handler: its record prints bare), the other filter reaches
-    the workers."""
+    the workers. So does the script's class the main block made a safe global for ``torch.load``, by the name the
+    checkpoint gives it (``__main__.Config``; the worker's copy is ``__mp_main__.Config``): before, the workers'
+    resume failed with torch's "Weights only load failed", where one process and forked workers resumed."""
     script = tmp_path / "main_block.py"
     script.write_text(_DEFINED_IN_THE_MAIN_BLOCK)
-    out = subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, str(script), str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
     assert out.returncode == 0 and "trained" in out.stdout, out.stderr[-3000:]
     assert "a filter that loads in the workers" not in out.stderr, out.stderr[-3000:]
     assert "logged through the handler kept behind" in out.stderr, out.stderr[-3000:]

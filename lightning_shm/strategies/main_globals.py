@@ -11,6 +11,9 @@ also takes, as a forked one would have them:
 * torch's float32 precision for matmuls and convolutions (``torch.set_float32_matmul_precision("medium")``,
   or the ``torch.backends.*.fp32_precision`` settings): on a CPU with bfloat16 units "medium" has oneDNN
   multiply in bfloat16 -- one process did, the workers multiplied in float32;
+* the globals ``torch.load`` may rebuild (``torch.serialization.add_safe_globals([Config])``): a checkpoint
+  holding such an object (a dataclass in the hyperparameters) resumed in one process and failed in those
+  workers' ``fit(ckpt_path=...)`` with torch's "Weights only load failed";
 * the warning filters -- ``warnings.filterwarnings("ignore", ...)`` silenced a warning in one process,
   and each worker printed it; a test run's ``filterwarnings`` did not reach the workers;
 * the logging configuration -- every logger's level, ``propagate`` and ``disabled``, ``logging.disable``,
@@ -170,6 +173,21 @@ def _pattern(p: Any) -> str:
     return "" if p is None else p.pattern if isinstance(p, re.Pattern) else re.escape(p) + r"\Z"
 
 
+def capture_safe_globals() -> tuple[bytes, ...]:
+    """What ``torch.load(weights_only=True)`` may rebuild beyond its own list, each pickled on its own with the
+    name a checkpoint gives it: a class of the main script is ``__main__.Config`` in the file, and its copy in a
+    worker (which runs the script as ``__mp_main__``) must answer to that name."""
+    named = (g if isinstance(g, tuple) else (g, f"{g.__module__}.{g.__qualname__}")
+             for g in torch.serialization.get_safe_globals())
+    return tuple(b for b in map(_dumps, named) if b is not None)
+
+
+def restore_safe_globals(blobs: tuple[bytes, ...]) -> None:
+    found = [g for g in map(_loads, blobs) if g is not None]
+    if found:
+        torch.serialization.add_safe_globals(found)
+
+
 # the settings torch keeps per backend (CPU ones); where a version lacks one, it is not carried
 _FP32_PRECISIONS = ("", "mkldnn", "mkldnn.matmul", "mkldnn.conv", "mkldnn.rnn")
 
@@ -206,12 +224,13 @@ def restore_precision(legacy: Optional[str], backends: dict[str, str]) -> None:
 
 @dataclass
 class MainGlobals(_GlobalStateSnapshot):
-    """Lightning's snapshot plus the default dtype, the float32 precision, the warning filters and the logging
-    configuration."""
+    """Lightning's snapshot plus the default dtype, the float32 precision, torch.load's safe globals, the warning
+    filters and the logging configuration."""
 
     default_dtype: torch.dtype = torch.float32
     matmul_precision: Optional[str] = "highest"
     fp32_precisions: dict = field(default_factory=dict)
+    safe_globals: tuple = ()
     warning_filters: tuple = ()
     logging_disable: int = logging.NOTSET
     loggers: dict = field(default_factory=dict)
@@ -221,12 +240,13 @@ class MainGlobals(_GlobalStateSnapshot):
         disable, loggers = capture_logging()
         legacy, backends = capture_precision()
         return cls(**vars(_GlobalStateSnapshot.capture()), default_dtype=torch.get_default_dtype(),
-                   matmul_precision=legacy, fp32_precisions=backends,
+                   matmul_precision=legacy, fp32_precisions=backends, safe_globals=capture_safe_globals(),
                    warning_filters=capture_warning_filters(), logging_disable=disable, loggers=loggers)
 
     def restore(self) -> None:
         super().restore()
         torch.set_default_dtype(self.default_dtype)
         restore_precision(self.matmul_precision, self.fp32_precisions)
+        restore_safe_globals(self.safe_globals)
         restore_warning_filters(self.warning_filters)
         restore_logging(self.logging_disable, self.loggers)
