@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 
-import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -59,29 +58,3 @@ def test_the_main_process_takes_the_trained_module_whatever_on_save_checkpoint_w
                                 ckpt_path=os.path.join(tmp_path, "epoch=0.ckpt"))
         torch.testing.assert_close(flat_params(resumed), flat_params(ref), rtol=0, atol=1e-12)
 
-
-class _SavesOnRankZeroOnly(pl.Callback):
-    """Code ported from one process: the save gated on rank 0."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-
-    def on_train_epoch_end(self, trainer, pl_module):
-        if trainer.is_global_zero:
-            trainer.save_checkpoint(self.path)
-
-
-@pytest.mark.parametrize("layout", ["ddp", "fsdp"])  # the copies of the module's state; the whole weights' gather
-def test_a_save_on_rank_zero_alone_stops_saying_every_rank_must_save(tmp_path, layout):
-    """Lightning's ddp waits at its barrier for 30 minutes; the mismatch stopped the run at once but named only two
-    collectives. Either member may be the one reported: rank 0's note is beside the report either way."""
-    from lightning_shm.runtime import BarrierTimeoutError, CollectiveMismatchError
-
-    strategy, devices, dp = LAYOUTS[layout]
-    with pytest.raises((CollectiveMismatchError, BarrierTimeoutError)) as raised:
-        fit_seeded(MNISTClassifier, strategy(), devices, GLOBAL_BATCH // dp,
-                   callbacks=[_SavesOnRankZeroOnly(str(tmp_path / "rank0.ckpt"))])
-    name = type(strategy()).__name__
-    said = f"rank 0 was saving a checkpoint, which under {name} is collective"
-    assert any(n.startswith(said) for n in raised.value.__notes__), raised.value.__notes__
-    assert not os.path.exists(tmp_path / "rank0.ckpt")

@@ -45,6 +45,7 @@ from lightning_shm.runtime.ops import barrier_reason
 from lightning_shm.runtime.segment import check_free_space
 from lightning_shm.runtime.world import control_bytes
 from lightning_shm.strategies import collectives, scheduler_metrics, stop_votes, throughput
+from lightning_shm.strategies.collective_calls import REDUCE, noted
 from lightning_shm.strategies.epoch_lengths import check_equal_epochs, check_reloaded_epochs
 from lightning_shm.strategies.launcher import SHMLauncher
 from lightning_shm.strategies.predictions import merge_predictions
@@ -342,7 +343,8 @@ class SHMStrategyBase(ParallelStrategy):
         g = group if isinstance(group, Group) else self.data_parallel_group()
         if g is None:
             return tensor
-        return collectives.reduce(g, tensor, reduce_op)
+        with noted(REDUCE, self.global_rank, type(self).__name__):
+            return collectives.reduce(g, tensor, reduce_op)
 
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         """Every rank of the run votes. Lightning's counts ``reduce(..., SUM)`` against ``world_size``, but

@@ -71,7 +71,7 @@ from lightning_shm.parallel.tp.loading import (
 )
 from lightning_shm.runtime import Group, ParallelGroups, Topology, World
 from lightning_shm.strategies.base import SHMStrategyBase
-from lightning_shm.strategies.collective_saves import collective_save
+from lightning_shm.strategies.collective_calls import SAVE, noted
 from lightning_shm.strategies.collectives import MetricSync
 from lightning_shm.strategies.grad_norm import GradNormLogs, split_norm, whole_param_norm
 from lightning_shm.strategies.loader_iter import PreparedBatches, takes_loader_iter
@@ -663,7 +663,7 @@ class SHMModelParallel(SHMStrategyBase):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         if self.parallel is None:  # the main process (after fit it holds the full weights)
             return super().lightning_module_state_dict()
-        with collective_save(self.global_rank, type(self).__name__):
+        with noted(SAVE, self.global_rank, type(self).__name__):
             return self.parallel.state.full_state_dict()  # collective
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -673,7 +673,7 @@ class SHMModelParallel(SHMStrategyBase):
     def plain_checkpoint(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
         """Copies of the module's state kept elsewhere in the checkpoint (a callback's EMA of
         ``pl_module.state_dict()``) made plain, as the module's own entries are (collective)."""
-        with collective_save(self.global_rank, type(self).__name__):
+        with noted(SAVE, self.global_rank, type(self).__name__):
             return self._plain_copies(checkpoint, self._plain_already(), "the checkpoint")
 
     def plain_attributes(self, attributes: list[tuple[str, dict[str, Any]]]) -> list[tuple[str, dict[str, Any]]]:

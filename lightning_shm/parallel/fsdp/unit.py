@@ -416,14 +416,17 @@ class FSDPUnit:
     def _out_of_order(self, e: CollectiveMismatchError) -> str:
         """The runtime's mismatch, said in units: a site is a unit's index + 1 (see :meth:`reduce_scatter`)."""
         theirs = site_of(e.theirs.get("arg", 0)) if e.theirs.get("coll") == e.mine.get("coll") else 0
-        said = f" (this rank reduced unit '{self.name}'; another " + (
-            f"unit '{self.unit_names[theirs - 1]}')" if 0 < theirs <= len(self.unit_names)
-            else "rank entered another collective)")
-        return (f"{e}\nFSDP units' gradients were reduced in different orders on the ranks{said}. Every rank "
-                "must run every unit's forward and backward in every step, in one order, as torch's FSDP requires: a "
-                "unit that some ranks' samples skip -- a unit per expert of a mixture of experts -- breaks it. Keep "
-                "such modules in one unit (the default policy takes each child of the Sequential whole), or use "
-                "shm_ddp with find_unused_parameters=True.")
+        if 0 < theirs <= len(self.unit_names):
+            said = (f"FSDP units' gradients were reduced in different orders on the ranks (this rank reduced unit "
+                    f"'{self.name}'; another unit '{self.unit_names[theirs - 1]}').")
+        else:  # not necessarily the units: a collective the other rank made alone (a rank-0-only sync_dist log)
+            said = (f"This rank reduced FSDP unit '{self.name}'; another rank entered another collective -- one "
+                    "that rank made alone (the notes beside this error say which, where a call is known), or the "
+                    "next one after skipping units.")
+        return (f"{e}\n{said} Every rank must run every unit's forward and backward in every step, in one order, as "
+                "torch's FSDP requires: a unit that some ranks' samples skip -- a unit per expert of a mixture of "
+                "experts -- breaks it. Keep such modules in one unit (the default policy takes each child of the "
+                "Sequential whole), or use shm_ddp with find_unused_parameters=True.")
 
     # ------------------------------------------------------------------ a whole step (FSDPState.step_scope)
     def open(self) -> None:
