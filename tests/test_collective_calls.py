@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+from functools import partial
 
 import lightning.pytorch as pl
 import pytest
+import torch
 
 from lightning_shm.models import MNISTClassifier
 from lightning_shm.runtime import BarrierTimeoutError, CollectiveMismatchError
@@ -55,3 +57,26 @@ def test_a_synced_log_on_rank_zero_alone_stops_saying_every_rank_must_log_it(lay
     assert any(n.startswith("rank 0 was combining a value over the ranks (trainer.strategy.reduce: self.log(..., "
                             "sync_dist=True)") for n in raised.value.__notes__), raised.value.__notes__
     assert "reduced in different orders" not in str(raised.value)
+
+
+class _CallsOnRankZeroOnly(MNISTClassifier):
+    def __init__(self, call: str) -> None:
+        super().__init__()
+        self.call = call
+
+    def on_train_epoch_end(self):
+        if self.trainer.is_global_zero:
+            {"gather": lambda: self.all_gather(torch.ones(2)),
+             "broadcast": lambda: self.trainer.strategy.broadcast(3),
+             "barrier": lambda: self.trainer.strategy.barrier()}[self.call]()
+
+
+@pytest.mark.parametrize("call, said", [("gather", "self.all_gather (trainer.strategy.all_gather)"),
+                                        ("broadcast", "trainer.strategy.broadcast"),
+                                        ("barrier", "trainer.strategy.barrier")])
+def test_a_collective_call_on_rank_zero_alone_stops_naming_it(call, said):
+    strategy, devices, dp = LAYOUTS["ddp"]
+    with pytest.raises((CollectiveMismatchError, BarrierTimeoutError)) as raised:
+        fit_seeded(partial(_CallsOnRankZeroOnly, call), strategy(), devices, GLOBAL_BATCH // dp)
+    assert any(n.startswith(f"rank 0 was in {said}, which every rank must call") for n in raised.value.__notes__), \
+        raised.value.__notes__

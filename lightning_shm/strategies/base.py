@@ -45,7 +45,7 @@ from lightning_shm.runtime.ops import barrier_reason
 from lightning_shm.runtime.segment import check_free_space
 from lightning_shm.runtime.world import control_bytes
 from lightning_shm.strategies import collectives, scheduler_metrics, stop_votes, throughput
-from lightning_shm.strategies.collective_calls import REDUCE, noted
+from lightning_shm.strategies.collective_calls import BARRIER, BROADCAST, GATHER, REDUCE, noted
 from lightning_shm.strategies.epoch_lengths import check_equal_epochs, check_reloaded_epochs
 from lightning_shm.strategies.launcher import SHMLauncher
 from lightning_shm.strategies.predictions import merge_predictions
@@ -361,13 +361,15 @@ class SHMStrategyBase(ParallelStrategy):
         over torch.distributed, which the workers do not start), so this barrier does too -- a rank that fails
         still aborts it. Every other wait keeps the strategy's ``timeout``."""
         if self._group is not None:
-            self._group.barrier(untimed=name == "pre_setup")
+            with noted(BARRIER, self.global_rank, type(self).__name__):
+                self._group.barrier(untimed=name == "pre_setup")
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         """``src`` is a global rank (Lightning's meaning); in the world group it is also the member index."""
         if self._group is None:
             return obj
-        return self._group.broadcast_object(obj, src_member=src)
+        with noted(BROADCAST, self.global_rank, type(self).__name__):
+            return self._group.broadcast_object(obj, src_member=src)
 
     def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
         """``[dp, *tensor.shape]`` over the data-parallel group -- the ranks holding different samples, those
@@ -377,7 +379,8 @@ class SHMStrategyBase(ParallelStrategy):
         g = group if isinstance(group, Group) else self.data_parallel_group()
         if g is None:
             return tensor.unsqueeze(0) if isinstance(tensor, Tensor) else tensor
-        return collectives.all_gather(g, tensor, sync_grads=sync_grads)
+        with noted(GATHER, self.global_rank, type(self).__name__):
+            return collectives.all_gather(g, tensor, sync_grads=sync_grads)
 
     def attach_metrics(self) -> None:
         """Make every torchmetrics Metric of the module sync over the data-parallel group -- at setup, and again

@@ -7,7 +7,8 @@ Lightning's contract is that every rank makes them; code ported from one process
   callback keeps (an EMA);
 * ``self.log(name, value, sync_dist=True)`` -- and ``trainer.strategy.reduce`` itself: the value is
   combined over the data-parallel ranks, on the step for ``on_step`` values and at the epoch's end for
-  ``on_epoch`` ones.
+  ``on_epoch`` ones;
+* ``self.all_gather``, ``trainer.strategy.broadcast`` and ``trainer.strategy.barrier``.
 
 Under ``if trainer.is_global_zero:`` rank 0 enters that collective while the others go on to their next
 one. The mismatch stops the run within a second (Lightning's ddp waits at its barrier for its 30-minute
@@ -30,6 +31,13 @@ REDUCE = ("rank {rank} was combining a value over the ranks (trainer.strategy.re
           "on the step, or at the epoch's end for on_epoch values), which every rank must do. If only some ranks log "
           "it -- under `if self.global_rank == 0:` or `if self.trainer.is_global_zero:` -- log it on every rank, or "
           "with rank_zero_only=True and without sync_dist.")
+
+CALL = ("rank {{rank}} was in {call}, which every rank must call (under {{strategy}} it is a collective). If only "
+        "some ranks call it -- under `if self.global_rank == 0:` or `if self.trainer.is_global_zero:` -- call it on "
+        "every rank.")
+GATHER = CALL.format(call="self.all_gather (trainer.strategy.all_gather)")
+BROADCAST = CALL.format(call="trainer.strategy.broadcast")
+BARRIER = CALL.format(call="trainer.strategy.barrier")
 
 
 @contextlib.contextmanager
