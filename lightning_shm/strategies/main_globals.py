@@ -18,16 +18,16 @@ also takes, as a forked one would have them:
   and each worker printed it; a test run's ``filterwarnings`` did not reach the workers;
 * the logging configuration -- every logger's level, ``propagate`` and ``disabled``, ``logging.disable``,
   and its handlers where they can be rebuilt: a stream handler on stdout or stderr (``basicConfig``'s) and
-  a file handler (reopened for appending; the main process's own file appends from then on), with their level,
-  formatter and filters. Before, a worker
-  printed Lightning's model summary under ``logging.getLogger("lightning.pytorch").setLevel(ERROR)``, and
-  dropped the INFO records ``logging.basicConfig(level=INFO)`` asked for.
+  a file handler (reopened for appending; the main process's own file appends from then on), with their
+  level, formatter and filters. Before, a worker printed Lightning's model summary under
+  ``logging.getLogger("lightning.pytorch").setLevel(ERROR)``, and dropped the INFO records
+  ``logging.basicConfig(level=INFO)`` asked for.
 
 Data movement: the main process captures this once per launch; it travels with the job to every worker,
-which restores it before the Trainer's code runs. Each warning filter and each logger's handlers travel as
-bytes of their own, unpickled one by one in the worker: one that does not load there (a warning category
-or formatter class defined inside the main block, which a spawned worker never runs) is left behind alone,
-and never stops a worker from starting. A logger with a handler of another kind (a rotating file, a
+which restores it before the Trainer's code runs. Each warning filter, each safe global and each logger's
+handlers travel as bytes of their own, unpickled one by one in the worker: one that does not load there (a
+warning category or formatter class defined inside the main block, which a spawned worker never runs) is
+left behind alone, and never stops a worker from starting. A logger with a handler of another kind (a rotating file, a
 socket, a test runner's capture) keeps the worker's own handlers.
 """
 
@@ -74,7 +74,8 @@ class HandlerSpec:
 
     @classmethod
     def of(cls, h: logging.Handler) -> Optional["HandlerSpec"]:
-        """None where ``h`` is of a kind not rebuilt."""
+        """None where ``h`` is of a kind not rebuilt. A file handler's open file appends from now on
+        (:func:`_append_from_now_on`)."""
         kept = (h.level, h.formatter, tuple(h.filters))
         if type(h) is logging.FileHandler:
             _append_from_now_on(h)
