@@ -24,8 +24,9 @@ from typing import Iterator
 
 from lightning_shm.runtime import BarrierTimeoutError, CollectiveMismatchError
 
-SAVE = ("rank {rank} was saving a checkpoint, which under {strategy} is collective: every rank takes part (rank 0 "
-        "writes the file). If only some ranks save -- trainer.save_checkpoint(...) under `if "
+SAVE = ("rank {rank} was saving a checkpoint (trainer.save_checkpoint, or the whole weights of "
+        "trainer.strategy.lightning_module_state_dict()), which under {strategy} is collective: every rank takes "
+        "part (rank 0 writes the file). If only some ranks save -- trainer.save_checkpoint(...) under `if "
         "trainer.is_global_zero:` -- call it on every rank, as Lightning's contract asks.")
 REDUCE = ("rank {rank} was combining a value over the ranks (trainer.strategy.reduce: self.log(..., sync_dist=True) "
           "on the step, or at the epoch's end for on_epoch values), which every rank must do. If only some ranks log "
