@@ -75,8 +75,8 @@ def _checked(norm_type: Union[float, int, str]) -> float:
 
 
 def split_norm(module: nn.Module, root: nn.Module, state: ModelState, group: Group,
-                    norm_type: Union[float, int, str], group_separator: str = "/",
-                    of_params: bool = False) -> dict[str, Tensor]:
+               norm_type: Union[float, int, str], group_separator: str = "/",
+               of_params: bool = False) -> dict[str, Tensor]:
     """Lightning's dict for ``module`` (``root`` or one of its submodules on this rank), its values over every
     rank's pieces of ``state.plain_params``; the total is the norm of those norms, as Lightning's. ``of_params``:
     the parameters' own norms (:func:`param_norm`), not their gradients'."""

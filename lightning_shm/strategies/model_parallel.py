@@ -337,7 +337,7 @@ class SHMModelParallel(SHMStrategyBase):
         if self.parallel is None or not self._grads_split:
             return lightning_grad_norm(module, norm_type, group_separator)
         return self._norm_logs.record(split_norm(module, self.lightning_module, self.parallel.state,
-                                                      self.group, norm_type, group_separator))
+                                                 self.group, norm_type, group_separator))
 
     def param_norm(self, module: nn.Module, norm_type: Union[float, int, str],
                    group_separator: str = "/") -> dict[str, Tensor]:
@@ -346,7 +346,7 @@ class SHMModelParallel(SHMStrategyBase):
         if self.parallel is None or not self._grads_split:
             return whole_param_norm(module, norm_type, group_separator)
         return split_norm(module, self.lightning_module, self.parallel.state, self.group, norm_type,
-                               group_separator, of_params=True)
+                          group_separator, of_params=True)
 
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         """Lightning's, watching what ``on_before_optimizer_step`` logs where gradients are split; an optimizer
