@@ -152,6 +152,38 @@ def test_second_signal_stops_at_once(tmp_path):
     assert "rank 0 was here" in out.stderr and "in training_step" in out.stderr, out.stderr[-3000:]
 
 
+def test_ctrl_c_during_a_long_setup_stops_at_once(tmp_path):
+    """Before its first step a rank has no safe point to stop at (``setup`` downloading, a multi-node rendezvous):
+    Ctrl-C there stops the run at once, as in one process. It waited ``stop_grace_s`` (60 s) until 2026-12-07."""
+    script = tmp_path / "slow_setup.py"
+    script.write_text(textwrap.dedent(
+        """
+        import os, signal, time
+        import lightning.pytorch as pl
+        from lightning.pytorch.demos.boring_classes import BoringModel
+
+        class SlowSetup(BoringModel):
+            def setup(self, stage):
+                if self.global_rank == 0:
+                    os.kill(os.getppid(), signal.SIGINT)  # the main process (forked workers' parent)
+                    time.sleep(120)
+
+        if __name__ == "__main__":
+            import lightning_shm
+            pl.Trainer(strategy="shm_ddp_fork", accelerator="cpu", devices=2, max_epochs=1, logger=False,
+                       enable_progress_bar=False, enable_checkpointing=False).fit(SlowSetup())
+        """))
+    t0 = time.monotonic()
+    proc = subprocess.Popen([sys.executable, str(script)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    _, stderr = proc.communicate(timeout=120)
+    assert time.monotonic() - t0 < 45, "the run waited for a safe point rank 0 was not going to reach"
+    assert proc.returncode == 1, stderr[-3000:]
+    assert "received SIGINT before ranks 0, 1 reached a first step" in stderr, stderr[-3000:]
+    assert "in setup" in stderr  # where rank 0 was
+    assert not [n for n in os.listdir(SHM_DIR) if n.startswith(f"{PREFIX}_{proc.pid}.")]
+
+
 def _a_trainer_call_then_a_stack_request(path: str) -> None:
     from lightning_shm.runtime import stacks
     from lightning_shm.strategies.launcher import _StopRequestConnector

@@ -21,8 +21,9 @@ The main process:
    All of it within ~2 s of the failure;
 5. SIGINT / SIGTERM: with ``graceful_stop`` the first one becomes a stop request the workers agree
    on at their next safe point (:meth:`World.stop_requested`, :meth:`Group.vote_max`) and unwind
-   from; a second signal, or ``stop_grace_s`` without them stopping, stops them at once. Without
-   ``graceful_stop`` the first signal stops them at once. ``stop_signal`` tells the caller;
+   from; a second signal, or ``stop_grace_s`` without them stopping, stops them at once. So does the first
+   one while a rank has not polled yet (:func:`~.world.polls_word`: still starting, maybe for minutes), and,
+   without ``graceful_stop``, any first signal. ``stop_signal`` tells the caller;
 6. unlinks every segment in ``finally``: normal exit, worker exception, worker SIGKILL, signals.
 
 Workers ignore SIGINT (Ctrl-C reaches the whole process group; the main process coordinates),
@@ -65,7 +66,15 @@ from lightning_shm.runtime.errors import (
 from lightning_shm.runtime.messages import send
 from lightning_shm.runtime.relay import StderrRelay
 from lightning_shm.runtime.segment import SHM_DIR, Segment, close_inherited_owner_lock, sweep_stale
-from lightning_shm.runtime.world import ABORT_WORD, STOP_WORD, RuntimeConfig, World, control_bytes, thread_budget
+from lightning_shm.runtime.world import (
+    ABORT_WORD,
+    STOP_WORD,
+    RuntimeConfig,
+    World,
+    control_bytes,
+    polls_word,
+    thread_budget,
+)
 
 log = logging.getLogger(__name__)
 
@@ -281,10 +290,17 @@ class Launcher:
                 signum = self._signals.pop(0)
                 if cfg.graceful_stop and not self.stop_signal:
                     self.stop_signal = signum
-                    self._control.words()[STOP_WORD] = signum  # type: ignore[union-attr]
-                    stop_at = time.monotonic()
-                    log.warning("received %s: the workers stop at their next safe point (send it again to stop "
-                                "them at once)", signal.Signals(signum).name)
+                    starting = self._starting(finished | set(results))
+                    if starting:  # nothing trained to save yet, and maybe no step for minutes (a rendezvous)
+                        log.warning("received %s before rank%s %s reached a first step (still starting: setup, a "
+                                    "rendezvous, a hook): stopping the workers at once", signal.Signals(signum).name,
+                                    "s" * (len(starting) > 1), ", ".join(map(str, starting)))
+                        hard_stop = signum
+                    else:
+                        self._control.words()[STOP_WORD] = signum  # type: ignore[union-attr]
+                        stop_at = time.monotonic()
+                        log.warning("received %s: the workers stop at their next safe point (send it again to stop "
+                                    "them at once)", signal.Signals(signum).name)
                 elif not hard_stop:
                     self.stop_signal = self.stop_signal or signum
                     hard_stop = signum
@@ -305,6 +321,12 @@ class Launcher:
                 log.warning(stacks.describe(rank, frames))
             raise KeyboardInterrupt() if hard_stop == signal.SIGINT else SystemExit(128 + hard_stop)
         return [results[r] for r in range(W)]
+
+    def _starting(self, done: set[int]) -> list[int]:
+        """The running ranks that have not polled for stop requests yet (:func:`~.world.polls_word`)."""
+        words = self._control.words()  # type: ignore[union-attr]
+        W = self.config.world_size
+        return [r for r in range(W) if r not in done and not words[polls_word(r, W)]]
 
     def _where(self, done: set[int]) -> dict[int, list[tuple[str, int, str]]]:
         """Stacks of the workers still running, taken before the abort flag moves them."""

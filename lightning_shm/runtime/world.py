@@ -28,14 +28,21 @@ from lightning_shm.runtime.wait import Waiter, WaitPolicy
 #   row 0      [abort code, stop request]   written by the main process
 #   row 1 + r  [stop request of rank r,     written by worker r (it received SIGTERM itself)
 #               whom rank r waits for]      (see deadlock.py)
+#   after the rows, word r: 1 once rank r polls for stop requests  written by worker r
 # A stop request is a signal number; workers agree on it at a safe point (see World.stop_requested).
 CONTROL_ROW_WORDS = 16
 ABORT_WORD = 0
 STOP_WORD = 1
 
 
+def polls_word(rank: int, world_size: int) -> int:
+    """The control word rank ``rank`` sets the first time it polls for stop requests: before that it has no
+    safe point to stop at (still starting: setup, a rendezvous, a hook before the first step)."""
+    return (world_size + 1) * CONTROL_ROW_WORDS + rank
+
+
 def control_bytes(world_size: int) -> int:
-    return max(4096, (world_size + 1) * CONTROL_ROW_WORDS * 8)
+    return max(4096, polls_word(world_size, world_size) * 8)
 
 
 def available_cores() -> int:
@@ -80,6 +87,7 @@ class World:
         self.size = size
         self.config = config
         self._control = control
+        self._polls = 0  # set in the control segment once (stop_requested)
         self._conn = conn
         self._segments: dict[str, Segment] = {}
         self.waiter = Waiter(control.words(), ABORT_WORD, config.wait_policy(size))
@@ -156,9 +164,13 @@ class World:
         """The signal number of a pending stop request (the main process's or any rank's), else 0.
 
         Ranks see a request at different moments; they act on it only after agreeing through
-        :meth:`Group.vote_max` at the same point of their program.
+        :meth:`Group.vote_max` at the same point of their program. The first call marks this rank as one that
+        polls (:func:`polls_word`): the main process waits for a safe point only once every rank polls.
         """
         w = self._control.words()
+        if not self._polls:
+            w[polls_word(self.rank, self.size)] = 1
+            self._polls = 1
         seen = w[STOP_WORD]
         for r in range(self.size):
             seen = max(seen, w[(r + 1) * CONTROL_ROW_WORDS])

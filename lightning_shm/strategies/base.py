@@ -72,7 +72,8 @@ class SHMStrategyBase(ParallelStrategy):
             -- may take that long there. A failed or killed rank stops the others at once whatever the timeout.
         runtime: full runtime configuration (overrides ``timeout``).
         stop_grace_s: after SIGINT / SIGTERM, how long the workers may take to reach their next step
-            (where they stop together and run ``on_exception`` callbacks) before they are stopped at once.
+            (where they stop together and run ``on_exception`` callbacks) before they are stopped at once. A
+            signal before every rank reached its first step (a long ``setup``, a rendezvous) stops them at once.
         stop_check_every: ranks agree on pending stop requests every this many steps (a barrier each
             time: every sync point makes the faster rank wait out the other's jitter).
     """

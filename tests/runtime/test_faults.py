@@ -33,6 +33,7 @@ from lightning_shm.runtime import (
     stacks,
 )
 from lightning_shm.runtime.deadlock import FAILED
+from lightning_shm.runtime.launcher import LaunchConfig, Launcher
 from lightning_shm.runtime.ops import Coll, barrier_reason, site_of
 from lightning_shm.runtime.segment import PREFIX, SHM_DIR, Segment, check_free_space, list_owned, sweep_stale
 
@@ -532,6 +533,45 @@ def test_signal_to_main_process_stops_workers_and_cleans_up(tmp_path, start_meth
     while time.monotonic() < deadline and not all(_gone(w) for w in workers):
         time.sleep(0.05)
     assert all(_gone(w) for w in workers)
+
+
+def _rank_1_still_starting(world) -> None:
+    if world.rank == 0:
+        world.stop_requested()  # rank 0 polls: it reached a point where it could stop with the others
+        os.kill(os.getppid(), signal.SIGTERM)  # the main process (this test's): as kill, or a scheduler
+    time.sleep(60)  # rank 1: a long setup or a rendezvous, no point to stop at; rank 0: waiting for it
+
+
+def test_a_signal_while_a_rank_is_still_starting_stops_the_workers_at_once(caplog):
+    """With graceful stops the first SIGINT / SIGTERM asks the workers to stop together at their next safe point,
+    which a rank that has not polled yet (setup, a multi-node rendezvous, a hook before the first step) may not
+    reach for minutes: the main process waited ``stop_grace_s`` (60 s) before stopping them -- 61 s after a
+    Ctrl-C during a long ``setup``, where one process stops at once."""
+    launcher = Launcher(LaunchConfig(2, start_method="fork", graceful_stop=True))
+    t0 = time.monotonic()
+    with pytest.raises(SystemExit) as info, caplog.at_level("WARNING", logger="lightning_shm.runtime.launcher"):
+        launcher.run(_rank_1_still_starting)
+    assert time.monotonic() - t0 < 15, "the workers were left to reach a safe point"
+    assert info.value.code == 128 + signal.SIGTERM and launcher.stop_signal == signal.SIGTERM
+    assert "received SIGTERM before rank 1 reached a first step" in caplog.text  # not rank 0: it polled
+    assert list_owned(os.getpid()) == []
+
+
+def _every_rank_polls(world) -> int:
+    world.stop_requested()
+    world.group().barrier()
+    if world.rank == 0:
+        os.kill(os.getppid(), signal.SIGTERM)
+    deadline = time.monotonic() + 30
+    while not world.stop_requested() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return world.stop_requested()
+
+
+def test_once_every_rank_polls_a_signal_is_a_request_to_stop_together():
+    launcher = Launcher(LaunchConfig(2, start_method="fork", graceful_stop=True))
+    assert launcher.run(_every_rank_polls) == [signal.SIGTERM, signal.SIGTERM]
+    assert launcher.stop_signal == signal.SIGTERM
 
 
 @pytest.mark.parametrize("start_method", ["fork", "forkserver"])  # forkserver: not the workers' parent
