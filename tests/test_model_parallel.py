@@ -10,6 +10,7 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import pytest
 import torch
+import torchmetrics
 from lightning.pytorch.callbacks import EarlyStopping
 from torch.utils.data import DataLoader
 
@@ -276,6 +277,69 @@ def test_a_reloaded_loader_giving_the_ranks_epochs_of_different_lengths_is_refus
     t = trainer(strategy=mp(dp, 1, pp), max_steps=7, **kw)
     t.fit(_UnevenWhenReloaded())  # the 3 steps left end before the shorter epoch does
     assert t.global_step == 7
+
+
+class _UnevenEvalShards(MNISTClassifier):
+    """Validates and tests on a shard of its own per data-parallel rank (``by="dp"``), per global rank
+    (``"global"``) or on all 108 samples (``"all"``, one process): 48 and 60 samples, 4 and 5 batches of 12; the
+    accuracy is a torchmetrics metric, gathered over the replicas at the epoch's end."""
+
+    def __init__(self, by: str) -> None:
+        super().__init__()
+        self.by, self.acc = by, torchmetrics.classification.MulticlassAccuracy(10, average="micro")
+
+    def _shard(self):
+        r = self.trainer.strategy.distributed_sampler_kwargs["rank"] if self.by == "dp" else self.global_rank
+        part = range(108) if self.by == "all" else range(48) if r == 0 else range(48, 108)
+        return DataLoader(torch.utils.data.Subset(mnist_like(108, seed=3), part), batch_size=12)
+
+    val_dataloader = test_dataloader = _shard
+
+    def validation_step(self, batch, batch_idx):
+        self.acc.update(self(batch[0]), batch[1])
+
+    test_step = validation_step
+
+    def on_validation_epoch_end(self):
+        self.log("acc", self.acc.compute())
+        self.acc.reset()
+
+    on_test_epoch_end = on_validation_epoch_end
+
+
+def _evaluated(strategy, devices, by):
+    pl.seed_everything(SEED)
+    model, t = _UnevenEvalShards(by), trainer(strategy=strategy, devices=devices, use_distributed_sampler=False)
+    return t.validate(model)[0]["acc"], t.test(model)[0]["acc"]
+
+
+@pytest.mark.parametrize("dp, pp", [(2, 1), (2, 2)])
+def test_replicas_validating_different_numbers_of_batches_evaluate_as_one_process(dp, pp):
+    """As under Lightning's ddp: each replica evaluates its own shard, the metric gathers them. Until 2026-12-07 the
+    ranks' votes on stop requests every 4 steps met the shorter rank's metric gather: a CollectiveMismatchError.
+    Such a loop has no stop points (a Ctrl-C in it waits for the next training step, or stops at once)."""
+    got = _evaluated(mp(dp, 1, pp), dp * pp, "dp")
+    assert got == pytest.approx(_evaluated("auto", 1, "all"), abs=1e-7)
+
+
+@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
+def test_ranks_of_one_replica_loading_different_numbers_of_batches_are_refused(tp, pp):
+    """They compute every step together: before, a CollectiveMismatchError naming two collectives, at the shorter
+    rank's end."""
+    strategy = mp(1, tp, pp, tp_batch="off") if tp > 1 else mp(1, tp, pp)
+    with pytest.raises(ValueError, match=r"the validation loader gives the ranks \[0, 1\] of one model replica "
+                                         r"\[4, 5\] batches"):
+        trainer(strategy=strategy, devices=2, use_distributed_sampler=False).validate(_UnevenEvalShards("global"))
+
+    class UnevenTrainingShards(_UnevenShards):
+        def train_dataloader(self):
+            return DataLoader(torch.utils.data.Subset(mnist_like(24 * 8), range(24 * (4 + self.global_rank))),
+                              batch_size=12)
+
+    with pytest.raises(ValueError, match=r"the training loader gives the ranks \[0, 1\] of one model replica "
+                                         r"\[8, 10\] batches"):
+        trainer(strategy=mp(1, tp, pp), devices=2, max_epochs=1, use_distributed_sampler=False).fit(
+            UnevenTrainingShards())
 
 
 class _Stream(torch.utils.data.IterableDataset):

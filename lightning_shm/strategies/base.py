@@ -46,7 +46,7 @@ from lightning_shm.runtime.segment import check_free_space
 from lightning_shm.runtime.world import control_bytes
 from lightning_shm.strategies import collectives, scheduler_metrics, stop_votes, throughput
 from lightning_shm.strategies.collective_calls import BARRIER, BROADCAST, GATHER, REDUCE, noted
-from lightning_shm.strategies.epoch_lengths import check_equal_epochs, check_reloaded_epochs
+from lightning_shm.strategies.epoch_lengths import check_equal_epochs, check_reloaded_epochs, eval_stop_points
 from lightning_shm.strategies.launcher import SHMLauncher
 from lightning_shm.strategies.predictions import merge_predictions
 from lightning_shm.strategies.torch_distributed import hint_unsynced_epoch_metrics, warn_on_user_checks
@@ -98,6 +98,7 @@ class SHMStrategyBase(ParallelStrategy):
         self.runtime_config = runtime or RuntimeConfig(timeout_s=timeout)
         self.stop_grace_s = stop_grace_s
         self.stop_agreed = 0  # in a worker: the signal all ranks agreed to stop on
+        self.eval_stop_points = True  # in a worker: the running validation or test loop has stop points
         self.workers_handled_failure = False  # in the main process: the run failed or stopped in the workers
         self.train_loop = "not started"  # in a worker: "running" from on_train_start, "ended" at on_train_end
         self._num_nodes = 1
@@ -238,7 +239,8 @@ class SHMStrategyBase(ParallelStrategy):
 
         Called at the start of training, validation and test steps -- points every rank passes
         equally often --, every ``stop_check_every`` batches; never in predict (ranks may predict
-        different numbers of batches). A stop raises what one process would raise at this point:
+        different numbers of batches), nor in an evaluation whose replicas run different numbers
+        (:func:`~.epoch_lengths.eval_stop_points`). A stop raises what one process would raise at this point:
         ``KeyboardInterrupt`` for SIGINT, Lightning's ``SIGTERMException`` for SIGTERM (after the
         previous batch completed, as Lightning does).
         """
@@ -257,9 +259,9 @@ class SHMStrategyBase(ParallelStrategy):
         self._loop_start()
         if self._world is not None and self.lightning_module is not None:
             trainer, world = self.lightning_module.trainer, self._world.world_group
-            replicas = self.data_parallel_group()
-            check_equal_epochs(trainer, replicas)
-            stop_votes.install(trainer, world, epoch_start=lambda: check_reloaded_epochs(trainer, replicas))
+            replicas, replica = self.data_parallel_group(), self.replica_group()
+            check_equal_epochs(trainer, replicas, replica)
+            stop_votes.install(trainer, world, epoch_start=lambda: check_reloaded_epochs(trainer, replicas, replica))
             stop_votes.vote_on_stop(trainer, world, "train start")  # after the callbacks' and module's hooks
             scheduler_metrics.install(trainer, replicas)
 
@@ -271,6 +273,7 @@ class SHMStrategyBase(ParallelStrategy):
 
     def on_validation_start(self) -> None:
         self._loop_start()
+        self._eval_start()
 
     def on_validation_end(self) -> None:
         module = self.lightning_module
@@ -279,9 +282,15 @@ class SHMStrategyBase(ParallelStrategy):
 
     def on_test_start(self) -> None:
         self._loop_start()
+        self._eval_start()
 
     def on_predict_start(self) -> None:
         self._loop_start()
+
+    def _eval_start(self) -> None:
+        if self._world is not None and self.lightning_module is not None:
+            self.eval_stop_points = eval_stop_points(self.lightning_module.trainer, self._world.world_group,
+                                                     self.replica_group())
 
     def _loop_start(self) -> None:
         self.attach_metrics()
@@ -335,6 +344,11 @@ class SHMStrategyBase(ParallelStrategy):
         return sum(cfg.segment_bytes(len(m)) for m in members if len(m) > 1)
 
     # ------------------------------------------------------------------ collectives for Lightning
+    def replica_group(self) -> Optional[Group]:
+        """The ranks computing one model replica together (tensor-parallel members, pipeline stages); None where
+        each rank is a whole replica."""
+        return None
+
     def data_parallel_group(self) -> Optional[Group]:
         """Ranks holding *different* data and equal model pieces: where logged values, metric states
         and predictions are combined (the world for pure data parallelism)."""

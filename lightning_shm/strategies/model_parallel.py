@@ -188,6 +188,9 @@ class SHMModelParallel(SHMStrategyBase):
     def data_parallel_group(self) -> Optional[Group]:
         return self._groups.dp if self._groups is not None else None
 
+    def replica_group(self) -> Optional[Group]:
+        return self._groups.replica if self._groups is not None else None
+
     @property
     def restore_checkpoint_after_setup(self) -> bool:
         return True  # checkpoints are plain: cut into this rank's pieces once the pieces exist
@@ -546,7 +549,8 @@ class SHMModelParallel(SHMStrategyBase):
 
     def _eval_step(self, step: str, args: tuple, kwargs: dict[str, Any]) -> Any:
         fetching = self._fetching(step, args)
-        if step != "predict_step":  # never in predict: ranks may predict different numbers of batches
+        # never in predict, nor where replicas evaluate different numbers of batches (eval_stop_points)
+        if step != "predict_step" and self.eval_stop_points:
             # a step fetching its batches takes no batch_idx: count the calls (every rank makes as many)
             self.stop_point(args[1] if fetching is None else self._eval_calls)
             self._eval_calls += 1
