@@ -282,7 +282,8 @@ def test_a_reloaded_loader_giving_the_ranks_epochs_of_different_lengths_is_refus
 class _UnevenEvalShards(MNISTClassifier):
     """Validates and tests on a shard of its own per data-parallel rank (``by="dp"``), per global rank
     (``"global"``) or on all 108 samples (``"all"``, one process): 48 and 60 samples, 4 and 5 batches of 12; the
-    accuracy is a torchmetrics metric, gathered over the replicas at the epoch's end."""
+    accuracy is a torchmetrics metric, gathered over the replicas at the epoch's end, beside a value logged with
+    ``sync_dist``."""
 
     def __init__(self, by: str) -> None:
         super().__init__()
@@ -296,7 +297,9 @@ class _UnevenEvalShards(MNISTClassifier):
     val_dataloader = test_dataloader = _shard
 
     def validation_step(self, batch, batch_idx):
-        self.acc.update(self(batch[0]), batch[1])
+        logits = self(batch[0])
+        self.acc.update(logits, batch[1])
+        self.log("mean_logit", logits.mean(), sync_dist=True)  # weighted by each rank's samples at the epoch's end
 
     test_step = validation_step
 
@@ -310,7 +313,8 @@ class _UnevenEvalShards(MNISTClassifier):
 def _evaluated(strategy, devices, by):
     pl.seed_everything(SEED)
     model, t = _UnevenEvalShards(by), trainer(strategy=strategy, devices=devices, use_distributed_sampler=False)
-    return t.validate(model)[0]["acc"], t.test(model)[0]["acc"]
+    return {f"{loop} {k}": v for loop, run in (("validate", t.validate(model)), ("test", t.test(model)))
+            for k, v in run[0].items()}
 
 
 @pytest.mark.parametrize("dp, pp", [(2, 1), (2, 2)])
@@ -318,8 +322,8 @@ def test_replicas_validating_different_numbers_of_batches_evaluate_as_one_proces
     """As under Lightning's ddp: each replica evaluates its own shard, the metric gathers them. Until 2026-12-07 the
     ranks' votes on stop requests every 4 steps met the shorter rank's metric gather: a CollectiveMismatchError.
     Such a loop has no stop points (a Ctrl-C in it waits for the next training step, or stops at once)."""
-    got = _evaluated(mp(dp, 1, pp), dp * pp, "dp")
-    assert got == pytest.approx(_evaluated("auto", 1, "all"), abs=1e-7)
+    got, ref = _evaluated(mp(dp, 1, pp), dp * pp, "dp"), _evaluated("auto", 1, "all")
+    assert len(got) == 4 and got == pytest.approx(ref, abs=1e-6)  # validate's and test's acc and mean_logit
 
 
 @pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
