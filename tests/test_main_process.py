@@ -105,6 +105,36 @@ def test_main_process_trainer_is_the_trained_one(tmp_path, strategy, devices, ba
     assert res[0]["test_loss"] == pytest.approx(ref[0]["test_loss"], abs=1e-5)
 
 
+def _fit_twice(strategy: Any, devices: int, batch: int, ckpt_dir, ref: bool = False):
+    """One epoch, then ``max_epochs`` raised and ``fit`` again on the same Trainer (a notebook's "train more")."""
+    pl.seed_everything(SEED)
+    model = SchedClassifier(optimizer="adam", lr=0.01)
+    ds = mnist_like(GLOBAL_BATCH * 3, seed=1)
+    dl = reference_loader(ds, batch, SEED) if ref else loader(ds, batch)
+    cb = ModelCheckpoint(dirpath=ckpt_dir, monitor="val_loss", save_top_k=2)
+    t = trainer(strategy=strategy, devices=devices, max_epochs=1, precision="64-true", enable_checkpointing=True,
+                callbacks=[cb])
+    t.fit(model, dl, DataLoader(ds, batch_size=batch))
+    t.fit_loop.max_epochs = 3
+    t.fit(model, dl, DataLoader(ds, batch_size=batch))
+    return t, torch.cat([p.detach().flatten() for p in model.parameters()]), sorted(
+        Path(p).name for p in cb.best_k_models)
+
+
+@pytest.mark.parametrize("strategy, devices, batch", [("shm_ddp", 2, GLOBAL_BATCH // 2), *STRATEGIES[1:]],
+                         ids=["ddp-forkserver", "fsdp", "tp", "pipeline"])
+def test_a_second_fit_on_the_same_trainer_goes_on_as_in_one_process(tmp_path, strategy, devices, batch):
+    """The second fit starts where the main process's Trainer stands after the first -- the workers' loops,
+    weights and callback states, handed back -- and trains the epochs left, with a fresh optimizer from
+    configure_optimizers, as one process does. Until 2026-12-07 it was refused ("the main process does not hold
+    the loop state"), as Lightning's ddp_spawn refuses it."""
+    one, want, want_best = _fit_twice("auto", 1, GLOBAL_BATCH, tmp_path / "one", ref=True)
+    ours, got, got_best = _fit_twice(strategy, devices, batch, tmp_path / "ours")
+    assert ours.global_step == one.global_step == 9 and ours.current_epoch == one.current_epoch == 3
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
+    assert got_best == want_best == ["epoch=1-step=6.ckpt", "epoch=2-step=9.ckpt"]
+
+
 def test_too_small_dev_shm_fails_before_any_worker_starts(monkeypatch):
     """The whole run's need is estimated in the main process and named, with its parts."""
     import lightning_shm.runtime.segment as segment

@@ -78,7 +78,6 @@ class SHMLauncher(_Launcher):
         self._strategy = strategy
         self._start_method = start_method
         self._runtime: Optional[Launcher] = None
-        self._already_fit = False
 
     @property
     def is_interactive_compatible(self) -> bool:
@@ -89,12 +88,6 @@ class SHMLauncher(_Launcher):
         if self._start_method != "fork":  # spawn, forkserver: each worker imports the main script again
             _check_missing_main_guard()  # in a worker running an unguarded script again: Lightning's message
             check_main_script(self._start_method, (trainer, function, args, kwargs), type(strategy))
-        if self._already_fit and trainer is not None and trainer.state.fn == TrainerFn.FITTING:
-            raise NotImplementedError(
-                "Calling `trainer.fit()` twice on the same Trainer with a process-launching strategy is not "
-                "supported (the main process does not hold the loop state). Create a new Trainer and pass "
-                "`fit(ckpt_path=...)` to continue training."
-            )
         if trainer is not None and trainer.lightning_module is not None:  # bad input fails before any worker starts
             strategy.validate_model(trainer.lightning_module, trainer, (args, kwargs))
             strategy.check_shared_memory(trainer.lightning_module)
@@ -112,7 +105,6 @@ class SHMLauncher(_Launcher):
         stop = self._runtime.stop_signal
         if trainer is None:
             return output
-        self._already_fit |= trainer.state.fn == TrainerFn.FITTING
         self._recover_in_main_process(output, trainer, fit_data(function, args, kwargs))
         if output.stopped_by or stop == signal.SIGINT:  # one process would have raised this
             raise KeyboardInterrupt() if (output.stopped_by or stop) == signal.SIGINT else SIGTERMException()
