@@ -9,6 +9,7 @@ a single process writes, and ``test(ckpt_path="best")`` finds the best checkpoin
 from __future__ import annotations
 
 import collections
+import csv
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.tuner import Tuner
 from torch.utils.data import DataLoader
 
-from lightning_shm import SHMPipeline, SHMTensorParallel
+from lightning_shm import SHMDDPStrategy, SHMPipeline, SHMTensorParallel
 from lightning_shm.models import MNISTClassifier
 from lightning_shm.runtime import SharedMemoryFullError
 from tests.helpers import (
@@ -258,6 +259,35 @@ def test_the_main_process_logger_points_where_rank_0_wrote(tmp_path):
     assert dirs == [str(tmp_path / "exp" / f"version_{i}") for i in range(2)]
     for d in dirs:
         assert "train_loss" in (Path(d) / "metrics.csv").read_text()
+
+
+def _csv_rows_of_runs(strategy: Any, devices: int, batch: int, save_dir: Path) -> list[tuple[str, str, list[str]]]:
+    """fit, test, fit again on one Trainer, then a row logged by the main process: each row's epoch, step and the
+    metrics it holds."""
+    pl.seed_everything(SEED)
+    t = pl.Trainer(logger=CSVLogger(save_dir, name="exp"), strategy=strategy, devices=devices, accelerator="cpu",
+                   max_epochs=1, log_every_n_steps=1, enable_progress_bar=False, enable_model_summary=False,
+                   enable_checkpointing=False)
+    model, ds = MNISTClassifier(optimizer="adam"), mnist_like(GLOBAL_BATCH * 2, seed=1)
+    t.fit(model, loader(ds, batch))
+    t.test(model, loader(ds, batch, shuffle=False), verbose=False)
+    t.fit_loop.max_epochs = 2
+    t.fit(model, loader(ds, batch))
+    t.logger.log_metrics({"after": 1.0}, step=99)  # the main process's first use of the logger's writer
+    t.logger.save()
+    with open(Path(t.logger.log_dir) / "metrics.csv", newline="") as f:
+        return [(r["epoch"], r["step"], sorted(k for k, v in r.items() if v)) for r in csv.DictReader(f)]
+
+
+@pytest.mark.parametrize("start", ["fork", "forkserver"])
+def test_a_csv_log_keeps_every_run_of_the_trainer_as_in_one_process(tmp_path, start):
+    """One process's CSV logger makes its writer once and appends each run's rows to one metrics.csv. Until
+    2026-12-07 each run's rank 0 made a writer anew, which deletes the file first: a test after fit (the CLI's
+    test_after_fit) left only the test's row, a second fit only its own, and so did the main process's first
+    use of the logger after the run."""
+    one = _csv_rows_of_runs("auto", 1, GLOBAL_BATCH, tmp_path / "one")
+    ours = _csv_rows_of_runs(SHMDDPStrategy(start_method=start), 2, GLOBAL_BATCH // 2, tmp_path / "ours")
+    assert len(ours) == 6 and ours == one  # 2 training steps, the test, 2 more steps, the main process's row
 
 
 def test_the_main_process_trainer_holds_each_run_s_logged_and_progress_bar_metrics():

@@ -42,10 +42,12 @@ from lightning_shm.strategies.main_script import check_main_script
 from lightning_shm.strategies.main_state import (
     apply_found_learning_rates,
     apply_gathered_attributes,
+    apply_logger_writers,
     end_checkpoint,
     fit_data,
     found_learning_rates,
     gathered_attributes,
+    logger_writers,
     restore_trainer,
 )
 from lightning_shm.strategies.on_exception import on_exception_where_all_failed
@@ -69,6 +71,7 @@ class WorkerOutput(NamedTuple):
     learning_rates: list  # what LearningRateFinder callbacks found (:func:`.main_state.found_learning_rates`)
     attributes: list  # the module's and callbacks' public plain data (:func:`.main_state.gathered_attributes`)
     should_stop: bool  # a callback or the module stopped the run (EarlyStopping): what one process's trainer says
+    logger_writers: list  # rank 0's CSV loggers' writers (:func:`.main_state.logger_writers`)
 
 
 class SHMLauncher(_Launcher):
@@ -138,7 +141,7 @@ class SHMLauncher(_Launcher):
         buffer = io.BytesIO()
         torch.save(metrics, buffer)
         return WorkerOutput(path, trainer.state, results, buffer.getvalue(), stopped_by, found_learning_rates(trainer),
-                            attributes, trainer.should_stop)
+                            attributes, trainer.should_stop, logger_writers(trainer))
 
     # ------------------------------------------------------------------ main side
     def _recover_in_main_process(self, output: WorkerOutput, trainer: "pl.Trainer", data: dict[str, Any]) -> None:
@@ -160,6 +163,7 @@ class SHMLauncher(_Launcher):
                 os.remove(output.checkpoint_path)
                 os.rmdir(os.path.dirname(output.checkpoint_path))
         apply_gathered_attributes(trainer, output.attributes)
+        apply_logger_writers(trainer, output.logger_writers)
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()

@@ -32,6 +32,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 import lightning.pytorch as pl
 import torch
+from lightning.fabric.loggers.csv_logs import CSVLogger
+from lightning.fabric.loggers.csv_logs import _ExperimentWriter as CSVWriter
 from lightning.pytorch.callbacks import LearningRateFinder, ModelCheckpoint
 from lightning.pytorch.trainer import call
 from lightning.pytorch.tuner.lr_finder import _determine_lr_attr_name
@@ -150,6 +152,36 @@ def apply_found_learning_rates(trainer: "pl.Trainer", found: list[tuple[int, Any
         trainer.callbacks[i].optimal_lr = optimal_lr
         if attr:
             lightning_setattr(trainer.lightning_module, attr, value)
+
+
+def logger_writers(trainer: "pl.Trainer") -> list[Any]:
+    """Rank 0's CSV loggers' writers (their columns, the file they append to), None for other loggers and ranks.
+
+    One process's CSV logger makes its writer once and appends every later run's rows (``fit`` then ``test``,
+    ``fit`` again) to the same ``metrics.csv``; a writer made anew deletes that file first ("Previous log files
+    ... will be deleted"). The main process never logs, so its logger had none: each run's rank 0 made one and
+    deleted the previous run's rows -- a ``test`` after ``fit`` left only the test's metrics -- and so did the
+    main process's own first ``trainer.logger.experiment``. The writer comes back to the main process
+    (:func:`apply_logger_writers`) and goes out again with the next run's Trainer."""
+    writers: list[Any] = []
+    for logger in trainer.loggers:
+        writer = getattr(logger, "_experiment", None) if isinstance(logger, CSVLogger) else None
+        writers.append(writer if isinstance(writer, CSVWriter) and _pickles(writer) else None)
+    return writers
+
+
+def apply_logger_writers(trainer: "pl.Trainer", writers: Sequence[Any]) -> None:
+    for logger, writer in zip(trainer.loggers, writers):
+        if writer is not None:
+            logger._experiment = writer
+
+
+def _pickles(obj: Any) -> bool:
+    try:
+        pickle.dumps(obj)
+    except Exception:  # a hyperparameter that does not pickle: that logger's writer stays behind
+        return False
+    return True
 
 
 def gathered_attributes(trainer: "pl.Trainer") -> list[tuple[str, dict[str, Any]]]:
