@@ -122,15 +122,19 @@ def _fit_twice(strategy: Any, devices: int, batch: int, ckpt_dir, ref: bool = Fa
         Path(p).name for p in cb.best_k_models)
 
 
-@pytest.mark.parametrize("strategy, devices, batch", [("shm_ddp", 2, GLOBAL_BATCH // 2), *STRATEGIES[1:]],
-                         ids=["ddp-forkserver", "fsdp", "tp", "pipeline"])
+@pytest.mark.parametrize("strategy, devices, batch", [
+    ("shm_ddp", 2, GLOBAL_BATCH // 2), ("shm_fsdp_fork", 2, GLOBAL_BATCH // 2),
+    (lambda: SHMTensorParallel(start_method="fork", tensor_parallel_size=2), 2, GLOBAL_BATCH),
+    (lambda: SHMPipeline(start_method="fork", pipeline_parallel_size=2, microbatches=4), 2, GLOBAL_BATCH),
+], ids=["ddp-forkserver", "fsdp", "tp", "pipeline"])
 def test_a_second_fit_on_the_same_trainer_goes_on_as_in_one_process(tmp_path, strategy, devices, batch):
     """The second fit starts where the main process's Trainer stands after the first -- the workers' loops,
     weights and callback states, handed back -- and trains the epochs left, with a fresh optimizer from
     configure_optimizers, as one process does. Until 2026-12-07 it was refused ("the main process does not hold
     the loop state"), as Lightning's ddp_spawn refuses it."""
     one, want, want_best = _fit_twice("auto", 1, GLOBAL_BATCH, tmp_path / "one", ref=True)
-    ours, got, got_best = _fit_twice(strategy, devices, batch, tmp_path / "ours")
+    ours, got, got_best = _fit_twice(strategy if isinstance(strategy, str) else strategy(), devices, batch,
+                                     tmp_path / "ours")
     assert ours.global_step == one.global_step == 9 and ours.current_epoch == one.current_epoch == 3
     torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
     assert got_best == want_best == ["epoch=1-step=6.ckpt", "epoch=2-step=9.ckpt"]
