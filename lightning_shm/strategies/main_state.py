@@ -20,7 +20,8 @@ public attributes (a history of validation losses): plain data -- numbers, strin
 or dicts of them -- comes back too, and so does what the LightningModule and the datamodule kept that
 way (a list of epoch losses, a best score, a sample count ``setup`` derived) (:func:`gathered_attributes`),
 where Lightning's spawn launcher leaves them as they were before the run. Datasets ``setup`` built stay in
-the workers (the main process does not run ``setup``).
+the workers (the main process does not run ``setup``). A CSV logger's writer comes back as well, so the next run
+of the Trainer appends to its ``metrics.csv`` instead of deleting it (:func:`logger_writers`).
 """
 
 from __future__ import annotations
