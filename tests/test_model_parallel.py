@@ -509,6 +509,7 @@ def test_ranks_on_different_paths_are_reported_with_each_ranks_loop_position(cas
         assert ("rank 0 had finished `fit` and was gathering what the main process gets back (epoch 1, global step "
                 "4), trainer.should_stop=True -- set on some ranks only") in said, said
         assert "reduce_boolean_decision(stop, all=False)" in said
+        assert "saving a checkpoint" not in said  # the end-of-fit gathers are no save of the program's
         assert "rank 1 was in `fit`, its train loop (epoch 1, global step 4), trainer.should_stop=False" in said
     elif case == "fit_end":  # Lightning's stage reads "train" there: the strategy says the loop had ended
         assert ("rank 0 was in `fit`, past its train loop (the fit's end: on_train_end, on_fit_end) (epoch 2, global "

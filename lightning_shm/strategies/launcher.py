@@ -71,7 +71,7 @@ class WorkerOutput(NamedTuple):
     learning_rates: list  # what LearningRateFinder callbacks found (:func:`.main_state.found_learning_rates`)
     attributes: list  # the module's and callbacks' public plain data (:func:`.main_state.gathered_attributes`)
     should_stop: bool  # a callback or the module stopped the run (EarlyStopping): what one process's trainer says
-    logger_writers: list  # rank 0's CSV loggers' writers (:func:`.main_state.logger_writers`)
+    logger_writers: list  # rank 0's CSV loggers' writers, pickled (:func:`.main_state.logger_writers`)
 
 
 class SHMLauncher(_Launcher):

@@ -47,14 +47,16 @@ import torch
 from lightning.pytorch.strategies.launchers.multiprocessing import _GlobalStateSnapshot
 
 
-def _dumps(obj: Any) -> Optional[bytes]:
+def pickled(obj: Any) -> Optional[bytes]:
+    """``obj`` as bytes of its own, None where it does not pickle: it stays behind, alone."""
     try:
         return pickle.dumps(obj)
     except Exception:  # noqa: BLE001 - whatever the reason, it stays behind
         return None
 
 
-def _loads(blob: bytes) -> Any:
+def unpickled(blob: bytes) -> Any:
+    """The object again, None where it does not load here (a class this process cannot import)."""
     try:
         return pickle.loads(blob)
     except Exception:  # noqa: BLE001 - a class the worker cannot import: left behind
@@ -124,14 +126,14 @@ class LoggerSpec:
     @classmethod
     def of(cls, logger: logging.Logger) -> "LoggerSpec":
         specs = tuple(HandlerSpec.of(h) for h in logger.handlers)
-        handlers = None if any(s is None for s in specs) else _dumps(specs)
+        handlers = None if any(s is None for s in specs) else pickled(specs)
         return cls(logger.level, logger.propagate, logger.disabled, handlers)
 
     def restore(self, logger: logging.Logger) -> None:
         if logger.level != self.level:  # setLevel clears every logger's cache: ~300 loggers, 11 ms when all set
             logger.setLevel(self.level)
         logger.propagate, logger.disabled = self.propagate, self.disabled
-        specs = _loads(self.handlers) if self.handlers is not None else None
+        specs = unpickled(self.handlers) if self.handlers is not None else None
         if specs is None or not (specs or logger.handlers):
             return
         for h in list(logger.handlers):
@@ -155,13 +157,13 @@ def restore_logging(disable: int, loggers: dict[Optional[str], LoggerSpec]) -> N
 
 def capture_warning_filters() -> tuple[bytes, ...]:
     """``warnings.filters`` in order (the first that matches decides), each pickled on its own."""
-    return tuple(b for b in map(_dumps, warnings.filters) if b is not None)
+    return tuple(b for b in map(pickled, warnings.filters) if b is not None)
 
 
 def restore_warning_filters(blobs: tuple[bytes, ...]) -> None:
     """Rebuilt through the public calls, last first, so that each lands in front as it did in the main process."""
     warnings.resetwarnings()
-    for action, message, category, module, lineno in reversed([f for f in map(_loads, blobs) if f is not None]):
+    for action, message, category, module, lineno in reversed([f for f in map(unpickled, blobs) if f is not None]):
         if message is None and module is None:
             warnings.simplefilter(action, category, lineno)
         else:  # filterwarnings compiles the message case-insensitively, as the main process's call did
@@ -180,11 +182,11 @@ def capture_safe_globals() -> tuple[bytes, ...]:
     worker (which runs the script as ``__mp_main__``) must answer to that name."""
     named = (g if isinstance(g, tuple) else (g, f"{g.__module__}.{g.__qualname__}")
              for g in torch.serialization.get_safe_globals())
-    return tuple(b for b in map(_dumps, named) if b is not None)
+    return tuple(b for b in map(pickled, named) if b is not None)
 
 
 def restore_safe_globals(blobs: tuple[bytes, ...]) -> None:
-    found = [g for g in map(_loads, blobs) if g is not None]
+    found = [g for g in map(unpickled, blobs) if g is not None]
     if found:
         torch.serialization.add_safe_globals(found)
 

@@ -28,8 +28,7 @@ from __future__ import annotations
 
 import inspect
 import logging
-import pickle
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import lightning.pytorch as pl
 import torch
@@ -41,6 +40,7 @@ from lightning.pytorch.tuner.lr_finder import _determine_lr_attr_name
 from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_setattr
 from lightning_utilities.core.apply_func import apply_to_collection
 
+from lightning_shm.strategies.main_globals import pickled, unpickled
 from lightning_shm.strategies.module_hooks import instead
 
 log = logging.getLogger(__name__)
@@ -155,8 +155,9 @@ def apply_found_learning_rates(trainer: "pl.Trainer", found: list[tuple[int, Any
             lightning_setattr(trainer.lightning_module, attr, value)
 
 
-def logger_writers(trainer: "pl.Trainer") -> list[Any]:
-    """Rank 0's CSV loggers' writers (their columns, the file they append to), None for other loggers and ranks.
+def logger_writers(trainer: "pl.Trainer") -> list[Optional[bytes]]:
+    """Rank 0's CSV loggers' writers (their columns, the file they append to), pickled; None for other loggers and
+    ranks, and for a writer that does not pickle (a hyperparameter it holds).
 
     One process's CSV logger makes its writer once and appends every later run's rows (``fit`` then ``test``,
     ``fit`` again) to the same ``metrics.csv``; a writer made anew deletes that file first ("Previous log files
@@ -164,25 +165,15 @@ def logger_writers(trainer: "pl.Trainer") -> list[Any]:
     deleted the previous run's rows -- a ``test`` after ``fit`` left only the test's metrics -- and so did the
     main process's own first ``trainer.logger.experiment``. The writer comes back to the main process
     (:func:`apply_logger_writers`) and goes out again with the next run's Trainer."""
-    writers: list[Any] = []
-    for logger in trainer.loggers:
-        writer = getattr(logger, "_experiment", None) if isinstance(logger, CSVLogger) else None
-        writers.append(writer if isinstance(writer, CSVWriter) and _pickles(writer) else None)
-    return writers
+    writers = (getattr(lg, "_experiment", None) if isinstance(lg, CSVLogger) else None for lg in trainer.loggers)
+    return [pickled(w) if isinstance(w, CSVWriter) else None for w in writers]
 
 
-def apply_logger_writers(trainer: "pl.Trainer", writers: Sequence[Any]) -> None:
-    for logger, writer in zip(trainer.loggers, writers):
+def apply_logger_writers(trainer: "pl.Trainer", writers: Sequence[Optional[bytes]]) -> None:
+    for logger, blob in zip(trainer.loggers, writers):
+        writer = unpickled(blob) if blob is not None else None
         if writer is not None:
             logger._experiment = writer
-
-
-def _pickles(obj: Any) -> bool:
-    try:
-        pickle.dumps(obj)
-    except Exception:  # a hyperparameter that does not pickle: that logger's writer stays behind
-        return False
-    return True
 
 
 def gathered_attributes(trainer: "pl.Trainer") -> list[tuple[str, dict[str, Any]]]:
@@ -211,9 +202,7 @@ def plain_attributes(obj: Any) -> dict[str, Any]:
         if name.startswith("_") or not _plain(value):
             continue
         value = apply_to_collection(value, torch.Tensor, lambda t: t.detach().cpu())
-        try:
-            pickle.dumps(value)  # e.g. a defaultdict whose factory is a lambda
-        except Exception:
+        if pickled(value) is None:  # e.g. a defaultdict whose factory is a lambda
             continue
         attrs[name] = value
     return attrs

@@ -26,13 +26,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import warnings
-from typing import Any, Iterator, Mapping, Optional, Sequence, Union
+from typing import Any, ContextManager, Iterator, Mapping, Optional, Sequence, Union
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import BasePredictionWriter, ModelPruning, StochasticWeightAveraging, WeightAveraging
 from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities import grad_norm as lightning_grad_norm
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
@@ -667,7 +667,7 @@ class SHMModelParallel(SHMStrategyBase):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         if self.parallel is None:  # the main process (after fit it holds the full weights)
             return super().lightning_module_state_dict()
-        with noted(SAVE, self.global_rank, type(self).__name__):
+        with self._save_noted():
             return self.parallel.state.full_state_dict()  # collective
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -677,8 +677,19 @@ class SHMModelParallel(SHMStrategyBase):
     def plain_checkpoint(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
         """Copies of the module's state kept elsewhere in the checkpoint (a callback's EMA of
         ``pl_module.state_dict()``) made plain, as the module's own entries are (collective)."""
-        with noted(SAVE, self.global_rank, type(self).__name__):
+        with self._save_noted():
             return self._plain_copies(checkpoint, self._plain_already(), "the checkpoint")
+
+    def _save_noted(self) -> ContextManager[None]:
+        """The save note (:data:`~.collective_calls.SAVE`) on a save made during a Trainer call -- the program's
+        own. Not on the end-of-fit checkpoint the launcher gathers once the call has ended: a rank that meets
+        another's steps there ended its fit alone, and :mod:`.loop_position` says why (the note told it to save
+        on every rank)."""
+        module = self.lightning_module
+        trainer = module._trainer if module is not None else None
+        if trainer is None or trainer.state.status != TrainerStatus.RUNNING:
+            return contextlib.nullcontext()
+        return noted(SAVE, self.global_rank, type(self).__name__)
 
     def plain_attributes(self, attributes: list[tuple[str, dict[str, Any]]]) -> list[tuple[str, dict[str, Any]]]:
         """The same for what the module and callbacks keep in attributes (a callback's EMA dict)."""
