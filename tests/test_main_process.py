@@ -24,8 +24,9 @@ from lightning.pytorch.callbacks import (
     LearningRateMonitor,
     ModelCheckpoint,
 )
-from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.loggers import CSVLogger, Logger
 from lightning.pytorch.tuner import Tuner
+from lightning.pytorch.utilities import rank_zero_only
 from torch.utils.data import DataLoader
 
 from lightning_shm import SHMDDPStrategy, SHMPipeline, SHMTensorParallel
@@ -367,6 +368,61 @@ def test_what_the_module_and_callbacks_gathered_comes_back_to_the_main_process(l
     torch.testing.assert_close(torch.stack(got.val_losses), torch.stack(one.val_losses), rtol=1e-12, atol=0)
     assert got.by_epoch == pytest.approx(one.by_epoch, rel=1e-12)
     assert got_lrs == one_lrs == {"lr-Adam": [0.01, 0.01, 0.005]}  # StepLR(step_size=2, gamma=0.5), per epoch
+
+
+class _InMemoryLogger(Logger):
+    """A logger keeping what it is given in lists (a notebook's, or a test's): only rank 0 logs."""
+
+    def __init__(self):
+        super().__init__()
+        self.rows, self.hyperparameters, self.statuses = [], [], []
+
+    @property
+    def name(self):
+        return "memory"
+
+    @property
+    def version(self):
+        return 0
+
+    @rank_zero_only
+    def log_hyperparams(self, params, *args, **kwargs):
+        self.hyperparameters.append(dict(params))
+
+    @rank_zero_only
+    def log_metrics(self, metrics, step=None):
+        self.rows.append((step, {k: float(v) for k, v in metrics.items()}))
+
+    @rank_zero_only
+    def finalize(self, status):
+        self.statuses.append(status)
+
+
+@pytest.mark.parametrize("layout", ["ddp", "pp2-1f1b"])
+def test_an_in_memory_logger_holds_every_run_s_rows_as_in_one_process(layout):
+    """Rank 0 logged into its copy of the logger: the main process's held nothing after fit -- no rows, no
+    hyperparameters, no final status -- where one process's holds them (Lightning's ddp too: its rank 0 is the
+    main process). A test after the fit appends to the same lists."""
+    def runs(strategy, devices, batch, ref=False):
+        memory = _InMemoryLogger()
+        t, model = fit_seeded(lambda: MNISTClassifier(optimizer="adam", lr=0.01), strategy, devices, batch, ref=ref,
+                              validate=True, max_epochs=2, logger=[CSVLogger(tempfile.mkdtemp()), memory],
+                              log_every_n_steps=1)
+        ds = mnist_like(GLOBAL_BATCH, seed=2)
+        t.test(model, reference_loader(ds, batch, SEED) if ref else loader(ds, batch), verbose=False)
+        return memory
+
+    one = runs("auto", 1, GLOBAL_BATCH, ref=True)
+    strategy, devices, dp = LAYOUTS[layout]
+    got = runs(strategy(), devices, GLOBAL_BATCH // dp)
+    kinds = [(step, sorted(k for k in row if k != "epoch")) for step, row in one.rows]
+    assert kinds == [(0, ["train_loss"]), (1, ["train_loss"]), (1, ["val_acc", "val_loss"]), (2, ["train_loss"]),
+                     (3, ["train_loss"]), (3, ["val_acc", "val_loss"]), (4, ["test_acc", "test_loss"])]
+    assert [(step, set(row)) for step, row in got.rows] == [(step, set(row)) for step, row in one.rows]
+    for (_, row), (_, want) in zip(got.rows, one.rows):
+        assert row == pytest.approx(want, rel=1e-12)
+    assert got.hyperparameters == one.hyperparameters and len(one.hyperparameters) == 2  # fit's, test's
+    assert got.statuses == one.statuses == ["success", "success"]
 
 
 class _DerivesInSetup(pl.LightningDataModule):

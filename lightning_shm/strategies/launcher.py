@@ -69,7 +69,7 @@ class WorkerOutput(NamedTuple):
     metrics_bytes: bytes  # the Trainer's callback, logged and progress-bar metrics (torch.save of a dict)
     stopped_by: int  # the signal all ranks agreed to stop on (0: ran to the end)
     learning_rates: list  # what LearningRateFinder callbacks found (:func:`.main_state.found_learning_rates`)
-    attributes: list  # the module's and callbacks' public plain data (:func:`.main_state.gathered_attributes`)
+    attributes: list  # plain data of module, datamodule, loggers, callbacks (:func:`.main_state.gathered_attributes`)
     should_stop: bool  # a callback or the module stopped the run (EarlyStopping): what one process's trainer says
     logger_writers: list  # rank 0's CSV loggers' writers, pickled (:func:`.main_state.logger_writers`)
 

@@ -17,8 +17,9 @@ What a ``LearningRateFinder`` found (``Tuner.lr_find`` or the callback) is not i
 result object and the learning-rate attribute it set come back beside it (:func:`found_learning_rates`,
 :func:`apply_found_learning_rates`). Neither is what a callback without ``state_dict`` gathered in
 public attributes (a history of validation losses): plain data -- numbers, strings, tensors and lists
-or dicts of them -- comes back too, and so does what the LightningModule and the datamodule kept that
-way (a list of epoch losses, a best score, a sample count ``setup`` derived) (:func:`gathered_attributes`),
+or dicts of them -- comes back too, and so does what the LightningModule, the datamodule and the loggers kept
+that way (a list of epoch losses, a best score, a sample count ``setup`` derived, the metrics an in-memory logger
+recorded) (:func:`gathered_attributes`),
 where Lightning's spawn launcher leaves them as they were before the run. Datasets ``setup`` built stay in
 the workers (the main process does not run ``setup``). A CSV logger's writer comes back as well, so the next run
 of the Trainer appends to its ``metrics.csv`` instead of deleting it (:func:`logger_writers`).
@@ -178,13 +179,15 @@ def apply_logger_writers(trainer: "pl.Trainer", writers: Sequence[Optional[bytes
 
 def gathered_attributes(trainer: "pl.Trainer") -> list[tuple[str, dict[str, Any]]]:
     """On rank 0 after the run: the type and the public plain-data attributes of the LightningModule, of the
-    datamodule (what its ``setup`` derived: a sample count, a mean) and of each callback."""
+    datamodule (what its ``setup`` derived: a sample count, a mean), of each logger (the metrics and hyperparameters
+    a logger keeping them in memory recorded: only rank 0 logs, so one process's logger holds them and the main
+    process's held nothing) and of each callback."""
     return [(type(obj).__qualname__, plain_attributes(obj) if obj is not None else {}) for obj in _holders(trainer)]
 
 
 def apply_gathered_attributes(trainer: "pl.Trainer", attributes: list[tuple[str, dict[str, Any]]]) -> None:
-    """In the main process: rank 0's attributes on the module, the datamodule and the callback at the same
-    position (each of the same type)."""
+    """In the main process: rank 0's attributes on the module, the datamodule, the logger and the callback at the
+    same position (each of the same type)."""
     for obj, (kind, attrs) in zip(_holders(trainer), attributes):
         if obj is not None and type(obj).__qualname__ == kind:
             for name, value in attrs.items():
@@ -192,7 +195,7 @@ def apply_gathered_attributes(trainer: "pl.Trainer", attributes: list[tuple[str,
 
 
 def _holders(trainer: "pl.Trainer") -> list[Any]:
-    return [trainer.lightning_module, trainer.datamodule, *trainer.callbacks]
+    return [trainer.lightning_module, trainer.datamodule, *trainer.loggers, *trainer.callbacks]
 
 
 def plain_attributes(obj: Any) -> dict[str, Any]:
