@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import collections
 import csv
+import os
 import tempfile
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,7 @@ from lightning.pytorch.callbacks import (
     ModelCheckpoint,
 )
 from lightning.pytorch.loggers import CSVLogger, Logger
+from lightning.pytorch.loggers.logger import rank_zero_experiment
 from lightning.pytorch.tuner import Tuner
 from lightning.pytorch.utilities import rank_zero_only
 from torch.utils.data import DataLoader
@@ -423,6 +426,65 @@ def test_an_in_memory_logger_holds_every_run_s_rows_as_in_one_process(layout):
         assert row == pytest.approx(want, rel=1e-12)
     assert got.hyperparameters == one.hyperparameters and len(one.hyperparameters) == 2  # fit's, test's
     assert got.statuses == one.statuses == ["success", "success"]
+
+
+class _RunLogger(Logger):
+    """Makes its run on first use, as MLflow's logger does: a file under ``root`` named by a fresh id it keeps in a
+    private attribute."""
+
+    def __init__(self, root):
+        super().__init__()
+        self._root, self._run_id = root, None
+
+    @property
+    def name(self):
+        return "runs"
+
+    @property
+    def version(self):
+        return 0
+
+    @property
+    @rank_zero_experiment
+    def experiment(self):
+        if self._run_id is None:
+            self._run_id = uuid.uuid4().hex
+        return os.path.join(self._root, self._run_id)
+
+    @property
+    def run_id(self):
+        self.experiment
+        return self._run_id
+
+    @rank_zero_only
+    def log_hyperparams(self, params, *args, **kwargs):
+        pass
+
+    @rank_zero_only
+    def log_metrics(self, metrics, step=None):
+        with open(self.experiment, "a") as f:
+            f.write(f"{step} {sorted(metrics)}\n")
+
+
+@pytest.mark.parametrize("layout", ["ddp", "pp2-1f1b"])
+def test_a_logger_that_makes_its_run_on_first_use_keeps_one_run_as_in_one_process(tmp_path, layout):
+    """Rank 0 made the run: the main process's logger made a second one when read after fit (``logger.run_id``,
+    to log an artifact there), and the test after the fit logged into a third -- MLflow's logger did the same."""
+    def runs(root, strategy, devices, batch, ref=False):
+        logger = _RunLogger(root)
+        t, model = fit_seeded(lambda: MNISTClassifier(optimizer="adam", lr=0.01), strategy, devices, batch, ref=ref,
+                              validate=True, max_epochs=2, logger=logger, log_every_n_steps=1)
+        after_fit = logger.run_id
+        ds = mnist_like(GLOBAL_BATCH, seed=2)
+        t.test(model, reference_loader(ds, batch, SEED) if ref else loader(ds, batch), verbose=False)
+        assert os.listdir(root) == [after_fit] == [logger.run_id]
+        return (root / after_fit).read_text().splitlines()
+
+    (tmp_path / "one").mkdir(), (tmp_path / "got").mkdir()
+    one = runs(tmp_path / "one", "auto", 1, GLOBAL_BATCH, ref=True)
+    strategy, devices, dp = LAYOUTS[layout]
+    assert runs(tmp_path / "got", strategy(), devices, GLOBAL_BATCH // dp) == one
+    assert len(one) == 7 and one[-1] == "4 ['epoch', 'test_acc', 'test_loss']"
 
 
 class _DerivesInSetup(pl.LightningDataModule):

@@ -17,9 +17,9 @@ What a ``LearningRateFinder`` found (``Tuner.lr_find`` or the callback) is not i
 result object and the learning-rate attribute it set come back beside it (:func:`found_learning_rates`,
 :func:`apply_found_learning_rates`). Neither is what a callback without ``state_dict`` gathered in
 public attributes (a history of validation losses): plain data -- numbers, strings, tensors and lists
-or dicts of them -- comes back too, and so does what the LightningModule, the datamodule and the loggers kept
-that way (a list of epoch losses, a best score, a sample count ``setup`` derived, the metrics an in-memory logger
-recorded) (:func:`gathered_attributes`),
+or dicts of them -- comes back too, and so does what the LightningModule and the datamodule kept that way (a
+list of epoch losses, a best score, a sample count ``setup`` derived), and a logger's plain data, private too (the
+MLflow run it logs to, the rows a logger of the user's kept) (:func:`gathered_attributes`),
 where Lightning's spawn launcher leaves them as they were before the run. Datasets ``setup`` built stay in
 the workers (the main process does not run ``setup``). A CSV logger's writer comes back as well, so the next run
 of the Trainer appends to its ``metrics.csv`` instead of deleting it (:func:`logger_writers`).
@@ -179,30 +179,38 @@ def apply_logger_writers(trainer: "pl.Trainer", writers: Sequence[Optional[bytes
 
 def gathered_attributes(trainer: "pl.Trainer") -> list[tuple[str, dict[str, Any]]]:
     """On rank 0 after the run: the type and the public plain-data attributes of the LightningModule, of the
-    datamodule (what its ``setup`` derived: a sample count, a mean), of each logger (the metrics and hyperparameters
-    a logger keeping them in memory recorded: only rank 0 logs, so one process's logger holds them and the main
-    process's held nothing) and of each callback."""
-    return [(type(obj).__qualname__, plain_attributes(obj) if obj is not None else {}) for obj in _holders(trainer)]
+    datamodule (what its ``setup`` derived: a sample count, a mean), of each logger and of each callback.
+
+    A logger's private plain data comes back too: only rank 0 logs, so what a logger learns while logging is its
+    copy's -- the run it made (MLflow's ``_run_id``, ``_experiment_id``), the rows a logger of the user's kept in
+    lists. Without it the main process's logger made a run of its own when read after ``fit``
+    (``logger.run_id``), and a ``test`` after the fit logged into a third."""
+    return [(type(obj).__qualname__, plain_attributes(obj, private) if obj is not None else {})
+            for obj, private in _holders(trainer)]
 
 
 def apply_gathered_attributes(trainer: "pl.Trainer", attributes: list[tuple[str, dict[str, Any]]]) -> None:
     """In the main process: rank 0's attributes on the module, the datamodule, the logger and the callback at the
     same position (each of the same type)."""
-    for obj, (kind, attrs) in zip(_holders(trainer), attributes):
+    for (obj, _), (kind, attrs) in zip(_holders(trainer), attributes):
         if obj is not None and type(obj).__qualname__ == kind:
             for name, value in attrs.items():
                 setattr(obj, name, value)
 
 
-def _holders(trainer: "pl.Trainer") -> list[Any]:
-    return [trainer.lightning_module, trainer.datamodule, *trainer.loggers, *trainer.callbacks]
+def _holders(trainer: "pl.Trainer") -> list[tuple[Any, bool]]:
+    """``(object, whether its private plain data comes back too)``, in the same order on every side."""
+    loggers = [(logger, True) for logger in trainer.loggers]
+    return [(trainer.lightning_module, False), (trainer.datamodule, False), *loggers,
+            *((cb, False) for cb in trainer.callbacks)]
 
 
-def plain_attributes(obj: Any) -> dict[str, Any]:
-    """``obj``'s public attributes holding plain data (tensors detached), each one that pickles."""
+def plain_attributes(obj: Any, private: bool = False) -> dict[str, Any]:
+    """``obj``'s public (``private``: and private) attributes holding plain data (tensors detached), each one that
+    pickles."""
     attrs = {}
     for name, value in vars(obj).items():
-        if name.startswith("_") or not _plain(value):
+        if (name.startswith("_") and not private) or not _plain(value):
             continue
         value = apply_to_collection(value, torch.Tensor, lambda t: t.detach().cpu())
         if pickled(value) is None:  # e.g. a defaultdict whose factory is a lambda
