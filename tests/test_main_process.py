@@ -487,6 +487,77 @@ def test_a_logger_that_makes_its_run_on_first_use_keeps_one_run_as_in_one_proces
     assert len(one) == 7 and one[-1] == "4 ['epoch', 'test_acc', 'test_loss']"
 
 
+class _Run:
+    """A run handle that does not come back as plain data and serves only the process that made it (W&B's ``Run``,
+    whose connection a forked copy must not share): lines appended to a file named by its id."""
+
+    def __init__(self, root, run_id=None):
+        self.id = run_id or uuid.uuid4().hex
+        self.path, self.pid = os.path.join(root, self.id), os.getpid()
+
+    def log(self, line):
+        assert os.getpid() == self.pid, "a run handle used by a process that did not make it"
+        with open(self.path, "a") as f:
+            f.write(line + "\n")
+
+
+class _RunMadeWhenPickled(Logger):
+    """W&B's way across processes: pickled for a spawned worker, it makes its run in the pickling process and hands
+    over the id, which the worker's copy attaches to."""
+
+    def __init__(self, root):
+        super().__init__()
+        self._root, self._run = root, None
+
+    @property
+    def name(self):
+        return "runs"
+
+    @property
+    def version(self):
+        return 0
+
+    @property
+    @rank_zero_experiment
+    def experiment(self):
+        if self._run is None:
+            self._run = _Run(self._root, getattr(self, "_attach_id", None))
+        return self._run
+
+    def __getstate__(self):
+        state = dict(self.__dict__, _attach_id=self.experiment.id, _run=None)
+        return state
+
+    @rank_zero_only
+    def log_hyperparams(self, params, *args, **kwargs):
+        pass
+
+    @rank_zero_only
+    def log_metrics(self, metrics, step=None):
+        self.experiment.log(f"{step} {sorted(metrics)}")
+
+
+@pytest.mark.parametrize("start", ["fork", "forkserver"])
+def test_a_logger_that_makes_its_run_when_pickled_keeps_one_run_as_in_one_process(tmp_path, start):
+    """Under fork the workers copied the logger without pickling it: rank 0 made a run of its own, the main process
+    another when the script read ``logger.experiment`` after fit, the test after the fit a third (W&B's logger did
+    the same, as under Lightning's ddp_fork). Now fork-started workers get it as pickling carries it."""
+    def runs(root, strategy, devices, batch, ref=False):
+        logger = _RunMadeWhenPickled(root)
+        t, model = fit_seeded(lambda: MNISTClassifier(optimizer="adam", lr=0.01), strategy, devices, batch, ref=ref,
+                              validate=True, max_epochs=2, logger=logger, log_every_n_steps=1)
+        after_fit = logger.experiment.id
+        ds = mnist_like(GLOBAL_BATCH, seed=2)
+        t.test(model, reference_loader(ds, batch, SEED) if ref else loader(ds, batch), verbose=False)
+        assert os.listdir(root) == [after_fit] == [logger.experiment.id]
+        return (root / after_fit).read_text().splitlines()
+
+    (tmp_path / "one").mkdir(), (tmp_path / "got").mkdir()
+    one = runs(tmp_path / "one", "auto", 1, GLOBAL_BATCH, ref=True)
+    assert len(one) == 7 and one[-1] == "4 ['epoch', 'test_acc', 'test_loss']"
+    assert runs(tmp_path / "got", SHMDDPStrategy(start_method=start), 2, GLOBAL_BATCH // 2) == one
+
+
 class _DerivesInSetup(pl.LightningDataModule):
     def __init__(self, batch: int):
         super().__init__()

@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional
 
 import torch
 from lightning.fabric.strategies.launchers.multiprocessing import _check_missing_main_guard
-from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from lightning.pytorch.trainer import call
 from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
@@ -36,18 +35,23 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException, _TunerExitE
 from lightning_utilities.core.apply_func import apply_to_collection
 
 from lightning_shm.runtime import LaunchConfig, Launcher, World, stacks
+from lightning_shm.strategies.loggers import (
+    apply_logger_writers,
+    carried,
+    logger_writers,
+    resolve_log_versions,
+    take_carried,
+)
 from lightning_shm.strategies.loop_position import note_loop_position
 from lightning_shm.strategies.main_globals import MainGlobals
 from lightning_shm.strategies.main_script import check_main_script
 from lightning_shm.strategies.main_state import (
     apply_found_learning_rates,
     apply_gathered_attributes,
-    apply_logger_writers,
     end_checkpoint,
     fit_data,
     found_learning_rates,
     gathered_attributes,
-    logger_writers,
     restore_trainer,
 )
 from lightning_shm.strategies.on_exception import on_exception_where_all_failed
@@ -71,7 +75,7 @@ class WorkerOutput(NamedTuple):
     learning_rates: list  # what LearningRateFinder callbacks found (:func:`.main_state.found_learning_rates`)
     attributes: list  # plain data of module, datamodule, loggers, callbacks (:func:`.main_state.gathered_attributes`)
     should_stop: bool  # a callback or the module stopped the run (EarlyStopping): what one process's trainer says
-    logger_writers: list  # rank 0's CSV loggers' writers, pickled (:func:`.main_state.logger_writers`)
+    logger_writers: list  # rank 0's CSV loggers' writers, pickled (:func:`.loggers.logger_writers`)
 
 
 class SHMLauncher(_Launcher):
@@ -95,15 +99,16 @@ class SHMLauncher(_Launcher):
             strategy.validate_model(trainer.lightning_module, trainer, (args, kwargs))
             strategy.check_shared_memory(trainer.lightning_module)
         if trainer is not None:
-            _resolve_log_versions(trainer)
+            resolve_log_versions(trainer)
         snapshot = MainGlobals.capture() if self._start_method != "fork" else None
+        loggers = carried(trainer) if trainer is not None and self._start_method == "fork" else None
         predicting = trainer is not None and trainer.state.fn == TrainerFn.PREDICTING
         config = LaunchConfig(world_size=strategy.num_processes, start_method=self._start_method,
                               runtime=strategy.runtime_config, graceful_stop=not predicting,
                               stop_grace_s=strategy.stop_grace_s, preload=FORKSERVER_PRELOAD)
         self._runtime = Launcher(config)
         strategy.workers_handled_failure = True  # any exception leaving here comes after the workers' own handling
-        outputs = self._runtime.run(_run_in_worker, self, trainer, function, args, kwargs, snapshot)
+        outputs = self._runtime.run(_run_in_worker, self, trainer, function, args, kwargs, snapshot, loggers)
         output = outputs[0]
         stop = self._runtime.stop_signal
         if trainer is None:
@@ -194,9 +199,12 @@ class _StopRequestConnector(_SignalConnector):
 
 
 def _run_in_worker(world: World, launcher: SHMLauncher, trainer: Optional["pl.Trainer"], function: Callable,
-                   args: Any, kwargs: Any, snapshot: Optional[MainGlobals]) -> Optional[WorkerOutput]:
+                   args: Any, kwargs: Any, snapshot: Optional[MainGlobals],
+                   loggers: Optional[list[Optional[bytes]]]) -> Optional[WorkerOutput]:
     if snapshot is not None:
         snapshot.restore()
+    if trainer is not None and loggers is not None:  # fork: the loggers as spawn would carry them
+        take_carried(trainer, loggers)
     os.environ["LOCAL_RANK"] = str(world.rank)
     strategy = launcher._strategy
     strategy.attach_world(world)
@@ -231,13 +239,3 @@ def _run_in_worker(world: World, launcher: SHMLauncher, trainer: Optional["pl.Tr
             raise
     finally:
         strategy.detach_world()
-
-
-def _resolve_log_versions(trainer: "pl.Trainer") -> None:
-    """A CSV / TensorBoard logger picks its version (``version_N``) the first time it is asked, by listing the
-    directory. Asked here, before the workers copy the Trainer, so rank 0 writes where the main process's
-    ``trainer.logger.log_dir`` points; asked later in the main process it found rank 0's new directory and
-    named the next one, which does not exist."""
-    for logger in trainer.loggers:
-        if isinstance(logger, (CSVLogger, TensorBoardLogger)):
-            logger.version  # noqa: B018 -- the property picks and keeps the version

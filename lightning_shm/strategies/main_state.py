@@ -21,27 +21,25 @@ or dicts of them -- comes back too, and so does what the LightningModule and the
 list of epoch losses, a best score, a sample count ``setup`` derived), and a logger's plain data, private too (the
 MLflow run it logs to, the rows a logger of the user's kept) (:func:`gathered_attributes`),
 where Lightning's spawn launcher leaves them as they were before the run. Datasets ``setup`` built stay in
-the workers (the main process does not run ``setup``). A CSV logger's writer comes back as well, so the next run
-of the Trainer appends to its ``metrics.csv`` instead of deleting it (:func:`logger_writers`).
+the workers (the main process does not run ``setup``). What else crosses for the loggers -- a CSV logger's writer
+among it -- is in :mod:`.loggers`.
 """
 
 from __future__ import annotations
 
 import inspect
 import logging
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import lightning.pytorch as pl
 import torch
-from lightning.fabric.loggers.csv_logs import CSVLogger
-from lightning.fabric.loggers.csv_logs import _ExperimentWriter as CSVWriter
 from lightning.pytorch.callbacks import LearningRateFinder, ModelCheckpoint
 from lightning.pytorch.trainer import call
 from lightning.pytorch.tuner.lr_finder import _determine_lr_attr_name
 from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_setattr
 from lightning_utilities.core.apply_func import apply_to_collection
 
-from lightning_shm.strategies.main_globals import pickled, unpickled
+from lightning_shm.strategies.main_globals import pickled
 from lightning_shm.strategies.module_hooks import instead
 
 log = logging.getLogger(__name__)
@@ -154,27 +152,6 @@ def apply_found_learning_rates(trainer: "pl.Trainer", found: list[tuple[int, Any
         trainer.callbacks[i].optimal_lr = optimal_lr
         if attr:
             lightning_setattr(trainer.lightning_module, attr, value)
-
-
-def logger_writers(trainer: "pl.Trainer") -> list[Optional[bytes]]:
-    """Rank 0's CSV loggers' writers (their columns, the file they append to), pickled; None for other loggers and
-    ranks, and for a writer that does not pickle (a hyperparameter it holds).
-
-    One process's CSV logger makes its writer once and appends every later run's rows (``fit`` then ``test``,
-    ``fit`` again) to the same ``metrics.csv``; a writer made anew deletes that file first ("Previous log files
-    ... will be deleted"). The main process never logs, so its logger had none: each run's rank 0 made one and
-    deleted the previous run's rows -- a ``test`` after ``fit`` left only the test's metrics -- and so did the
-    main process's own first ``trainer.logger.experiment``. The writer comes back to the main process
-    (:func:`apply_logger_writers`) and goes out again with the next run's Trainer."""
-    writers = (getattr(lg, "_experiment", None) if isinstance(lg, CSVLogger) else None for lg in trainer.loggers)
-    return [pickled(w) if isinstance(w, CSVWriter) else None for w in writers]
-
-
-def apply_logger_writers(trainer: "pl.Trainer", writers: Sequence[Optional[bytes]]) -> None:
-    for logger, blob in zip(trainer.loggers, writers):
-        writer = unpickled(blob) if blob is not None else None
-        if writer is not None:
-            logger._experiment = writer
 
 
 def gathered_attributes(trainer: "pl.Trainer") -> list[tuple[str, dict[str, Any]]]:
