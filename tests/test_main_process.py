@@ -373,20 +373,34 @@ def test_what_the_module_and_callbacks_gathered_comes_back_to_the_main_process(l
     assert got_lrs == one_lrs == {"lr-Adam": [0.01, 0.01, 0.005]}  # StepLR(step_size=2, gamma=0.5), per epoch
 
 
-class _InMemoryLogger(Logger):
+class _UsersLogger(Logger):
+    """What any logger of the user's writes besides its own calls: a name, a version, rank-0-only hyperparameters."""
+
+    name, version = "users", 0
+
+    @rank_zero_only
+    def log_hyperparams(self, params, *args, **kwargs):
+        pass
+
+
+def _fit_and_test(logger: Any, strategy: Any, devices: int, batch: int, ref: bool = False,
+                  after_fit: Any = lambda: None) -> Any:
+    """fit (2 epochs, validated) and then test on one Trainer logging into ``logger``; returns ``after_fit()``,
+    called between the two."""
+    t, model = fit_seeded(lambda: MNISTClassifier(optimizer="adam", lr=0.01), strategy, devices, batch, ref=ref,
+                          validate=True, max_epochs=2, logger=logger, log_every_n_steps=1)
+    seen = after_fit()
+    ds = mnist_like(GLOBAL_BATCH, seed=2)
+    t.test(model, reference_loader(ds, batch, SEED) if ref else loader(ds, batch), verbose=False)
+    return seen
+
+
+class _InMemoryLogger(_UsersLogger):
     """A logger keeping what it is given in lists (a notebook's, or a test's): only rank 0 logs."""
 
     def __init__(self):
         super().__init__()
         self.rows, self.hyperparameters, self.statuses = [], [], []
-
-    @property
-    def name(self):
-        return "memory"
-
-    @property
-    def version(self):
-        return 0
 
     @rank_zero_only
     def log_hyperparams(self, params, *args, **kwargs):
@@ -406,18 +420,10 @@ def test_an_in_memory_logger_holds_every_run_s_rows_as_in_one_process(layout):
     """Rank 0 logged into its copy of the logger: the main process's held nothing after fit -- no rows, no
     hyperparameters, no final status -- where one process's holds them (Lightning's ddp too: its rank 0 is the
     main process). A test after the fit appends to the same lists."""
-    def runs(strategy, devices, batch, ref=False):
-        memory = _InMemoryLogger()
-        t, model = fit_seeded(lambda: MNISTClassifier(optimizer="adam", lr=0.01), strategy, devices, batch, ref=ref,
-                              validate=True, max_epochs=2, logger=[CSVLogger(tempfile.mkdtemp()), memory],
-                              log_every_n_steps=1)
-        ds = mnist_like(GLOBAL_BATCH, seed=2)
-        t.test(model, reference_loader(ds, batch, SEED) if ref else loader(ds, batch), verbose=False)
-        return memory
-
-    one = runs("auto", 1, GLOBAL_BATCH, ref=True)
+    one, got = _InMemoryLogger(), _InMemoryLogger()
+    _fit_and_test([CSVLogger(tempfile.mkdtemp()), one], "auto", 1, GLOBAL_BATCH, ref=True)
     strategy, devices, dp = LAYOUTS[layout]
-    got = runs(strategy(), devices, GLOBAL_BATCH // dp)
+    _fit_and_test([CSVLogger(tempfile.mkdtemp()), got], strategy(), devices, GLOBAL_BATCH // dp)
     kinds = [(step, sorted(k for k in row if k != "epoch")) for step, row in one.rows]
     assert kinds == [(0, ["train_loss"]), (1, ["train_loss"]), (1, ["val_acc", "val_loss"]), (2, ["train_loss"]),
                      (3, ["train_loss"]), (3, ["val_acc", "val_loss"]), (4, ["test_acc", "test_loss"])]
@@ -428,21 +434,13 @@ def test_an_in_memory_logger_holds_every_run_s_rows_as_in_one_process(layout):
     assert got.statuses == one.statuses == ["success", "success"]
 
 
-class _RunLogger(Logger):
+class _RunLogger(_UsersLogger):
     """Makes its run on first use, as MLflow's logger does: a file under ``root`` named by a fresh id it keeps in a
     private attribute."""
 
     def __init__(self, root):
         super().__init__()
         self._root, self._run_id = root, None
-
-    @property
-    def name(self):
-        return "runs"
-
-    @property
-    def version(self):
-        return 0
 
     @property
     @rank_zero_experiment
@@ -457,33 +455,31 @@ class _RunLogger(Logger):
         return self._run_id
 
     @rank_zero_only
-    def log_hyperparams(self, params, *args, **kwargs):
-        pass
-
-    @rank_zero_only
     def log_metrics(self, metrics, step=None):
         with open(self.experiment, "a") as f:
             f.write(f"{step} {sorted(metrics)}\n")
+
+
+def _one_run_s_lines(root: Path, logger: Any, run_id: Any, *fit_args: Any, **fit_kw: Any) -> list[str]:
+    """fit and test logging into ``logger``: every line went into one run (``run_id()``'s after the fit and
+    after the test); its lines."""
+    root.mkdir()
+    after_fit = _fit_and_test(logger, *fit_args, after_fit=run_id, **fit_kw)
+    assert os.listdir(root) == [after_fit] == [run_id()]
+    return (root / after_fit).read_text().splitlines()
 
 
 @pytest.mark.parametrize("layout", ["ddp", "pp2-1f1b"])
 def test_a_logger_that_makes_its_run_on_first_use_keeps_one_run_as_in_one_process(tmp_path, layout):
     """Rank 0 made the run: the main process's logger made a second one when read after fit (``logger.run_id``,
     to log an artifact there), and the test after the fit logged into a third -- MLflow's logger did the same."""
-    def runs(root, strategy, devices, batch, ref=False):
+    def lines(root, *fit_args, **fit_kw):
         logger = _RunLogger(root)
-        t, model = fit_seeded(lambda: MNISTClassifier(optimizer="adam", lr=0.01), strategy, devices, batch, ref=ref,
-                              validate=True, max_epochs=2, logger=logger, log_every_n_steps=1)
-        after_fit = logger.run_id
-        ds = mnist_like(GLOBAL_BATCH, seed=2)
-        t.test(model, reference_loader(ds, batch, SEED) if ref else loader(ds, batch), verbose=False)
-        assert os.listdir(root) == [after_fit] == [logger.run_id]
-        return (root / after_fit).read_text().splitlines()
+        return _one_run_s_lines(root, logger, lambda: logger.run_id, *fit_args, **fit_kw)
 
-    (tmp_path / "one").mkdir(), (tmp_path / "got").mkdir()
-    one = runs(tmp_path / "one", "auto", 1, GLOBAL_BATCH, ref=True)
+    one = lines(tmp_path / "one", "auto", 1, GLOBAL_BATCH, ref=True)
     strategy, devices, dp = LAYOUTS[layout]
-    assert runs(tmp_path / "got", strategy(), devices, GLOBAL_BATCH // dp) == one
+    assert lines(tmp_path / "got", strategy(), devices, GLOBAL_BATCH // dp) == one
     assert len(one) == 7 and one[-1] == "4 ['epoch', 'test_acc', 'test_loss']"
 
 
@@ -501,21 +497,13 @@ class _Run:
             f.write(line + "\n")
 
 
-class _RunMadeWhenPickled(Logger):
+class _RunMadeWhenPickled(_UsersLogger):
     """W&B's way across processes: pickled for a spawned worker, it makes its run in the pickling process and hands
     over the id, which the worker's copy attaches to."""
 
     def __init__(self, root):
         super().__init__()
         self._root, self._run = root, None
-
-    @property
-    def name(self):
-        return "runs"
-
-    @property
-    def version(self):
-        return 0
 
     @property
     @rank_zero_experiment
@@ -525,12 +513,7 @@ class _RunMadeWhenPickled(Logger):
         return self._run
 
     def __getstate__(self):
-        state = dict(self.__dict__, _attach_id=self.experiment.id, _run=None)
-        return state
-
-    @rank_zero_only
-    def log_hyperparams(self, params, *args, **kwargs):
-        pass
+        return dict(self.__dict__, _attach_id=self.experiment.id, _run=None)
 
     @rank_zero_only
     def log_metrics(self, metrics, step=None):
@@ -542,20 +525,13 @@ def test_a_logger_that_makes_its_run_when_pickled_keeps_one_run_as_in_one_proces
     """Under fork the workers copied the logger without pickling it: rank 0 made a run of its own, the main process
     another when the script read ``logger.experiment`` after fit, the test after the fit a third (W&B's logger did
     the same, as under Lightning's ddp_fork). Now fork-started workers get it as pickling carries it."""
-    def runs(root, strategy, devices, batch, ref=False):
+    def lines(root, *fit_args, **fit_kw):
         logger = _RunMadeWhenPickled(root)
-        t, model = fit_seeded(lambda: MNISTClassifier(optimizer="adam", lr=0.01), strategy, devices, batch, ref=ref,
-                              validate=True, max_epochs=2, logger=logger, log_every_n_steps=1)
-        after_fit = logger.experiment.id
-        ds = mnist_like(GLOBAL_BATCH, seed=2)
-        t.test(model, reference_loader(ds, batch, SEED) if ref else loader(ds, batch), verbose=False)
-        assert os.listdir(root) == [after_fit] == [logger.experiment.id]
-        return (root / after_fit).read_text().splitlines()
+        return _one_run_s_lines(root, logger, lambda: logger.experiment.id, *fit_args, **fit_kw)
 
-    (tmp_path / "one").mkdir(), (tmp_path / "got").mkdir()
-    one = runs(tmp_path / "one", "auto", 1, GLOBAL_BATCH, ref=True)
+    one = lines(tmp_path / "one", "auto", 1, GLOBAL_BATCH, ref=True)
     assert len(one) == 7 and one[-1] == "4 ['epoch', 'test_acc', 'test_loss']"
-    assert runs(tmp_path / "got", SHMDDPStrategy(start_method=start), 2, GLOBAL_BATCH // 2) == one
+    assert lines(tmp_path / "got", SHMDDPStrategy(start_method=start), 2, GLOBAL_BATCH // 2) == one
 
 
 class _DerivesInSetup(pl.LightningDataModule):
