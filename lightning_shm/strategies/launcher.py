@@ -55,6 +55,7 @@ from lightning_shm.strategies.main_state import (
     restore_trainer,
 )
 from lightning_shm.strategies.on_exception import on_exception_where_all_failed
+from lightning_shm.strategies.open_files import flush_held_files
 
 _METRICS = ("callback_metrics", "logged_metrics", "progress_bar_metrics")
 # what the fork server imports once, so that no worker of any later fit imports it again
@@ -101,7 +102,10 @@ class SHMLauncher(_Launcher):
         if trainer is not None:
             resolve_log_versions(trainer)
         snapshot = MainGlobals.capture() if self._start_method != "fork" else None
-        loggers = carried(trainer) if trainer is not None and self._start_method == "fork" else None
+        loggers = None
+        if trainer is not None and self._start_method == "fork":
+            loggers = carried(trainer)
+            flush_held_files(trainer)  # a forked worker's copy of a buffer then holds only what it writes itself
         predicting = trainer is not None and trainer.state.fn == TrainerFn.PREDICTING
         config = LaunchConfig(world_size=strategy.num_processes, start_method=self._start_method,
                               runtime=strategy.runtime_config, graceful_stop=not predicting,
@@ -238,4 +242,5 @@ def _run_in_worker(world: World, launcher: SHMLauncher, trainer: Optional["pl.Tr
             note_loop_position(trainer, exc)
             raise
     finally:
+        flush_held_files(trainer)  # a worker leaves by os._exit, which flushes nothing
         strategy.detach_world()
