@@ -251,6 +251,34 @@ def test_model_checkpoint_top_k_follows_the_monitored_score_as_in_one_process(tm
         {"all_of_one": 0.0, "any_of_one": 1.0, "all_of_all": 1.0, "any_of_none": 0.0}
 
 
+@pytest.mark.parametrize("layout", ["fsdp", "tp2", "pp2-1f1b"])
+def test_weights_only_checkpoints_hold_the_plain_module_as_in_one_process(tmp_path, layout):
+    """``save_weights_only`` checkpoints -- ModelCheckpoint's, ``trainer.save_checkpoint(weights_only=True)`` in a
+    callback and in the main process after the fit: the keys one process writes (no optimizer or callback states)
+    and the whole module's weights, consolidated from the ranks' pieces."""
+    def saved(root, strategy, devices, batch, ref=False):
+        class SaveInside(pl.Callback):
+            def on_train_epoch_end(self, trainer, pl_module):
+                trainer.save_checkpoint(root / f"inside{trainer.current_epoch}.ckpt", weights_only=True)
+
+        t, _ = fit_seeded(lambda: MNISTClassifier(optimizer="adam", lr=0.01), strategy, devices, batch, ref=ref,
+                          max_epochs=2, enable_checkpointing=True, callbacks=[
+                              ModelCheckpoint(dirpath=root, save_weights_only=True, save_top_k=-1), SaveInside()])
+        t.save_checkpoint(root / "main.ckpt", weights_only=True)
+        return {p.name: torch.load(p, weights_only=False) for p in sorted(root.iterdir())}
+
+    one = saved(tmp_path / "one", "auto", 1, GLOBAL_BATCH, ref=True)
+    assert sorted(one) == ["epoch=0-step=2.ckpt", "epoch=1-step=4.ckpt", "inside0.ckpt", "inside1.ckpt", "main.ckpt"]
+    assert "optimizer_states" not in one["main.ckpt"] and "callbacks" not in one["main.ckpt"]
+    strategy, devices, dp = LAYOUTS_BY_NAME[layout]
+    got = saved(tmp_path / "got", strategy(), devices, GLOBAL_BATCH // dp)
+    assert sorted(got) == sorted(one)
+    for name, want in one.items():
+        assert set(got[name]) == set(want), name
+        for key, tensor in want["state_dict"].items():
+            torch.testing.assert_close(got[name]["state_dict"][key], tensor, rtol=0, atol=1e-12)
+
+
 class _RowWriter(BasePredictionWriter):
     """Writes each rank's predictions as Lightning's docs show: one file per rank and batch, one per rank at the end."""
 
