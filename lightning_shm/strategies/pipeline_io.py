@@ -306,10 +306,12 @@ class LightningStageIO:
     # ------------------------------------------------------------------ results
     def training_output(self) -> Any:
         """The batch's loss; with a dict from the step, also its other entries over the batch: per-sample
-        tensors (``logits``: a first dimension of the microbatch's size) joined along it; floating values (an
-        accuracy, a per-class mean) averaged by microbatch size as the loss is; integer ones (a count of correct
-        predictions, of samples, per class) summed. Anything else (a string, a bool) has no batch value to form
-        and is left out."""
+        tensors and lists (``logits``, a batch's names: a first dimension of the microbatch's size) joined along
+        it; floating values (an accuracy, a per-class mean) averaged by microbatch size as the loss is; integer
+        ones (a count of correct predictions, of samples, per class) summed. Anything else (a string, a bool, a
+        bool tensor) is the batch's value where every microbatch returned the same -- whether it is a tag or a
+        per-batch flag (all finite, any skipped), one process's batch would give it too -- and is left out where
+        they differ: no batch value can be formed from them."""
         loss = torch.stack(list(self.losses.values())).sum()
         if not self.extras:
             return loss
@@ -377,12 +379,23 @@ def _over_microbatches(values: list[Any], sizes: list[int], weights: list[float]
             return None
         if first.is_floating_point() or first.is_complex():
             return sum(v * w for v, w in zip(values, weights))
-        return None if first.dtype == torch.bool else torch.stack(values).sum(0)
+        if first.dtype != torch.bool:
+            return torch.stack(values).sum(0)
+        return first if all(torch.equal(v, first) for v in values) else None  # a flag: the batch's if all agree
     if all(type(v) is int for v in values):
         return sum(values)
     if all(type(v) is float for v in values):
         return sum(v * w for v, w in zip(values, weights))
-    return None
+    if all(isinstance(v, list) and len(v) == n for v, n in zip(values, sizes)):  # per sample (a batch's names)
+        return [item for v in values for item in v]
+    return values[0] if all(_same(v, values[0]) for v in values) else None  # a tag, a flag: the batch's if all agree
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except Exception:  # an object whose == is not a bool (an array)
+        return False
 
 
 _ListKey = tuple[str, Any]  # (attribute, None) for a list; (attribute, key) for a list in a dict

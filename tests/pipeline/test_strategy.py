@@ -692,8 +692,8 @@ def test_should_stop_set_in_the_step_stops_every_stage(devices):
 
 
 class ReturnsADict(MNISTClassifier):
-    """training_step returns the loss with per-sample logits, a 0-d accuracy, counts (a number, a 0-d tensor,
-    a per-class vector) and a flag."""
+    """training_step returns the loss with per-sample logits and names, a 0-d accuracy, counts (a number, a 0-d
+    tensor, a per-class vector), a flag and a tag."""
 
     def training_step(self, batch, batch_idx):
         logits = self(batch[0])
@@ -701,7 +701,8 @@ class ReturnsADict(MNISTClassifier):
         return {"loss": torch.nn.functional.cross_entropy(logits, batch[1]), "logits": logits.detach(), "acc": acc,
                 "n": len(batch[1]), "correct": (logits.argmax(-1) == batch[1]).sum(),
                 "per_class": torch.bincount(batch[1], minlength=10), "finite": torch.isfinite(logits).all(),
-                "ragged": torch.bincount(batch[1])}  # its length is each microbatch's largest label + 1
+                "ragged": torch.bincount(batch[1]),  # its length is each microbatch's largest label + 1
+                "names": [f"s{int(y)}" for y in batch[1]], "tag": "mnist"}
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
         self.log("logits_sum", outputs["logits"].sum(), reduce_fx="sum", on_step=False, on_epoch=True)
@@ -713,13 +714,18 @@ class ReturnsADict(MNISTClassifier):
         self.log("counts_are_the_batch_counts", float(all(counts)), reduce_fx="min", on_step=False, on_epoch=True)
         self.log("rows", float(len(outputs["logits"])), reduce_fx="sum", on_step=False, on_epoch=True)
         self.log("flag_returned", float("finite" in outputs), reduce_fx="max", on_step=False, on_epoch=True)
+        flag = bool(outputs.get("finite")) == bool(torch.isfinite(outputs["logits"]).all())
+        self.log("flag_is_the_batch_s", float(flag), reduce_fx="min", on_step=False, on_epoch=True)
+        named = outputs["names"] == [f"s{int(y)}" for y in batch[1]] and outputs["tag"] == "mnist"
+        self.log("names_and_tag", float(named), reduce_fx="min", on_step=False, on_epoch=True)
         ragged_right = "ragged" not in outputs or torch.equal(outputs["ragged"], torch.bincount(batch[1]))
         self.log("ragged_right", float(ragged_right), reduce_fx="min", on_step=False, on_epoch=True)
 
 
 def test_training_step_dict_outputs_reach_on_train_batch_end_over_the_batch():
     """Before, on_train_batch_end got only the loss under a pipeline (KeyError 'logits'); integer counts were left
-    out until 2026-12-03 (KeyError 'correct')."""
+    out until 2026-12-03 (KeyError 'correct'), and a string, a bool or a per-sample list until 2026-12-07
+    (KeyError 'tag')."""
     ds = mnist_like(GLOBAL_BATCH * 3, seed=1)
 
     def fit(strategy, devices, loader_):
@@ -733,7 +739,9 @@ def test_training_step_dict_outputs_reach_on_train_batch_end_over_the_batch():
     assert float(ours["rows"]) == float(one["rows"]) == GLOBAL_BATCH * 3
     assert float(ours["acc_is_the_batch_mean"]) == 1.0
     assert float(one["counts_are_the_batch_counts"]) == float(ours["counts_are_the_batch_counts"]) == 1.0
-    assert float(one["flag_returned"]) == 1.0 and float(ours["flag_returned"]) == 0.0  # no batch value: left out
+    assert float(one["flag_returned"]) == float(ours["flag_returned"]) == 1.0  # every microbatch's: True
+    assert float(one["flag_is_the_batch_s"]) == float(ours["flag_is_the_batch_s"]) == 1.0
+    assert float(one["names_and_tag"]) == float(ours["names_and_tag"]) == 1.0
     assert float(ours["ragged_right"]) == 1.0  # microbatch bincounts of other lengths: left out, not a failed step
     assert float(ours["logits_sum"]) == pytest.approx(float(one["logits_sum"]), abs=1e-9)
 
