@@ -4,8 +4,9 @@ The first stage calls the module's own step only to capture the input of its ``n
 (see :class:`~lightning_shm.parallel.pipeline.stage.PipelineStage`); the last stage calls it per
 microbatch on the received activation to get the loss and the values the module logs (evaluation
 steps: once per batch, on the microbatches' outputs joined). Those
-``self.log`` calls are recorded, combined over microbatches (weighted by microbatch size for
-means; sum / max / min as ``reduce_fx`` says) and replayed with the real ``LightningModule.log`` on
+``self.log`` calls are recorded, combined over microbatches (means weighted by microbatch size, or by the
+``batch_size`` the call passes, which the batch's value then carries summed; sum / max / min as ``reduce_fx``
+says) and replayed with the real ``LightningModule.log`` on
 *every* rank of the pipeline, so monitors, the progress bar and ``callback_metrics`` see them
 everywhere. A torchmetrics object logged on the last stage is replayed as each rank's own copy of
 that metric, after its state was copied from the last stage. What the step appended to a list the
@@ -481,6 +482,10 @@ def _aggregate(records: list[tuple[str, Any, tuple, dict, float]], module: nn.Mo
             continue
         vals = torch.stack([torch.as_tensor(v).detach().double() for v, *_ in items])
         ws = torch.tensor([w for *_, w in items], dtype=torch.float64)
+        sizes = [kw.get("batch_size") for _, _, kw, _ in items]
+        if all(n is not None for n in sizes):  # each value is a mean over the units ``batch_size`` counts (tokens)
+            ws = torch.tensor([float(n) for n in sizes], dtype=torch.float64)
+            kwargs = {**kwargs, "batch_size": sum(sizes)}  # the batch's, as one process's step passes it
         fx = kwargs.get("reduce_fx", "mean")
         fx = getattr(fx, "__name__", fx)
         if fx == "sum":

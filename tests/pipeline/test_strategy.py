@@ -746,6 +746,38 @@ def test_training_step_dict_outputs_reach_on_train_batch_end_over_the_batch():
     assert float(ours["logits_sum"]) == pytest.approx(float(one["logits_sum"]), abs=1e-9)
 
 
+class LogsAMeanOverTokens(MNISTClassifier):
+    """Logs a mean over weighted units (a label's tokens: y + 1 each) with the units' count as ``batch_size``, as a
+    token-level loss is logged; trains on the row mean."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        rows = torch.nn.functional.cross_entropy(self(x), y, reduction="none")
+        tokens = (y + 1).double()
+        per_token = (rows * tokens).sum() / tokens.sum()
+        n = int(tokens.sum())
+        self.log("token_mean", per_token, batch_size=n, on_step=False, on_epoch=True)
+        self.log("token_mean_step", per_token, batch_size=n, on_step=True, on_epoch=False)
+        self.log("token_sum", (rows * tokens).sum(), batch_size=n, reduce_fx="sum", on_step=False, on_epoch=True)
+        return rows.mean()
+
+
+def test_a_value_logged_with_its_batch_size_is_the_batch_s_mean_over_those_units():
+    """The microbatches' values were averaged by rows and replayed with the last microbatch's ``batch_size``:
+    the step's token mean 1.688 and the epoch's 1.661 against one process's 1.731 and 1.680 until 2026-12-07."""
+    ds = mnist_like(GLOBAL_BATCH * 3, seed=1)
+
+    def fit(strategy, devices, loader_):
+        pl.seed_everything(SEED)
+        t = trainer(strategy=strategy, devices=devices, max_epochs=2, precision="64-true")
+        t.fit(LogsAMeanOverTokens(optimizer="adam"), loader_)
+        return {k: float(v) for k, v in t.callback_metrics.items()}
+
+    one = fit("auto", 1, reference_loader(ds, GLOBAL_BATCH, SEED))
+    for schedule in ("1f1b", "zero_bubble"):
+        assert fit(pp(2, schedule), 2, loader(ds, GLOBAL_BATCH)) == pytest.approx(one, rel=1e-12), schedule
+
+
 class StructuredPredictions(MNISTClassifier):
     """predict_step outputs as users write them: a dict with a per-batch count, a tuple, a batch sum,
     a list of strings."""
