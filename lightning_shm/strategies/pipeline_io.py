@@ -312,7 +312,7 @@ class LightningStageIO:
         ones (a count of correct predictions, of samples, per class) summed. Anything else (a string, a bool, a
         bool tensor) is the batch's value where every microbatch returned the same -- whether it is a tag or a
         per-batch flag (all finite, any skipped), one process's batch would give it too -- and is left out where
-        they differ: no batch value can be formed from them."""
+        they differ: no batch value can be formed from them. A dict of such entries is formed entry by entry."""
         loss = torch.stack(list(self.losses.values())).sum()
         if not self.extras:
             return loss
@@ -389,6 +389,9 @@ def _over_microbatches(values: list[Any], sizes: list[int], weights: list[float]
         return sum(v * w for v, w in zip(values, weights))
     if all(isinstance(v, list) and len(v) == n for v, n in zip(values, sizes)):  # per sample (a batch's names)
         return [item for v in values for item in v]
+    if all(isinstance(v, dict) and v.keys() == values[0].keys() for v in values):  # {"stats": {...}}: per entry
+        entries = {k: _over_microbatches([v[k] for v in values], sizes, weights) for k in values[0]}
+        return {k: v for k, v in entries.items() if v is not None}
     return values[0] if all(_same(v, values[0]) for v in values) else None  # a tag, a flag: the batch's if all agree
 
 

@@ -693,7 +693,7 @@ def test_should_stop_set_in_the_step_stops_every_stage(devices):
 
 class ReturnsADict(MNISTClassifier):
     """training_step returns the loss with per-sample logits and names, a 0-d accuracy, counts (a number, a 0-d
-    tensor, a per-class vector), a flag and a tag."""
+    tensor, a per-class vector), a flag, a tag and a dict of a count and a mean."""
 
     def training_step(self, batch, batch_idx):
         logits = self(batch[0])
@@ -702,7 +702,8 @@ class ReturnsADict(MNISTClassifier):
                 "n": len(batch[1]), "correct": (logits.argmax(-1) == batch[1]).sum(),
                 "per_class": torch.bincount(batch[1], minlength=10), "finite": torch.isfinite(logits).all(),
                 "ragged": torch.bincount(batch[1]),  # its length is each microbatch's largest label + 1
-                "names": [f"s{int(y)}" for y in batch[1]], "tag": "mnist"}
+                "names": [f"s{int(y)}" for y in batch[1]], "tag": "mnist",
+                "stats": {"n": len(batch[1]), "logit_mean": logits.detach().mean()}}
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
         self.log("logits_sum", outputs["logits"].sum(), reduce_fx="sum", on_step=False, on_epoch=True)
@@ -716,7 +717,9 @@ class ReturnsADict(MNISTClassifier):
         self.log("flag_returned", float("finite" in outputs), reduce_fx="max", on_step=False, on_epoch=True)
         flag = bool(outputs.get("finite")) == bool(torch.isfinite(outputs["logits"]).all())
         self.log("flag_is_the_batch_s", float(flag), reduce_fx="min", on_step=False, on_epoch=True)
-        named = outputs["names"] == [f"s{int(y)}" for y in batch[1]] and outputs["tag"] == "mnist"
+        named = outputs["names"] == [f"s{int(y)}" for y in batch[1]] and outputs["tag"] == "mnist" and \
+            outputs["stats"]["n"] == len(batch[1]) and torch.allclose(outputs["stats"]["logit_mean"],
+                                                                      outputs["logits"].mean())
         self.log("names_and_tag", float(named), reduce_fx="min", on_step=False, on_epoch=True)
         ragged_right = "ragged" not in outputs or torch.equal(outputs["ragged"], torch.bincount(batch[1]))
         self.log("ragged_right", float(ragged_right), reduce_fx="min", on_step=False, on_epoch=True)
