@@ -68,9 +68,23 @@ def test_each_structure_is_cut_along_its_batch_dimension_and_kept():
     assert [type(p) for p in parts] == [Encoding] * 2 and [len(p["input_ids"]) for p in parts] == [4, 3]
 
 
+class _OwnBatch:
+    """A batch class of the user's (a graph library's, a hand-written one): tensors in attributes, ``to()``."""
+
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+
+    def to(self, device):
+        return _OwnBatch(self.x.to(device), self.y.to(device))
+
+
 def test_a_batch_without_a_batch_dimension_is_named():
-    with pytest.raises(ValueError, match=r"without tensors .*a dict"):
+    with pytest.raises(ValueError, match=r"the dict holds no tensor with a batch dimension"):
         split_batch({"name": ["a", "b"], "n": torch.tensor(2)}, 2)
+    # its tensors are attributes nothing walks: said so, with what to return instead (until 2026-12-07: "cannot
+    # split a batch without tensors")
+    with pytest.raises(ValueError, match=r"the _OwnBatch is not a structure the pipeline walks .*dataclass"):
+        split_batch(_OwnBatch(torch.ones(4, 2), torch.ones(4)), 2)
 
 
 Named = namedtuple("Named", ["x", "y", "name"])

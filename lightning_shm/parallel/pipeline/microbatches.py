@@ -52,7 +52,14 @@ def split_batch(batch: Any, parts: int) -> list[Any]:
     """``parts`` microbatches of ``batch`` (uneven allowed); tensors are views, nothing is copied."""
     size = batch_size(batch)
     if size is None:
-        raise ValueError(f"cannot split a batch without tensors into microbatches (a {type(batch).__name__})")
+        walked = isinstance(batch, (torch.Tensor, Mapping, list, tuple)) or dataclasses.is_dataclass(batch)
+        raise ValueError(
+            f"cannot split a batch into microbatches: the {type(batch).__name__} " + (
+                "holds no tensor with a batch dimension to cut." if walked else
+                "is not a structure the pipeline walks -- it cuts tensors, lists and tuples inside dicts (Mappings), "
+                "dataclasses, namedtuples, lists and tuples, as Lightning walks a batch to move it. Have the "
+                "collate function return one of those (a dataclass with the same fields), or train under a "
+                "strategy that does not cut the batch (shm_ddp, shm_fsdp, shm_tp)."))
     edges = [i * (size // parts) + min(i, size % parts) for i in range(parts + 1)]
 
     def part(i: int) -> Any:
