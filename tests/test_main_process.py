@@ -534,6 +534,29 @@ def test_a_logger_that_makes_its_run_when_pickled_keeps_one_run_as_in_one_proces
     assert lines(tmp_path / "got", SHMDDPStrategy(start_method=start), 2, GLOBAL_BATCH // 2) == one
 
 
+@pytest.mark.parametrize("layout", ["ddp", "pp2-1f1b"])
+def test_the_main_process_trainer_holds_the_loops_batch_counts_as_in_one_process(layout):
+    """The main process sets up no loop: after fit it said ``num_training_batches`` inf, ``num_val_batches`` [] and
+    ``val_check_batch`` None where one process says 3, [2] and 3; so for test, validate and predict."""
+    def counts(strategy, devices, batch, ref=False):
+        pl.seed_everything(SEED)
+        model = MNISTClassifier(optimizer="adam")
+        ds, held_out = mnist_like(GLOBAL_BATCH * 3, seed=1), mnist_like(GLOBAL_BATCH * 2, seed=2)
+        t = trainer(strategy=strategy, devices=devices, max_epochs=1, num_sanity_val_steps=1)
+        t.fit(model, reference_loader(ds, batch, SEED) if ref else loader(ds, batch), loader(held_out, batch, False))
+        seen = [t.num_training_batches, t.num_val_batches, t.num_sanity_val_batches, t.val_check_batch]
+        t.test(model, loader(held_out, batch, False), verbose=False)
+        t.validate(model, loader(held_out, batch, False), verbose=False)
+        seen += [t.num_test_batches, t.num_val_batches]
+        t.predict(model, loader(held_out, batch, False))
+        return seen + [t.num_predict_batches, t.num_training_batches]
+
+    one = counts("auto", 1, GLOBAL_BATCH, ref=True)
+    assert one == [3, [2], [1], 3, [2], [2], [2], 3]
+    strategy, devices, dp = LAYOUTS[layout]
+    assert counts(strategy(), devices, GLOBAL_BATCH // dp) == one
+
+
 class _DerivesInSetup(pl.LightningDataModule):
     def __init__(self, batch: int):
         super().__init__()

@@ -48,10 +48,12 @@ from lightning_shm.strategies.main_script import check_main_script
 from lightning_shm.strategies.main_state import (
     apply_found_learning_rates,
     apply_gathered_attributes,
+    apply_loop_sizes,
     end_checkpoint,
     fit_data,
     found_learning_rates,
     gathered_attributes,
+    loop_sizes,
     restore_trainer,
 )
 from lightning_shm.strategies.on_exception import on_exception_where_all_failed
@@ -77,6 +79,7 @@ class WorkerOutput(NamedTuple):
     attributes: list  # plain data of module, datamodule, loggers, callbacks (:func:`.main_state.gathered_attributes`)
     should_stop: bool  # a callback or the module stopped the run (EarlyStopping): what one process's trainer says
     logger_writers: list  # rank 0's CSV loggers' writers, pickled (:func:`.loggers.logger_writers`)
+    loop_sizes: dict  # the batch counts rank 0's loops set up (:func:`.main_state.loop_sizes`)
 
 
 class SHMLauncher(_Launcher):
@@ -150,7 +153,7 @@ class SHMLauncher(_Launcher):
         buffer = io.BytesIO()
         torch.save(metrics, buffer)
         return WorkerOutput(path, trainer.state, results, buffer.getvalue(), stopped_by, found_learning_rates(trainer),
-                            attributes, trainer.should_stop, logger_writers(trainer))
+                            attributes, trainer.should_stop, logger_writers(trainer), loop_sizes(trainer))
 
     # ------------------------------------------------------------------ main side
     def _recover_in_main_process(self, output: WorkerOutput, trainer: "pl.Trainer", data: dict[str, Any]) -> None:
@@ -173,6 +176,7 @@ class SHMLauncher(_Launcher):
                 os.rmdir(os.path.dirname(output.checkpoint_path))
         apply_gathered_attributes(trainer, output.attributes)
         apply_logger_writers(trainer, output.logger_writers)
+        apply_loop_sizes(trainer, output.loop_sizes)  # after restore_trainer, whose optimizers may set the loops up
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
