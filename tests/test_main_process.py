@@ -535,26 +535,30 @@ def test_a_logger_that_makes_its_run_when_pickled_keeps_one_run_as_in_one_proces
 
 
 @pytest.mark.parametrize("layout", ["ddp", "pp2-1f1b"])
-def test_the_main_process_trainer_holds_the_loops_batch_counts_as_in_one_process(layout):
+def test_the_main_process_trainer_holds_the_loops_batch_counts_and_checkpoint_path_as_in_one_process(tmp_path,
+                                                                                                    layout):
     """The main process sets up no loop: after fit it said ``num_training_batches`` inf, ``num_val_batches`` [] and
-    ``val_check_batch`` None where one process says 3, [2] and 3; so for test, validate and predict."""
-    def counts(strategy, devices, batch, ref=False):
+    ``val_check_batch`` None where one process says 3, [2] and 3; so for test, validate and predict. And
+    ``trainer.ckpt_path`` after ``test(ckpt_path="best")`` was None, not the checkpoint tested."""
+    def seen(root, strategy, devices, batch, ref=False):
         pl.seed_everything(SEED)
         model = MNISTClassifier(optimizer="adam")
         ds, held_out = mnist_like(GLOBAL_BATCH * 3, seed=1), mnist_like(GLOBAL_BATCH * 2, seed=2)
-        t = trainer(strategy=strategy, devices=devices, max_epochs=1, num_sanity_val_steps=1)
+        t = trainer(strategy=strategy, devices=devices, max_epochs=1, num_sanity_val_steps=1, enable_checkpointing=True,
+                    callbacks=[ModelCheckpoint(dirpath=root, monitor="val_loss")])
         t.fit(model, reference_loader(ds, batch, SEED) if ref else loader(ds, batch), loader(held_out, batch, False))
-        seen = [t.num_training_batches, t.num_val_batches, t.num_sanity_val_batches, t.val_check_batch]
-        t.test(model, loader(held_out, batch, False), verbose=False)
+        out = [t.num_training_batches, t.num_val_batches, t.num_sanity_val_batches, t.val_check_batch, t.ckpt_path]
+        t.test(model, loader(held_out, batch, False), ckpt_path="best", verbose=False)
+        out += [t.num_test_batches, os.path.relpath(t.ckpt_path, root)]
         t.validate(model, loader(held_out, batch, False), verbose=False)
-        seen += [t.num_test_batches, t.num_val_batches]
+        out += [t.num_val_batches]
         t.predict(model, loader(held_out, batch, False))
-        return seen + [t.num_predict_batches, t.num_training_batches]
+        return out + [t.num_predict_batches, t.num_training_batches]
 
-    one = counts("auto", 1, GLOBAL_BATCH, ref=True)
-    assert one == [3, [2], [1], 3, [2], [2], [2], 3]
+    one = seen(tmp_path / "one", "auto", 1, GLOBAL_BATCH, ref=True)
+    assert one == [3, [2], [1], 3, None, [2], "epoch=0-step=3.ckpt", [2], [2], 3]
     strategy, devices, dp = LAYOUTS[layout]
-    assert counts(strategy(), devices, GLOBAL_BATCH // dp) == one
+    assert seen(tmp_path / "got", strategy(), devices, GLOBAL_BATCH // dp) == one
 
 
 class _DerivesInSetup(pl.LightningDataModule):

@@ -48,13 +48,13 @@ from lightning_shm.strategies.main_script import check_main_script
 from lightning_shm.strategies.main_state import (
     apply_found_learning_rates,
     apply_gathered_attributes,
-    apply_loop_sizes,
+    apply_run_details,
     end_checkpoint,
     fit_data,
     found_learning_rates,
     gathered_attributes,
-    loop_sizes,
     restore_trainer,
+    run_details,
 )
 from lightning_shm.strategies.on_exception import on_exception_where_all_failed
 from lightning_shm.strategies.open_files import flush_held_files
@@ -79,7 +79,7 @@ class WorkerOutput(NamedTuple):
     attributes: list  # plain data of module, datamodule, loggers, callbacks (:func:`.main_state.gathered_attributes`)
     should_stop: bool  # a callback or the module stopped the run (EarlyStopping): what one process's trainer says
     logger_writers: list  # rank 0's CSV loggers' writers, pickled (:func:`.loggers.logger_writers`)
-    loop_sizes: dict  # the batch counts rank 0's loops set up (:func:`.main_state.loop_sizes`)
+    run_details: dict  # rank 0's loop batch counts, ckpt_path (:func:`.main_state.run_details`)
 
 
 class SHMLauncher(_Launcher):
@@ -153,7 +153,7 @@ class SHMLauncher(_Launcher):
         buffer = io.BytesIO()
         torch.save(metrics, buffer)
         return WorkerOutput(path, trainer.state, results, buffer.getvalue(), stopped_by, found_learning_rates(trainer),
-                            attributes, trainer.should_stop, logger_writers(trainer), loop_sizes(trainer))
+                            attributes, trainer.should_stop, logger_writers(trainer), run_details(trainer))
 
     # ------------------------------------------------------------------ main side
     def _recover_in_main_process(self, output: WorkerOutput, trainer: "pl.Trainer", data: dict[str, Any]) -> None:
@@ -176,7 +176,7 @@ class SHMLauncher(_Launcher):
                 os.rmdir(os.path.dirname(output.checkpoint_path))
         apply_gathered_attributes(trainer, output.attributes)
         apply_logger_writers(trainer, output.logger_writers)
-        apply_loop_sizes(trainer, output.loop_sizes)  # after restore_trainer, whose optimizers may set the loops up
+        apply_run_details(trainer, output.run_details)  # after restore_trainer, whose optimizers may set up loops
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()

@@ -134,22 +134,25 @@ def _restore_optimizers(trainer: "pl.Trainer", checkpoint: dict[str, Any]) -> No
                     "wrote hold it.", e)
 
 
-def loop_sizes(trainer: "pl.Trainer") -> dict[str, Any]:
-    """On rank 0 after the run: the batch counts its loops set up from the data -- ``trainer.num_training_batches``,
-    ``val_check_batch``, ``num_val_batches`` (the fit's and ``validate``'s), ``num_test_batches``,
-    ``num_predict_batches``. The main process sets up no loop: it said ``inf`` and ``[]`` after a fit where one
-    process says 3 and ``[2]``. Every loop sets them up again from its data at its next run."""
+def run_details(trainer: "pl.Trainer") -> dict[str, Any]:
+    """On rank 0 after the run: what its Trainer set up from the data and the arguments, which the main process
+    never sets up itself -- the batch counts of the loops (``trainer.num_training_batches``, ``val_check_batch``,
+    ``num_val_batches`` -- the fit's and ``validate``'s --, ``num_test_batches``, ``num_predict_batches``) and
+    ``trainer.ckpt_path``, the checkpoint the run restored (``"best"`` resolved). Without them the main process said
+    ``inf``, ``[]`` and None after a fit where one process says 3, ``[2]`` and the path. Each loop sets its counts
+    up again from its data at its next run."""
     return {"fit": trainer.fit_loop.max_batches, "val_check": trainer.val_check_batch,
             "fit_val": list(trainer.fit_loop.epoch_loop.val_loop._max_batches),
             "validate": list(trainer.validate_loop._max_batches), "test": list(trainer.test_loop._max_batches),
-            "predict": list(trainer.predict_loop.max_batches)}
+            "predict": list(trainer.predict_loop.max_batches), "ckpt_path": trainer.ckpt_path}
 
 
-def apply_loop_sizes(trainer: "pl.Trainer", sizes: Mapping[str, Any]) -> None:
-    trainer.fit_loop.max_batches, trainer.val_check_batch = sizes["fit"], sizes["val_check"]
-    trainer.fit_loop.epoch_loop.val_loop._max_batches = sizes["fit_val"]
-    trainer.validate_loop._max_batches, trainer.test_loop._max_batches = sizes["validate"], sizes["test"]
-    trainer.predict_loop.max_batches = sizes["predict"]
+def apply_run_details(trainer: "pl.Trainer", details: Mapping[str, Any]) -> None:
+    trainer.fit_loop.max_batches, trainer.val_check_batch = details["fit"], details["val_check"]
+    trainer.fit_loop.epoch_loop.val_loop._max_batches = details["fit_val"]
+    trainer.validate_loop._max_batches, trainer.test_loop._max_batches = details["validate"], details["test"]
+    trainer.predict_loop.max_batches = details["predict"]
+    trainer._checkpoint_connector._ckpt_path = details["ckpt_path"]  # not the setter: that marks it the user's
 
 
 def found_learning_rates(trainer: "pl.Trainer") -> list[tuple[int, Any, str, Any]]:
