@@ -460,12 +460,13 @@ class _RunLogger(_UsersLogger):
             f.write(f"{step} {sorted(metrics)}\n")
 
 
-def _one_run_s_lines(root: Path, logger: Any, run_id: Any, *fit_args: Any, **fit_kw: Any) -> list[str]:
-    """fit and test logging into ``logger``: every line went into one run (``run_id()``'s after the fit and
-    after the test); its lines."""
+def _one_run_s_lines(root: Path, make_logger: Any, *fit_args: Any, **fit_kw: Any) -> list[str]:
+    """fit and test logging into ``make_logger(root)``: every line went into one run (the logger's ``run_id`` after
+    the fit and after the test); its lines."""
     root.mkdir()
-    after_fit = _fit_and_test(logger, *fit_args, after_fit=run_id, **fit_kw)
-    assert os.listdir(root) == [after_fit] == [run_id()]
+    logger = make_logger(root)
+    after_fit = _fit_and_test(logger, *fit_args, after_fit=lambda: logger.run_id, **fit_kw)
+    assert os.listdir(root) == [after_fit] == [logger.run_id]
     return (root / after_fit).read_text().splitlines()
 
 
@@ -473,13 +474,9 @@ def _one_run_s_lines(root: Path, logger: Any, run_id: Any, *fit_args: Any, **fit
 def test_a_logger_that_makes_its_run_on_first_use_keeps_one_run_as_in_one_process(tmp_path, layout):
     """Rank 0 made the run: the main process's logger made a second one when read after fit (``logger.run_id``,
     to log an artifact there), and the test after the fit logged into a third -- MLflow's logger did the same."""
-    def lines(root, *fit_args, **fit_kw):
-        logger = _RunLogger(root)
-        return _one_run_s_lines(root, logger, lambda: logger.run_id, *fit_args, **fit_kw)
-
-    one = lines(tmp_path / "one", "auto", 1, GLOBAL_BATCH, ref=True)
+    one = _one_run_s_lines(tmp_path / "one", _RunLogger, "auto", 1, GLOBAL_BATCH, ref=True)
     strategy, devices, dp = LAYOUTS[layout]
-    assert lines(tmp_path / "got", strategy(), devices, GLOBAL_BATCH // dp) == one
+    assert _one_run_s_lines(tmp_path / "got", _RunLogger, strategy(), devices, GLOBAL_BATCH // dp) == one
     assert len(one) == 7 and one[-1] == "4 ['epoch', 'test_acc', 'test_loss']"
 
 
@@ -512,6 +509,10 @@ class _RunMadeWhenPickled(_UsersLogger):
             self._run = _Run(self._root, getattr(self, "_attach_id", None))
         return self._run
 
+    @property
+    def run_id(self):
+        return self.experiment.id
+
     def __getstate__(self):
         return dict(self.__dict__, _attach_id=self.experiment.id, _run=None)
 
@@ -525,13 +526,11 @@ def test_a_logger_that_makes_its_run_when_pickled_keeps_one_run_as_in_one_proces
     """Under fork the workers copied the logger without pickling it: rank 0 made a run of its own, the main process
     another when the script read ``logger.experiment`` after fit, the test after the fit a third (W&B's logger did
     the same, as under Lightning's ddp_fork). Now fork-started workers get it as pickling carries it."""
-    def lines(root, *fit_args, **fit_kw):
-        logger = _RunMadeWhenPickled(root)
-        return _one_run_s_lines(root, logger, lambda: logger.experiment.id, *fit_args, **fit_kw)
-
-    one = lines(tmp_path / "one", "auto", 1, GLOBAL_BATCH, ref=True)
+    one = _one_run_s_lines(tmp_path / "one", _RunMadeWhenPickled, "auto", 1, GLOBAL_BATCH, ref=True)
     assert len(one) == 7 and one[-1] == "4 ['epoch', 'test_acc', 'test_loss']"
-    assert lines(tmp_path / "got", SHMDDPStrategy(start_method=start), 2, GLOBAL_BATCH // 2) == one
+    got = _one_run_s_lines(tmp_path / "got", _RunMadeWhenPickled, SHMDDPStrategy(start_method=start), 2,
+                           GLOBAL_BATCH // 2)
+    assert got == one
 
 
 @pytest.mark.parametrize("layout", ["ddp", "pp2-1f1b"])

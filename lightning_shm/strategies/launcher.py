@@ -4,9 +4,10 @@ The main process calls ``trainer.fit`` -> :meth:`SHMLauncher.launch`, which runs
 ``_fit_impl`` / ``_test_impl`` / ``_predict_impl`` in W workers through
 :class:`lightning_shm.runtime.Launcher` (segments, fault handling, clean-up), then makes the main
 process's Trainer the one that ran (:mod:`.main_state`): weights, loops, optimizer, scheduler and
-callback states, ``callback_metrics``, ``logged_metrics``, ``progress_bar_metrics`` and -- unlike
-Lightning's spawn launcher, which hands back only the first -- the predictions
-of *all* ranks, in dataset order.
+callback states, ``callback_metrics``, ``logged_metrics``, ``progress_bar_metrics``, the loggers' state
+(:mod:`.loggers`) and -- unlike Lightning's spawn launcher, which hands back only the first -- the predictions
+of *all* ranks, in dataset order. Files the program holds open are flushed before a worker leaves
+(:mod:`.open_files`).
 
 Interrupts (SIGINT / SIGTERM to the main process or the process group): the runtime turns the
 first one into a stop request; the workers agree on it at the start of their next training,
