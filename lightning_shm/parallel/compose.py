@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Mapping, Optional, Union
+from typing import AbstractSet, Any, Callable, ContextManager, Mapping, Optional, Union
 
 import torch
 from torch import nn
@@ -61,6 +61,8 @@ from lightning_shm.runtime.ops import barrier_reason
 _CUTS = barrier_reason("the pipeline's cut of the model, planned on rank 0")
 
 DATA_PARALLEL = ("replicate", "shard")
+CHECKPOINT_A_BLOCK = ("to recompute a block under any strategy, call it through torch.utils.checkpoint.checkpoint in "
+                      "its parent's forward (every strategy runs that)")
 
 
 @dataclass
@@ -79,7 +81,7 @@ class ParallelConfig:
     split_points: Optional[list[int]] = None
     balance: str = "time"
     activation_checkpointing: bool = False
-    unit_policy: Union[None, int, PolicyFn, UnitPolicy] = None
+    unit_policy: Union[None, int, PolicyFn, UnitPolicy, AbstractSet[type]] = None
     reshard_after_forward: bool = True
     prefetch: bool = False
     bucket_cap_mb: float = 25.0
@@ -104,6 +106,12 @@ class ParallelConfig:
             raise ValueError(f"microbatches must be a positive int, got {self.microbatches!r}")
         if self.balance not in ("time", "params"):
             raise ValueError(f"balance must be 'time' or 'params', got {self.balance!r}")
+        if not isinstance(self.activation_checkpointing, bool):  # Lightning's FSDPStrategy takes module classes
+            raise ValueError(f"activation_checkpointing must be True or False (a pipeline recomputing its stages' "
+                             f"chunks), got {self.activation_checkpointing!r}; {CHECKPOINT_A_BLOCK}")
+        if self.activation_checkpointing and self.pipeline_parallel_size == 1:
+            raise ValueError(f"activation_checkpointing=True recomputes a pipeline's chunks in backward: it needs "
+                             f"pipeline_parallel_size > 1, got 1; {CHECKPOINT_A_BLOCK}")
         if self.split_linear and self.split_points is not None:
             raise ValueError(f"split_linear=True chooses the pipeline cut itself; it cannot be combined with "
                              f"split_points={self.split_points}")

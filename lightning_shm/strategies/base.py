@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import signal
+from datetime import timedelta
 from typing import Any, Callable, Optional, Union
 
 import lightning.pytorch as pl
@@ -66,7 +67,8 @@ class SHMStrategyBase(ParallelStrategy):
             lightning once -- the first fit starts like "spawn", later fits in the same process in a
             fraction of a second), "spawn" (a fresh interpreter per worker, every fit) or "fork"
             (fastest start; Linux; forked workers run torch single-threaded).
-        timeout: seconds any wait may block before raising with the ranks that did not arrive. 30 minutes, as
+        timeout: how long any wait may block before raising with the ranks that did not arrive: seconds, or a
+            ``datetime.timedelta`` as Lightning's ``DDPStrategy`` takes it. 30 minutes, as
             Lightning's ``DDPStrategy`` (torch.distributed's default): work one rank does while the others wait
             at a barrier -- a download in ``setup`` gated on rank 0, a large checkpoint written to slow storage
             -- may take that long there. A failed or killed rank stops the others at once whatever the timeout.
@@ -82,7 +84,8 @@ class SHMStrategyBase(ParallelStrategy):
                  parallel_devices: Optional[list[torch.device]] = None,
                  cluster_environment: Optional[ClusterEnvironment] = None,
                  checkpoint_io: Optional[CheckpointIO] = None, precision_plugin: Optional[Precision] = None,
-                 start_method: str = "forkserver", timeout: float = 1800.0, runtime: Optional[RuntimeConfig] = None,
+                 start_method: str = "forkserver", timeout: Union[float, timedelta] = 1800.0,
+                 runtime: Optional[RuntimeConfig] = None,
                  stop_grace_s: float = 60.0, stop_check_every: int = 4) -> None:
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
@@ -95,7 +98,10 @@ class SHMStrategyBase(ParallelStrategy):
             raise ValueError(f"stop_check_every must be a positive int, got {stop_check_every!r}")
         self.stop_check_every = stop_check_every
         self._start_method = start_method
-        self.runtime_config = runtime or RuntimeConfig(timeout_s=timeout)
+        seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
+            raise ValueError(f"timeout must be seconds > 0 or a datetime.timedelta, got {timeout!r}")
+        self.runtime_config = runtime or RuntimeConfig(timeout_s=seconds)
         self.stop_grace_s = stop_grace_s
         self.stop_agreed = 0  # in a worker: the signal all ranks agreed to stop on
         self.eval_stop_points = True  # in a worker: the running validation or test loop has stop points

@@ -14,7 +14,7 @@ builds parameter groups by name or position exactly as in one process. A preset 
 
 from __future__ import annotations
 
-from typing import Any, Callable, Union
+from typing import AbstractSet, Any, Callable, Union
 
 from torch import nn
 
@@ -26,8 +26,10 @@ class SHMFSDPStrategy(SHMModelParallel):
 
     Args:
         unit_policy: None (each parameter-owning child of the model's ``nn.Sequential``), an int
-            (merge consecutive Sequential children until a unit has at least this many parameters)
-            or a callable ``(name, module) -> bool`` marking unit roots.
+            (merge consecutive Sequential children until a unit has at least this many parameters),
+            a set of module classes whose instances are units (``{Block}``: what Lightning's
+            ``FSDPStrategy(auto_wrap_policy={Block})`` takes) or a callable ``(name, module) -> bool``
+            marking unit roots (defined at a module's top level: the default fork server pickles it).
         gather: "view" (default): a unit's full parameters are one tensor in shared memory that
             every rank maps, each rank's rows a slice of it -- no copy, no private full parameters.
             "copy": FSDP's textbook gather of the blocks into private memory around each unit's
@@ -40,7 +42,8 @@ class SHMFSDPStrategy(SHMModelParallel):
         **kwargs: see :class:`~lightning_shm.strategies.base.SHMStrategyBase`.
     """
 
-    def __init__(self, *args: Any, unit_policy: Union[None, int, Callable[[str, nn.Module], bool]] = None,
+    def __init__(self, *args: Any,
+                 unit_policy: Union[None, int, Callable[[str, nn.Module], bool], AbstractSet[type]] = None,
                  gather: str = "view", reshard_after_forward: bool = True, prefetch: bool = False,
                  **kwargs: Any) -> None:
         super().__init__(*args, data_parallel="shard", unit_policy=unit_policy, gather=gather,

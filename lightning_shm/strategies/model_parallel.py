@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import warnings
-from typing import Any, ContextManager, Iterator, Mapping, Optional, Sequence, Union
+from typing import AbstractSet, Any, ContextManager, Iterator, Mapping, Optional, Sequence, Union
 
 import lightning.pytorch as pl
 import torch
@@ -74,6 +74,7 @@ from lightning_shm.strategies.base import SHMStrategyBase
 from lightning_shm.strategies.collective_calls import SAVE, noted
 from lightning_shm.strategies.collectives import MetricSync
 from lightning_shm.strategies.grad_norm import GradNormLogs, split_norm, whole_param_norm
+from lightning_shm.strategies.lightning_args import refuse_lightning_only
 from lightning_shm.strategies.loader_iter import PreparedBatches, takes_loader_iter
 from lightning_shm.strategies.module_log import logging_through
 from lightning_shm.strategies.piece_saves import piece_saves_warned
@@ -142,10 +143,12 @@ class SHMModelParallel(SHMStrategyBase):
                  schedule: str = "1f1b", virtual_stages: Optional[int] = None,
                  split_points: Optional[Sequence[int]] = None, balance: str = "time", split_linear: bool = False,
                  activation_checkpointing: bool = False, sample_input: Optional[Tensor] = None,
-                 unit_policy: Union[None, int, PolicyFn, UnitPolicy] = None, reshard_after_forward: bool = True,
-                 prefetch: bool = False, gather: str = "view", bucket_cap_mb: float = 25.0,
-                 find_unused_parameters: bool = False, broadcast_buffers: bool = True, tp_batch: str = "auto",
+                 unit_policy: Union[None, int, PolicyFn, UnitPolicy, AbstractSet[type]] = None,
+                 reshard_after_forward: bool = True, prefetch: bool = False, gather: str = "view",
+                 bucket_cap_mb: float = 25.0, find_unused_parameters: bool = False, broadcast_buffers: bool = True,
+                 tp_batch: str = "auto",
                  **kwargs: Any) -> None:
+        refuse_lightning_only(type(self).__name__, kwargs)
         super().__init__(*args, **kwargs)
         self.parallel_config = ParallelConfig(
             data_parallel_size, tensor_parallel_size, pipeline_parallel_size, data_parallel,

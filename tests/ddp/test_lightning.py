@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import re
 import time
 from collections import namedtuple
+from datetime import timedelta
 
 import lightning.pytorch as pl
 import pytest
@@ -46,6 +48,35 @@ def test_bad_arguments():
         SHMDDPStrategy(bucket_cap_mb=0)
     with pytest.raises(ValueError, match="start_method must be one of"):
         SHMDDPStrategy(start_method="thread")
+    for bad in (0, "60", timedelta(0)):
+        said = f"timeout must be seconds > 0 or a datetime.timedelta, got {bad!r}"
+        with pytest.raises(ValueError, match=re.escape(said)):
+            SHMDDPStrategy(timeout=bad)
+
+
+@pytest.mark.parametrize("name, value, instead", [
+    ("auto_wrap_policy", {torch.nn.Linear}, "unit_policy selects shm_fsdp's units: a set of module classes"),
+    ("sharding_strategy", "SHARD_GRAD_OP", "SHARD_GRAD_OP is gather='copy', reshard_after_forward=False"),
+    ("activation_checkpointing_policy", {torch.nn.Linear}, "through torch.utils.checkpoint.checkpoint"),
+    ("cpu_offload", True, "in CPU memory already"),
+    ("process_group_backend", "gloo", "through shared memory"),
+    ("static_graph", True, "find_unused_parameters=True"),
+])
+def test_lightnings_own_strategy_arguments_are_refused_naming_what_does_their_job(name, value, instead):
+    """Code moving from Lightning's FSDPStrategy / DDPStrategy got Python's bare "unexpected keyword argument"."""
+    for cls in (SHMDDPStrategy, SHMFSDPStrategy, SHMPipeline):
+        with pytest.raises(TypeError, match=rf"{cls.__name__} does not take Lightning's {name} -- {name}=.*{instead}"):
+            cls(**{name: value})
+
+
+def test_activation_checkpointing_without_a_pipeline_is_refused():
+    """It recomputes a pipeline's chunks; under shm_fsdp, shm_ddp or shm_tp it was taken and did nothing."""
+    for cls in (SHMDDPStrategy, SHMFSDPStrategy, SHMTensorParallel):
+        with pytest.raises(ValueError, match=r"needs pipeline_parallel_size > 1, got 1; .* torch.utils.checkpoint"):
+            cls(activation_checkpointing=True)
+    with pytest.raises(ValueError, match=r"must be True or False .*, got \{<class 'torch.nn.modules.linear.Linear'>\}"):
+        SHMFSDPStrategy(activation_checkpointing={torch.nn.Linear})  # Lightning's FSDPStrategy form
+    assert SHMPipeline(activation_checkpointing=True).parallel_config.activation_checkpointing
 
 
 @pytest.mark.parametrize("cls", [SHMDDPStrategy, SHMFSDPStrategy, SHMTensorParallel, SHMPipeline])
@@ -360,18 +391,19 @@ class WaitsForRank0InSetup(BoringModel):
         self.trainer.strategy.barrier()
 
 
-@pytest.mark.parametrize("timeout", [None, 1.0])
+@pytest.mark.parametrize("timeout", [None, 1.0, timedelta(seconds=1)], ids=["default", "seconds", "timedelta"])
 def test_other_ranks_wait_for_rank_0_as_long_as_under_lightnings_ddp(timeout):
     """Lightning's ddp waits 30 minutes (torch.distributed's default timeout) at a barrier for work one rank does;
     ours waited 5 (a download in setup gated on rank 0 that takes longer failed). The default is now the same;
-    a shorter one given still ends the wait (here 1 s for rank 0's 3 s)."""
+    a shorter one given still ends the wait (here 1 s for rank 0's 3 s), also as the ``timedelta`` Lightning's
+    strategies take (until 2026-12-07: "'>' not supported between instances of 'datetime.timedelta' and 'int'")."""
     import inspect
 
     from lightning.pytorch.strategies import DDPStrategy
 
     lightnings = inspect.signature(DDPStrategy.__init__).parameters["timeout"].default.total_seconds()
     strategy = SHMDDPStrategy(start_method="fork", **({} if timeout is None else {"timeout": timeout}))
-    assert lightnings == 1800 and strategy.runtime_config.timeout_s == (timeout or lightnings)
+    assert lightnings == 1800 and strategy.runtime_config.timeout_s == (1.0 if timeout else lightnings)
     for other in (SHMFSDPStrategy(), SHMTensorParallel(tensor_parallel_size=2), SHMPipeline(pipeline_parallel_size=2)):
         assert other.runtime_config.timeout_s == lightnings
     fit = trainer(strategy=strategy, devices=2, max_epochs=1, limit_train_batches=2).fit

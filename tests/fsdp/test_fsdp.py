@@ -455,8 +455,24 @@ def test_copy_options_without_a_copy_are_refused_at_construction():
 
 
 def test_bad_policy_type():
-    with pytest.raises(ValueError, match="unit policy must be None, an int"):
-        SHMFSDPStrategy(unit_policy="layers")
+    for bad in ("layers", {int}, set()):
+        with pytest.raises(ValueError, match="unit policy must be None, an int .*, a set of nn.Module classes"):
+            SHMFSDPStrategy(unit_policy=bad)
+
+
+def test_a_set_of_module_classes_makes_their_instances_units_and_reaches_the_fork_servers_workers():
+    """Lightning's ``FSDPStrategy(auto_wrap_policy={Block})``: the same set is a unit policy here, selecting what the
+    callable ``isinstance(module, Block)`` selects. Such a callable written inline (a lambda) cannot be pickled for
+    the workers of the default fork server; the set can."""
+    from lightning_shm.models.transformer import Block
+
+    model = MNISTClassifier(arch="transformer", dim=16, depth=2, heads=2)
+    units = [u.name for u in find_units(model, UnitPolicy.parse({Block}))]
+    assert units == [u.name for u in find_units(model, UnitPolicy.parse(lambda name, m: isinstance(m, Block)))]
+    assert {"net.1", "net.2"} <= set(units) and not any(u.startswith(("net.1.", "net.2.")) for u in units)
+    ref = train_mnist("auto", 1, "sgd", batch=GLOBAL_BATCH, ref=True)
+    got = train_mnist(SHMFSDPStrategy(unit_policy={nn.Linear, nn.LayerNorm}), 2, "sgd", batch=GLOBAL_BATCH // 2)
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
 
 
 # ---------------------------------------------------------------------- the module's own parameters in optimizers

@@ -6,7 +6,9 @@ a unit per module whose forward reads them (the owner; for a parameter container
 the nearest enclosing module that is not one; for the children of an ``nn.MultiheadAttention`` or
 ``nn.TransformerEncoderLayer``, which read them in their own forward, that module). ``min_unit_params``
 merges consecutive small Sequential children into one unit (fewer collectives); a callable
-``policy(name, module) -> bool`` marks unit roots explicitly, like torch FSDP's ``auto_wrap_policy``.
+``policy(name, module) -> bool`` marks unit roots explicitly, like torch FSDP's ``auto_wrap_policy``; a set of
+module classes (``{Block}``, as Lightning's ``FSDPStrategy(auto_wrap_policy={Block})`` takes) marks their
+instances.
 
 A unit is a list of consecutive modules executed one after the other; its parameters are those of
 the modules' subtrees not claimed by a nested unit.
@@ -27,7 +29,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Union
+from typing import AbstractSet, Callable, Optional, Union
 
 import torch
 from torch import nn
@@ -35,6 +37,17 @@ from torch import nn
 from lightning_shm.parallel.sequential import find_sequential, layers_of, parameter_holders
 
 PolicyFn = Callable[[str, nn.Module], bool]
+
+
+@dataclass(frozen=True)
+class InstancesOf:
+    """The unit policy of a set of module classes: every instance is a unit root. Unlike a lambda doing the same,
+    it pickles, so it reaches workers the fork server or spawn starts."""
+
+    classes: tuple[type, ...]
+
+    def __call__(self, name: str, module: nn.Module) -> bool:
+        return isinstance(module, self.classes)
 
 
 @dataclass
@@ -64,16 +77,20 @@ class UnitPolicy:
             raise ValueError("give either a policy callable or min_unit_params, not both")
 
     @classmethod
-    def parse(cls, policy: Union[None, int, PolicyFn, "UnitPolicy"]) -> "UnitPolicy":
+    def parse(cls, policy: Union[None, int, PolicyFn, "UnitPolicy", AbstractSet[type]]) -> "UnitPolicy":
         if policy is None:
             return cls()
         if isinstance(policy, UnitPolicy):
             return policy
         if isinstance(policy, int) and not isinstance(policy, bool):
             return cls(min_unit_params=policy)
-        if callable(policy):
+        classes = policy if isinstance(policy, (AbstractSet, list, tuple)) else [policy]
+        if classes and all(isinstance(c, type) and issubclass(c, nn.Module) for c in classes):
+            return cls(fn=InstancesOf(tuple(classes)))
+        if callable(policy) and not isinstance(policy, type):
             return cls(fn=policy)
-        raise ValueError(f"unit policy must be None, an int (min_unit_params) or a callable, got {policy!r}")
+        raise ValueError(f"unit policy must be None, an int (min_unit_params), a set of nn.Module classes (their "
+                         f"instances are units) or a callable (name, module) -> bool, got {policy!r}")
 
 
 # modules without a forward of their own: what they hold is read directly, never inside a call of theirs

@@ -1,0 +1,47 @@
+"""Arguments of Lightning's own ``DDPStrategy`` / ``FSDPStrategy`` that the shm strategies do not take, each refused
+with what does its job here.
+
+Why: code moving from ``FSDPStrategy(auto_wrap_policy={Block}, sharding_strategy="SHARD_GRAD_OP")`` to
+``SHMFSDPStrategy`` got Python's bare "unexpected keyword argument"; now it learns the equivalent when the strategy
+is made, before any worker starts. ``timeout`` (a ``timedelta`` too) and ``find_unused_parameters``,
+``bucket_cap_mb``, ``broadcast_buffers`` are taken as Lightning takes them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+_COMM_HOOKS = ("gradients are averaged in shared-memory buckets in their own dtype; no communication hook or "
+               "periodic model averaging runs (a compressed all-reduce would change the numbers)")
+
+INSTEAD: dict[str, str] = {
+    "auto_wrap_policy": "unit_policy selects shm_fsdp's units: a set of module classes ({Block}, as auto_wrap_policy "
+                        "takes), a callable (name, module) -> bool, or an int (merge small layers)",
+    "activation_checkpointing_policy": "call the block through torch.utils.checkpoint.checkpoint in its parent's "
+                                       "forward (every strategy runs that); SHMPipeline(activation_checkpointing="
+                                       "True) recomputes each stage's chunks",
+    "sharding_strategy": "FULL_SHARD is shm_fsdp itself; SHARD_GRAD_OP is gather='copy', reshard_after_forward=False "
+                         "(the default gather='view' never gathers); NO_SHARD is shm_ddp; on several nodes shm_fsdp "
+                         "shards inside each node and replicates across them (HYBRID_SHARD)",
+    "cpu_offload": "parameters, gradients and optimizer state are in CPU memory already",
+    "mixed_precision": "Trainer(precision='bf16-mixed')",
+    "state_dict_type": "checkpoints always hold the full state dict, which one process loads",
+    "device_mesh": "SHMModelParallel(data_parallel_size=..., tensor_parallel_size=..., pipeline_parallel_size=...)",
+    "process_group_backend": "ranks on a machine communicate through shared memory, machines through gloo rails",
+    "ddp_comm_hook": _COMM_HOOKS,
+    "ddp_comm_state": _COMM_HOOKS,
+    "ddp_comm_wrapper": _COMM_HOOKS,
+    "model_averaging_period": _COMM_HOOKS,
+    "gradient_as_bucket_view": "shm_ddp's gradients are views of its shared buckets already",
+    "static_graph": "shm_ddp needs no hint of a static graph (parameters some steps leave unused: "
+                    "find_unused_parameters=True)",
+}
+
+
+def refuse_lightning_only(strategy: str, kwargs: Mapping[str, Any]) -> None:
+    """A TypeError naming each of Lightning's arguments in ``kwargs`` with what to use instead; others are left to
+    the base class (Python's own error names them)."""
+    known = [name for name in kwargs if name in INSTEAD]
+    if known:
+        said = "; ".join(f"{name}={kwargs[name]!r}: {INSTEAD[name]}" for name in known)
+        raise TypeError(f"{strategy} does not take Lightning's {', '.join(known)} -- {said}")
