@@ -46,7 +46,9 @@ class SHMCLI(LightningCLI):
         results = self.trainer.test(self.model, datamodule=self.datamodule, verbose=False)
         if results and self.trainer.is_global_zero:
             acc = results[0].get("test_acc")
-            print(f"test accuracy: {acc:.4f} on {self.datamodule.describe_test_split()}")
+            limit = self.trainer.limit_test_batches
+            part = "" if limit == 1.0 else f" (limit_test_batches={limit}: part of it)"
+            print(f"test accuracy: {acc:.4f} on {self.datamodule.describe_test_split()}{part}")
 
 
 def main(args: Optional[list[str]] = None) -> None:

@@ -67,6 +67,7 @@ def test_fit_with_strategy_class_path_and_test_after_fit(tmp_path, mnist_dir):
     out = subprocess.run([sys.executable, "-m", "lightning_shm", *args], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "test accuracy:" in out.stdout and "official MNIST test split" in out.stdout
+    assert "(limit_test_batches=5: part of it)" in out.stdout  # not the whole split its name describes
     metrics = list(tmp_path.rglob("metrics.csv"))
     assert metrics, "the CSV logger wrote no metrics"
     png = tmp_path / "curves.png"
