@@ -12,12 +12,19 @@ leaking:
 * Workers map with ``MAP_POPULATE``: their page tables are filled at attach time, not on the hot
   path.
 
-Names are ``lshm_<pid>.<owner token>_<token>_<tag>``, mode 0600. Each creating process holds an
-exclusive ``flock`` on its owner file ``lshm_<pid>.<owner token>.lock`` for as long as it lives:
-:func:`sweep_stale` removes the segments of an owner whose lock it can take (the owner died
-without cleaning up, e.g. SIGKILL of the main process). A lock, unlike ``kill(pid, 0)``, means the
-same thing in every PID namespace that shares ``/dev/shm`` (``docker --ipc=host``, pods sharing
-IPC), so a run never deletes the segments of a live run it cannot see.
+Names are ``lshm_<pid>.<owner token>_<token>_<tag>``, mode 0600. A creating process that dies without
+unlinking (SIGKILL of the main process, the OOM killer) leaves them to two cleaners:
+
+* multiprocessing's resource tracker, a process of its own that outlives its creator: each segment (and the
+  owner file below) is registered with it as the creator makes it and unregistered as the creator unlinks it,
+  so what a killed creator still held is unlinked within a second of its death, with the tracker's "leaked
+  shared_memory objects" warning. Workers only attach, never register (see the first point above);
+* :func:`sweep_stale`, at the start of every run, for what the tracker could not remove because it died
+  too (a scheduler killing the whole process group, ``docker kill``): each creating process holds an
+  exclusive ``flock`` on its owner file ``lshm_<pid>.<owner token>.lock`` for as long as it lives, and
+  the sweep removes the segments of an owner whose lock it can take. A lock, unlike ``kill(pid, 0)``, means
+  the same thing in every PID namespace that shares ``/dev/shm`` (``docker --ipc=host``, pods sharing
+  IPC), so a run never deletes the segments of a live run it cannot see.
 
 Tensor views are built on a NumPy array over the mapping: NumPy holds a buffer export, so
 ``mmap.close()`` refuses (``BufferError``) while any view is alive instead of leaving a dangling
@@ -28,6 +35,7 @@ crashes a process that still holds a view; the mapping is released when the last
 from __future__ import annotations
 
 import atexit
+import contextlib
 import errno
 import fcntl
 import logging
@@ -37,6 +45,7 @@ import os
 import re
 import secrets
 import threading
+from multiprocessing import resource_tracker
 from typing import Optional
 
 import numpy as np
@@ -87,6 +96,7 @@ class _Owner:
         self.lock_name = f"{PREFIX}_{self.token}.lock"
         fd = os.open(_path(self.lock_name), os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o600)
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        _track(self.lock_name)
         self.fd = fd
         atexit.register(self.release)
         # a multiprocessing child (fork / forkserver: a sweep's trial, a benchmark run) leaves with
@@ -224,6 +234,7 @@ class Segment:
             _unlink_quietly(name)
             raise
         os.close(fd)
+        _track(name)
         return cls(name, nbytes, mm, owner=True)
 
     @classmethod
@@ -296,8 +307,26 @@ class Segment:
         return f"Segment({self.name!r}, {self.size} bytes, owner={self.owner})"
 
 
+_tracked: dict[str, int] = {}  # name -> pid of the process that registered it with the resource tracker
+
+
+def _track(name: str) -> None:
+    """Register ``name`` with multiprocessing's resource tracker, which unlinks it should this process die
+    without doing so (it unlinks what is still registered once every process holding its pipe has exited)."""
+    try:
+        resource_tracker.register("/" + name, "shared_memory")
+    except Exception as e:  # no tracker (it could not start): the next run's sweep still removes a leftover
+        log.debug("resource tracker unavailable for %s: %s", name, e)
+        return
+    _tracked[name] = os.getpid()
+
+
 def _unlink_quietly(name: str) -> None:
     try:
         os.unlink(_path(name))
     except FileNotFoundError:
         pass
+    if _tracked.get(name) == os.getpid():  # only what this process registered (not a forked parent's)
+        del _tracked[name]
+        with contextlib.suppress(Exception):
+            resource_tracker.unregister("/" + name, "shared_memory")

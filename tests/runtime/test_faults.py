@@ -574,22 +574,39 @@ def test_once_every_rank_polls_a_signal_is_a_request_to_stop_together():
     assert launcher.stop_signal == signal.SIGTERM
 
 
+def _owned_by(pid: int) -> list[str]:
+    """Everything in /dev/shm of owner ``pid``: its segments and its lock file."""
+    return [n for n in os.listdir(SHM_DIR) if n.startswith(f"{PREFIX}_{pid}.")]
+
+
 @pytest.mark.parametrize("start_method", ["fork", "forkserver"])  # forkserver: not the workers' parent
-def test_sigkill_of_main_kills_workers_and_sweep_removes_its_segments(tmp_path, start_method):
+@pytest.mark.parametrize("killed", ["main", "group"])
+def test_sigkill_of_main_kills_workers_and_its_segments_go(tmp_path, start_method, killed):
+    """SIGKILL runs no clean-up in the main process. Killed alone, multiprocessing's resource tracker, a process
+    of its own, unlinks its segments (until 2026-12-07 they stayed in /dev/shm until another run's sweep, if one
+    ever came); killed with its whole process group -- the tracker too, as a scheduler or ``docker kill`` does --
+    the next run's sweep removes them."""
     proc = _run_script(tmp_path, start_method)
     workers = _descendants(proc.pid)
-    assert workers
-    proc.kill()
+    assert workers and len(_owned_by(proc.pid)) >= 2
+    if killed == "group":
+        os.killpg(proc.pid, signal.SIGKILL)
+    else:
+        proc.kill()
     proc.wait(timeout=10)
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and not all(_gone(w) for w in workers):
+    while time.monotonic() < deadline and not (all(_gone(w) for w in workers) and (
+            killed == "group" or not _owned_by(proc.pid))):
         time.sleep(0.05)
     assert all(_gone(w) for w in workers), "workers survived their parent"
-    leftovers = [n for n in os.listdir(SHM_DIR) if n.startswith(f"{PREFIX}_{proc.pid}.")]
-    assert len(leftovers) >= 2, "SIGKILL cannot run clean-up; the segments are expected to be left for the sweep"
+    leftovers = _owned_by(proc.pid)
+    if killed == "main":
+        assert leftovers == [], "the resource tracker left the killed main process's segments"
+        return
+    assert len(leftovers) >= 2, "the tracker died with the group: the segments are expected to be left for the sweep"
     removed = sweep_stale()
     assert set(leftovers) <= set(removed)  # segments and the dead owner's lock file
-    assert [n for n in os.listdir(SHM_DIR) if n.startswith(f"{PREFIX}_{proc.pid}.")] == []
+    assert _owned_by(proc.pid) == []
 
 
 # ---------------------------------------------------------------------- the sweep across PID namespaces
@@ -632,13 +649,36 @@ def test_sweep_spares_live_owners_in_another_pid_namespace():
     assert not os.path.exists(os.path.join(SHM_DIR, theirs))
 
 
+_NORMAL_EXIT = textwrap.dedent(
+    """
+    import os
+    from lightning_shm.runtime import launch
+
+    if __name__ == "__main__":
+        print(os.getpid(), sum(launch(lambda world: world.rank, 2, start_method="fork")), flush=True)
+    """
+)
+
+
+def test_a_run_that_ends_well_leaves_the_resource_tracker_nothing():
+    """Every segment the main process registered with the tracker it unregistered as it unlinked it: the tracker,
+    which exits after the main process, has nothing to unlink and says nothing ("There appear to be N leaked
+    shared_memory objects")."""
+    out = subprocess.run([sys.executable, "-c", _NORMAL_EXIT], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    pid, ranks = map(int, out.stdout.split())
+    assert ranks == 1 and "resource_tracker" not in out.stderr, out.stderr[-3000:]
+    assert _owned_by(pid) == []
+
+
 def test_sweep_removes_what_a_dead_owner_left():
+    """The owner killed with its process group, its resource tracker with it (which alone would unlink them)."""
     proc = subprocess.Popen([sys.executable, "-c", _HOLD], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            text=True)
+                            text=True, start_new_session=True)
     name = proc.stdout.readline().strip()
     proc.stdout.readline()
     assert name not in sweep_stale()  # alive: kept
-    proc.kill()
+    os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=10)
     removed = sweep_stale()
     lock = name.split("_")[0] + "_" + name.split("_")[1] + ".lock"
