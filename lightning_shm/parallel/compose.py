@@ -31,6 +31,7 @@ from typing import AbstractSet, Any, Callable, ContextManager, Mapping, Optional
 import torch
 from torch import nn
 
+from lightning_shm.parallel.checkpointing import checkpoint_instances, module_classes
 from lightning_shm.parallel.ddp import GradReducer, refuse_lazy, sparse_grad_parameters
 from lightning_shm.parallel.ddp.sync_batchnorm import convert_sync_batchnorm
 from lightning_shm.parallel.fsdp import FSDPState, UnitPolicy
@@ -61,8 +62,6 @@ from lightning_shm.runtime.ops import barrier_reason
 _CUTS = barrier_reason("the pipeline's cut of the model, planned on rank 0")
 
 DATA_PARALLEL = ("replicate", "shard")
-CHECKPOINT_A_BLOCK = ("to recompute a block under any strategy, call it through torch.utils.checkpoint.checkpoint in "
-                      "its parent's forward (every strategy runs that)")
 
 
 @dataclass
@@ -80,7 +79,7 @@ class ParallelConfig:
     virtual_stages: Optional[int] = None
     split_points: Optional[list[int]] = None
     balance: str = "time"
-    activation_checkpointing: bool = False
+    activation_checkpointing: Union[bool, AbstractSet[type]] = False
     unit_policy: Union[None, int, PolicyFn, UnitPolicy, AbstractSet[type]] = None
     reshard_after_forward: bool = True
     prefetch: bool = False
@@ -91,6 +90,7 @@ class ParallelConfig:
     gather: str = "view"
     pipeline: PipelineSchedule = field(init=False)
     policy: UnitPolicy = field(init=False)
+    checkpointed: tuple[type, ...] = field(init=False)  # module classes whose instances recompute in backward
 
     def __post_init__(self) -> None:
         sizes = {"data_parallel_size": self.data_parallel_size, "tensor_parallel_size": self.tensor_parallel_size,
@@ -106,12 +106,14 @@ class ParallelConfig:
             raise ValueError(f"microbatches must be a positive int, got {self.microbatches!r}")
         if self.balance not in ("time", "params"):
             raise ValueError(f"balance must be 'time' or 'params', got {self.balance!r}")
-        if not isinstance(self.activation_checkpointing, bool):  # Lightning's FSDPStrategy takes module classes
-            raise ValueError(f"activation_checkpointing must be True or False (a pipeline recomputing its stages' "
-                             f"chunks), got {self.activation_checkpointing!r}; {CHECKPOINT_A_BLOCK}")
-        if self.activation_checkpointing and self.pipeline_parallel_size == 1:
-            raise ValueError(f"activation_checkpointing=True recomputes a pipeline's chunks in backward: it needs "
-                             f"pipeline_parallel_size > 1, got 1; {CHECKPOINT_A_BLOCK}")
+        self.checkpointed = module_classes(self.activation_checkpointing)
+        if not isinstance(self.activation_checkpointing, bool) and not self.checkpointed:
+            raise ValueError(f"activation_checkpointing must be True (a pipeline's chunks), False or a set of "
+                             f"nn.Module classes (their instances), got {self.activation_checkpointing!r}")
+        if self.activation_checkpointing is True and self.pipeline_parallel_size == 1:
+            raise ValueError("activation_checkpointing=True recomputes a pipeline's chunks in backward: it needs "
+                             "pipeline_parallel_size > 1, got 1; without a pipeline name the blocks to recompute, "
+                             "activation_checkpointing={Block}")
         if self.split_linear and self.split_points is not None:
             raise ValueError(f"split_linear=True chooses the pipeline cut itself; it cannot be combined with "
                              f"split_points={self.split_points}")
@@ -153,6 +155,10 @@ def validate(module: nn.Module, config: ParallelConfig, world_size: int, batch_s
         raise ValueError("a pipeline runs forward and backward inside its schedule; manual optimization "
                          "(automatic_optimization = False) is not supported with pipeline_parallel_size > 1")
     refuse_lazy(module)
+    if config.checkpointed and not any(isinstance(m, config.checkpointed) for m in module.modules()):
+        names = sorted(c.__name__ for c in config.checkpointed)
+        raise ValueError(f"activation_checkpointing={{{', '.join(names)}}}: {type(module).__name__} holds no instance "
+                         f"of {names} to recompute")
     if next(module.parameters(), None) is None:
         return
     plan = _tp_plan(module, config, topo.tp) if topo.tp > 1 else {}
@@ -275,6 +281,7 @@ class ParallelState:
     outside: Optional[OutsideParameters] = None  # a pipeline's parameters outside its Sequential
     originals: Originals = field(default_factory=dict)  # the model's parameters before any was replaced
     copies: Optional[SequentialCopies] = None  # copies of a pipeline's Sequential kept outside it (EMA teachers)
+    uncheckpoint: Optional[Callable[[], None]] = None  # takes activation checkpointing by class off again
 
     def begin_batch(self) -> None:
         """Before a training batch's hooks and step: FSDP's barrier before shards are written (they may write the
@@ -320,6 +327,9 @@ class ParallelState:
             self.copies.skip_optimized({id(p) for o in optimizers for g in o.param_groups for p in g["params"]})
 
     def close(self) -> None:
+        if self.uncheckpoint is not None:  # first: it put back the forward the others' patches had left
+            self.uncheckpoint()
+            self.uncheckpoint = None
         if self.reducer is not None:
             self.reducer.close()
         if self.fsdp is not None:
@@ -409,15 +419,17 @@ def parallelize(module: nn.Module, config: ParallelConfig, world: World, groups:
         # last: it patches the Linear layers it runs (zero-bubble) and knows their storages
         engine = PipelineEngine(stage.chunks, config.pipeline, groups.coords.pp, list(groups.pp.ranks), world,
                                 tag=f"pp-dp{groups.coords.dp}-tp{groups.coords.tp}",
-                                activation_checkpointing=config.activation_checkpointing,
+                                activation_checkpointing=config.activation_checkpointing is True,
                                 track_activation_memory=False)  # no step reads it; it costs every forward
         engine.held = fsdp
+    # last: the forward it replays is the one that runs now (tp layers, the reducer's and the engine's patches)
+    recompute = checkpoint_instances(module, config.checkpointed) if config.checkpointed and training else None
     state = ModelState(module, plain_keys, plain_params, placements, stages=groups.pp if topo.pp > 1 else None,
                        before_load=fsdp.before_shards_written if fsdp is not None else None,
                        after_load=fsdp.after_shards_written if fsdp is not None else None,
                        stage_rows=stage_rows(module) if stage is not None else None, aliases=aliases)
     return ParallelState(module, groups, state, stage, engine, starts, tp, fsdp, reducer, outside, originals,
-                         copies if copies is not None and copies.names else None)
+                         copies if copies is not None and copies.names else None, recompute)
 
 
 def _tied_in_sequential(module: nn.Module, config: ParallelConfig) -> list[nn.Parameter]:

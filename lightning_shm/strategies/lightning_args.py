@@ -17,9 +17,8 @@ _COMM_HOOKS = ("gradients are averaged in shared-memory buckets in their own dty
 INSTEAD: dict[str, str] = {
     "auto_wrap_policy": "unit_policy selects shm_fsdp's units: a set of module classes ({Block}, as auto_wrap_policy "
                         "takes), a callable (name, module) -> bool, or an int (merge small layers)",
-    "activation_checkpointing_policy": "call the block through torch.utils.checkpoint.checkpoint in its parent's "
-                                       "forward (every strategy runs that); SHMPipeline(activation_checkpointing="
-                                       "True) recomputes each stage's chunks",
+    "activation_checkpointing_policy": "activation_checkpointing takes the same set of module classes ({Block}: "
+                                       "each instance recomputed in backward)",
     "sharding_strategy": "FULL_SHARD is shm_fsdp itself; SHARD_GRAD_OP is gather='copy', reshard_after_forward=False "
                          "(the default gather='view' never gathers); NO_SHARD is shm_ddp; on several nodes shm_fsdp "
                          "shards inside each node and replicates across them (HYBRID_SHARD)",

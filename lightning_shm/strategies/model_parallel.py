@@ -116,8 +116,12 @@ class SHMModelParallel(SHMStrategyBase):
         plan: tensor-parallel plan ``{module path pattern: "column" | "row" | "column_gathered" | "replicate" |
             {"style", "head_dim"}}``; default: the module's ``tp_plan`` attribute, else derived for its Sequential.
         sequential: attribute path of the ``nn.Sequential`` to pipeline / derive a plan from.
-        microbatches, schedule, virtual_stages, split_points, balance, split_linear, activation_checkpointing,
-            sample_input: the pipeline (see :class:`~lightning_shm.strategies.pipeline.SHMPipeline`).
+        microbatches, schedule, virtual_stages, split_points, balance, split_linear, sample_input: the pipeline
+            (see :class:`~lightning_shm.strategies.pipeline.SHMPipeline`).
+        activation_checkpointing: a set of module classes (``{Block}``, what Lightning's
+            ``FSDPStrategy(activation_checkpointing_policy=...)`` takes): each instance keeps only its inputs
+            in forward and runs again in backward, under every layout (:mod:`lightning_shm.parallel.checkpointing`);
+            True: a pipeline's chunks (see :class:`~lightning_shm.strategies.pipeline.SHMPipeline`).
         unit_policy, gather, reshard_after_forward, prefetch: FSDP units (see
             :class:`~lightning_shm.strategies.fsdp.SHMFSDPStrategy`).
         bucket_cap_mb, find_unused_parameters: the gradient reducer (see
@@ -142,7 +146,8 @@ class SHMModelParallel(SHMStrategyBase):
                  plan: Optional[Mapping[str, Any]] = None, sequential: Optional[str] = None, microbatches: int = 4,
                  schedule: str = "1f1b", virtual_stages: Optional[int] = None,
                  split_points: Optional[Sequence[int]] = None, balance: str = "time", split_linear: bool = False,
-                 activation_checkpointing: bool = False, sample_input: Optional[Tensor] = None,
+                 activation_checkpointing: Union[bool, AbstractSet[type]] = False,
+                 sample_input: Optional[Tensor] = None,
                  unit_policy: Union[None, int, PolicyFn, UnitPolicy, AbstractSet[type]] = None,
                  reshard_after_forward: bool = True, prefetch: bool = False, gather: str = "view",
                  bucket_cap_mb: float = 25.0, find_unused_parameters: bool = False, broadcast_buffers: bool = True,

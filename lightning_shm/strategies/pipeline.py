@@ -9,7 +9,7 @@ Sequential's place). Each training step runs the schedule over microbatches of t
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import AbstractSet, Any, Optional, Sequence, Union
 
 from torch import Tensor
 
@@ -29,8 +29,10 @@ class SHMPipeline(SHMModelParallel):
         split_linear: let a stage boundary fall inside an ``nn.Linear`` (its output rows divided between
             two stages, :mod:`lightning_shm.parallel.pipeline.row_cut`) where no layer boundary balances
             the stages -- a model dominated by one large Linear. Checkpoints stay plain.
-        activation_checkpointing: keep only chunk inputs after forward and recompute in backward -- every
-            chunk but the last, around which the training step runs (its effects must happen once).
+        activation_checkpointing: True: keep only chunk inputs after forward and recompute in backward --
+            every chunk but the last, around which the training step runs (its effects must happen once); a set
+            of module classes: their instances instead, as under every strategy (see
+            :class:`~lightning_shm.strategies.model_parallel.SHMModelParallel`).
         sequential: attribute path of the nn.Sequential to split (default: the first top-level one).
         sample_input: an input of the Sequential for timing layers (default: ``example_input_array``,
             else inferred from the first Linear's in_features).
@@ -42,7 +44,7 @@ class SHMPipeline(SHMModelParallel):
     def __init__(self, *args: Any, pipeline_parallel_size: int = 2, microbatches: int = 4,
                  schedule: str = "1f1b", virtual_stages: Optional[int] = None,
                  split_points: Optional[Sequence[int]] = None, balance: str = "time", split_linear: bool = False,
-                 activation_checkpointing: bool = False, sequential: Optional[str] = None,
+                 activation_checkpointing: Union[bool, AbstractSet[type]] = False, sequential: Optional[str] = None,
                  sample_input: Optional[Tensor] = None, **kwargs: Any) -> None:
         super().__init__(*args, pipeline_parallel_size=pipeline_parallel_size, microbatches=microbatches,
                          schedule=schedule, virtual_stages=virtual_stages, split_points=split_points,

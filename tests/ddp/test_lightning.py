@@ -57,7 +57,7 @@ def test_bad_arguments():
 @pytest.mark.parametrize("name, value, instead", [
     ("auto_wrap_policy", {torch.nn.Linear}, "unit_policy selects shm_fsdp's units: a set of module classes"),
     ("sharding_strategy", "SHARD_GRAD_OP", "SHARD_GRAD_OP is gather='copy', reshard_after_forward=False"),
-    ("activation_checkpointing_policy", {torch.nn.Linear}, "through torch.utils.checkpoint.checkpoint"),
+    ("activation_checkpointing_policy", {torch.nn.Linear}, "activation_checkpointing takes the same set"),
     ("cpu_offload", True, "in CPU memory already"),
     ("process_group_backend", "gloo", "through shared memory"),
     ("static_graph", True, "find_unused_parameters=True"),
@@ -67,16 +67,6 @@ def test_lightnings_own_strategy_arguments_are_refused_naming_what_does_their_jo
     for cls in (SHMDDPStrategy, SHMFSDPStrategy, SHMPipeline):
         with pytest.raises(TypeError, match=rf"{cls.__name__} does not take Lightning's {name} -- {name}=.*{instead}"):
             cls(**{name: value})
-
-
-def test_activation_checkpointing_without_a_pipeline_is_refused():
-    """It recomputes a pipeline's chunks; under shm_fsdp, shm_ddp or shm_tp it was taken and did nothing."""
-    for cls in (SHMDDPStrategy, SHMFSDPStrategy, SHMTensorParallel):
-        with pytest.raises(ValueError, match=r"needs pipeline_parallel_size > 1, got 1; .* torch.utils.checkpoint"):
-            cls(activation_checkpointing=True)
-    with pytest.raises(ValueError, match=r"must be True or False .*, got \{<class 'torch.nn.modules.linear.Linear'>\}"):
-        SHMFSDPStrategy(activation_checkpointing={torch.nn.Linear})  # Lightning's FSDPStrategy form
-    assert SHMPipeline(activation_checkpointing=True).parallel_config.activation_checkpointing
 
 
 @pytest.mark.parametrize("cls", [SHMDDPStrategy, SHMFSDPStrategy, SHMTensorParallel, SHMPipeline])

@@ -34,6 +34,7 @@ from typing import AbstractSet, Callable, Optional, Union
 import torch
 from torch import nn
 
+from lightning_shm.parallel.checkpointing import module_classes
 from lightning_shm.parallel.sequential import find_sequential, layers_of, parameter_holders
 
 PolicyFn = Callable[[str, nn.Module], bool]
@@ -84,9 +85,9 @@ class UnitPolicy:
             return policy
         if isinstance(policy, int) and not isinstance(policy, bool):
             return cls(min_unit_params=policy)
-        classes = policy if isinstance(policy, (AbstractSet, list, tuple)) else [policy]
-        if classes and all(isinstance(c, type) and issubclass(c, nn.Module) for c in classes):
-            return cls(fn=InstancesOf(tuple(classes)))
+        classes = module_classes(policy)
+        if classes:
+            return cls(fn=InstancesOf(classes))
         if callable(policy) and not isinstance(policy, type):
             return cls(fn=policy)
         raise ValueError(f"unit policy must be None, an int (min_unit_params), a set of nn.Module classes (their "

@@ -35,6 +35,8 @@ Per training step ("copy"; "view" skips every copy and free)::
                         autograd keeps the (now empty) views it saved for backward
     output-grad hook    re-gather into the same storage just before the unit's backward runs (each
                         backward through it: a graph kept with retain_graph=True, differentiated again)
+    replay in backward  (non-reentrant activation checkpointing) gather into a new tensor, never freed by
+                        the hooks: the views the replay saved hold it until the unit's backward used them
     backward of gather  reduce-scatter (mean) of every parameter's full gradient by rows, all the
                         unit's parameters in one collective: each block's gradient arrives on the
                         block, through autograd; free again
@@ -172,6 +174,7 @@ class _GatherUnit(torch.autograd.Function):
                                            for g in grads])
         unit.pending.pop(ctx.key, None)
         unit.free(ctx.full)  # (a retained graph's next backward re-gathers it: FSDPUnit._post_forward)
+        unit.forget_replays()
         return (*nothing, *shard_grads)
 
 
@@ -244,6 +247,8 @@ class FSDPUnit:
         self._held_grad: Optional[torch.Tensor] = None
         self._held_used: list[bool] = []  # blocks that got a gradient in some microbatch of the held step
         self._depth = 0  # forwards of the unit's runs now open: one nested in another finds it gathered
+        self._replay = False  # the open run replays a checkpointed forward inside backward (_post_forward)
+        self._replayed_bytes = 0  # gathered for replays: counted in the stats until the unit's backward
         self._step: Optional[tuple[Sequence[torch.Tensor], Stamps]] = None  # an open step's views, stamps
         # gather before the module's own pre-hooks, free after its own hooks: they see the full parameters
         # (torch.nn.utils.weight_norm / spectral_norm compute ``weight`` in a pre-hook). A run: the unit's
@@ -543,14 +548,16 @@ class FSDPUnit:
         if self._depth > 1:  # a holder called inside another of the unit's runs: its parameters are the full ones
             return
         full = self.held if self.held is not None else self.gather_new()
+        # inside a backward: a forward that non-reentrant activation checkpointing replays (see _post_forward)
+        self._replay = self.held is None and torch._C._current_graph_task_id() != -1
         grad = torch.is_grad_enabled()
         self._live_grad = grad and bool(self.trainable)
-        frozen = grad and not self.trainable and self.held is None  # held: stays gathered anyway
+        frozen = grad and not self.trainable and self.held is None and not self._replay  # held: stays gathered
         self._frozen_inputs = [t for t in _tensors(args) if t.requires_grad] if frozen else []
         if self._live_grad:
             key, self._next_key = self._next_key, self._next_key + 1
             params = _GatherUnit.apply(self, key, full, *self.shards)
-            if self.held is None:
+            if self.held is None and not self._replay:
                 self.pending[key] = full
         else:
             params = self.params_of(full)
@@ -588,6 +595,16 @@ class FSDPUnit:
             return output
         if full is not None:
             self._check_not_modified(params, self._stamps)
+        if full is not None and self._replay:
+            # A replayed forward (torch.utils.checkpoint, non-reentrant, recomputing inside backward): the tensors it
+            # saves -- views of ``full`` -- are what the original forward's backward nodes now use, so ``full`` must
+            # outlive it; freeing it here left them empty ("setStorage: ... out of bounds for storage of size 0").
+            # Those nodes release it as they run; the original forward's hooks re-gather their own copy.
+            self._replay = False
+            self._replayed_bytes += full.untyped_storage().nbytes()
+            self._live, self._live_params = None, ()
+            self._set_views(None)
+            return output
         if full is None or self.held is not None:  # held: stays gathered for the next microbatch
             return output
         # a unit without trainable parameters takes part in backward too when its output carries a
@@ -633,6 +650,12 @@ class FSDPUnit:
             t.register_hook(after_backward)
         self._frozen_inputs = []
 
+    def forget_replays(self) -> None:
+        """The replays' gathers leave the stats once the unit's backward ran: autograd has released the tensors
+        their saved views were (approximately then: the memory goes with the last view)."""
+        self.stats.live -= self._replayed_bytes
+        self._replayed_bytes = 0
+
     # ------------------------------------------------------------------ clean-up
     def drop_pending(self) -> None:
         """Free full parameters of forwards whose backward never ran (e.g. a skipped step) and any
@@ -640,7 +663,9 @@ class FSDPUnit:
         for full in self.pending.values():
             self.free(full)
         self.pending.clear()
+        self.forget_replays()
         self._depth = 0  # a forward that raised never closed its run
+        self._replay = False
         self.drop_prefetched()
         self._held_grad = None
         if self.held is not None:

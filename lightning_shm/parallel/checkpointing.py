@@ -1,0 +1,73 @@
+"""Activation checkpointing by module class: each instance keeps only its inputs in forward and runs again in
+backward -- what Lightning's ``FSDPStrategy(activation_checkpointing_policy={Block})`` asks for, under every layout.
+
+Why the instance's ``forward`` and not a wrapper module (torch's ``CheckpointWrapper``): a wrapper renames the
+parameters (``..._checkpoint_wrapped_module...``), and with them the checkpoint's keys, the FSDP units and the
+tensor-parallel plan's paths; replacing ``forward`` on the instance keeps the module tree as the user built it.
+It is put on last (after the tensor-parallel layers replaced the plain ones, the FSDP units and the pipeline's
+patches took their places), so the forward it replays is the one that runs, and taken off at teardown.
+
+Data movement, one instance in a training step::
+
+    forward:   y = forward(x) under torch.utils.checkpoint (non-reentrant): keeps x and the random state,
+               not the activations inside
+    backward:  forward(x) again from that random state (the same dropout masks; a tensor-parallel split
+               region seeds its own stream from it, :mod:`.tp.rng`), then the backward through it
+
+Without gradients (evaluation, ``torch.no_grad``) the forward runs as it is.
+"""
+
+from __future__ import annotations
+
+from typing import AbstractSet, Any, Callable
+
+import torch
+import torch.utils.checkpoint
+from torch import nn
+
+
+def module_classes(value: Any) -> tuple[type, ...]:
+    """``value`` as nn.Module classes -- a set, list or tuple of them, or one class --, else ``()``."""
+    classes = value if isinstance(value, (AbstractSet, list, tuple)) else [value]
+    if classes and all(isinstance(c, type) and issubclass(c, nn.Module) for c in classes):
+        return tuple(classes)
+    return ()
+
+
+class _Recomputed:
+    """The instance's ``forward``, replayed in backward."""
+
+    def __init__(self, forward: Callable[..., Any]) -> None:
+        self.forward = forward
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return self.forward(*args, **kwargs)
+        return torch.utils.checkpoint.checkpoint(self.forward, *args, use_reentrant=False, **kwargs)
+
+
+def checkpoint_instances(module: nn.Module, classes: tuple[type, ...]) -> Callable[[], None]:
+    """Recompute in backward every instance of ``classes`` in ``module`` that no other selected instance holds
+    (one nested in another is replayed with it). Returns what takes it off again. Raises if none is found: the
+    memory the user asked to save would silently not be saved."""
+    inside: set[int] = set()
+    done: list[tuple[nn.Module, Any]] = []
+    for _, m in module.named_modules():
+        if id(m) in inside or not isinstance(m, classes):
+            continue
+        inside.update(id(sub) for sub in m.modules())
+        done.append((m, vars(m).get("forward")))  # an instance's own forward (a patched one) comes back after
+        m.forward = _Recomputed(m.forward)
+    if not done:
+        names = sorted(c.__name__ for c in classes)
+        raise ValueError(f"activation_checkpointing={{{', '.join(names)}}}: {type(module).__name__} holds no instance "
+                         f"of {names} to recompute")
+
+    def undo() -> None:
+        for m, own in done:
+            if own is None:
+                vars(m).pop("forward", None)
+            else:
+                m.forward = own
+
+    return undo

@@ -1,0 +1,97 @@
+"""Activation checkpointing by module class (``activation_checkpointing={Block}``) under every layout.
+
+What must hold: the run equals the same layout without checkpointing exactly -- dropout included, the replay
+drawing the masks its forward drew --, the selected modules really run again in backward, and the instances get
+their own ``forward`` back at teardown. The refusals come before any worker starts.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import nn
+
+from lightning_shm import SHMDDPStrategy, SHMFSDPStrategy, SHMModelParallel, SHMPipeline, SHMTensorParallel
+from lightning_shm.models import MNISTClassifier
+from lightning_shm.models.transformer import Block
+from tests.helpers import SEED, flat_params, loader, mnist_like, trainer
+
+
+class DroppedBlock(nn.Module):
+    """A transformer block followed by dropout; counts its forwards (a replay in backward is one more)."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block, self.drop = block, nn.Dropout(0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        DroppedBlock.calls += 1
+        return self.drop(self.block(x))
+
+    calls = 0
+
+
+class Transformer(MNISTClassifier):
+    def __init__(self) -> None:
+        super().__init__(arch="transformer", dim=16, depth=4, heads=2, optimizer="adam", lr=0.01)
+        for i, m in enumerate(self.net):
+            if isinstance(m, Block):
+                self.net[i] = DroppedBlock(m)
+        self.tp_plan = {k.replace("net.*.", "net.*.block."): v for k, v in self.tp_plan.items()}
+
+    def on_train_start(self) -> None:
+        DroppedBlock.calls = 0
+
+    def on_train_end(self) -> None:
+        self.forwards = DroppedBlock.calls  # training forwards on this rank (rank 0's come back)
+
+    def on_fit_end(self) -> None:  # after the strategy's teardown, in the worker
+        self.own_forward_left = sum("forward" in vars(m) for m in self.modules())
+
+
+RUNS: dict[str, tuple[Callable[..., Any], int, int]] = {
+    "ddp": (lambda **kw: SHMDDPStrategy(start_method="fork", **kw), 2, 2),
+    "fsdp": (lambda **kw: SHMFSDPStrategy(start_method="fork", **kw), 2, 2),
+    "fsdp-copy-linear-units": (lambda **kw: SHMFSDPStrategy(start_method="fork", gather="copy",
+                                                            unit_policy={nn.Linear}, **kw), 2, 2),
+    "tp2": (lambda **kw: SHMTensorParallel(start_method="fork", tensor_parallel_size=2, **kw), 2, 1),
+    "pp2-zero-bubble": (lambda **kw: SHMPipeline(start_method="fork", pipeline_parallel_size=2, microbatches=4,
+                                                 schedule="zero_bubble", **kw), 2, 1),
+    "dp2xpp2-shard": (lambda **kw: SHMModelParallel(start_method="fork", data_parallel_size=2,
+                                                    pipeline_parallel_size=2, data_parallel="shard", microbatches=2,
+                                                    **kw), 4, 2),
+}
+
+
+def _fit(strategy: Any, devices: int, batch: int) -> Transformer:
+    pl.seed_everything(SEED)
+    model = Transformer()
+    trainer(strategy=strategy, devices=devices, max_epochs=1, precision="64-true").fit(
+        model, loader(mnist_like(48, seed=1), batch))
+    return model
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_recomputed_instances_train_as_the_same_layout_without_checkpointing(name):
+    make, devices, dp = RUNS[name]
+    plain = _fit(make(), devices, 24 // dp)
+    recomputed = _fit(make(activation_checkpointing={DroppedBlock}), devices, 24 // dp)
+    assert (flat_params(plain) - flat_params(Transformer())).abs().max() > 1e-3, "training did nothing"
+    torch.testing.assert_close(flat_params(recomputed), flat_params(plain), rtol=0, atol=0)
+    assert recomputed.forwards > plain.forwards > 0  # the replays in backward
+    assert recomputed.own_forward_left == 0
+
+
+def test_refusals_before_any_worker_starts(no_worker_starts):
+    for cls in (SHMDDPStrategy, SHMFSDPStrategy, SHMTensorParallel):  # a pipeline's chunks: True needs one
+        with pytest.raises(ValueError, match=r"needs pipeline_parallel_size > 1, got 1; .* activation_checkpointing="
+                                             r"\{Block\}"):
+            cls(activation_checkpointing=True)
+    with pytest.raises(ValueError, match="must be True .*, False or a set of nn.Module classes .*, got 'blocks'"):
+        SHMFSDPStrategy(activation_checkpointing="blocks")
+    with pytest.raises(ValueError, match=r"activation_checkpointing=\{Block\}: MNISTClassifier holds no instance"):
+        trainer(strategy=SHMFSDPStrategy(start_method="fork", activation_checkpointing={Block}), devices=2,
+                max_epochs=1).fit(MNISTClassifier(), loader(mnist_like(8), 4))
