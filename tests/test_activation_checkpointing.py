@@ -95,3 +95,35 @@ def test_refusals_before_any_worker_starts(no_worker_starts):
     with pytest.raises(ValueError, match=r"activation_checkpointing=\{Block\}: MNISTClassifier holds no instance"):
         trainer(strategy=SHMFSDPStrategy(start_method="fork", activation_checkpointing={Block}), devices=2,
                 max_epochs=1).fit(MNISTClassifier(), loader(mnist_like(8), 4))
+
+
+def _replayed_units(world, gather: str, checkpointed: bool) -> tuple[float, int, list]:
+    """FSDP alone (no Lightning): units per Linear, two of them inside a block recomputed in backward."""
+    from lightning_shm.parallel.checkpointing import checkpoint_instances
+    from lightning_shm.parallel.fsdp import FSDPState
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Sequential(nn.Linear(784, 64), nn.Tanh(), nn.Linear(64, 64)),
+                          nn.Linear(64, 10))
+    sharded = FSDPState(model, world.group(), {nn.Linear}, gather=gather)
+    if checkpointed:
+        checkpoint_instances(model[1], (nn.Sequential,))  # the inner block, holding two units
+    x = torch.randn(8, 1, 28, 28, generator=torch.Generator().manual_seed(world.rank))
+    model(x).square().mean().backward()
+    return sharded.stats.live, sharded.stats.peak, [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("gather", ["copy", "view"])
+def test_a_replay_inside_backward_keeps_the_fsdp_stats_balanced(gather):
+    """A replay gathers the units again ("copy": memory of its own, freed by autograd, not the hooks), and torch
+    stops it early -- inside the block's second unit, never reaching its post-forward hook -- once it has what
+    backward needs: the same gradients as without checkpointing, and nothing counted as live once backward is done
+    (16,640 bytes of the second unit were, before the unit's backward closed such a replay)."""
+    from lightning_shm.runtime import launch
+
+    plain = launch(_replayed_units, 2, gather, False, start_method="fork")
+    replayed = launch(_replayed_units, 2, gather, True, start_method="fork")
+    for (live, _, grads), (live_plain, _, grads_plain) in zip(replayed, plain):
+        assert live == live_plain == 0
+        for g, g_plain in zip(grads, grads_plain):
+            torch.testing.assert_close(g, g_plain, rtol=0, atol=0)

@@ -596,14 +596,7 @@ class FSDPUnit:
         if full is not None:
             self._check_not_modified(params, self._stamps)
         if full is not None and self._replay:
-            # A replayed forward (torch.utils.checkpoint, non-reentrant, recomputing inside backward): the tensors it
-            # saves -- views of ``full`` -- are what the original forward's backward nodes now use, so ``full`` must
-            # outlive it; freeing it here left them empty ("setStorage: ... out of bounds for storage of size 0").
-            # Those nodes release it as they run; the original forward's hooks re-gather their own copy.
-            self._replay = False
-            self._replayed_bytes += full.untyped_storage().nbytes()
-            self._live, self._live_params = None, ()
-            self._set_views(None)
+            self._end_replay()
             return output
         if full is None or self.held is not None:  # held: stays gathered for the next microbatch
             return output
@@ -650,9 +643,25 @@ class FSDPUnit:
             t.register_hook(after_backward)
         self._frozen_inputs = []
 
+    def _end_replay(self) -> None:
+        """Close a replayed run: a forward torch.utils.checkpoint (non-reentrant) recomputes inside backward. The
+        tensors it saved -- views of its gather -- are what the original forward's backward nodes now use, so the
+        gather must outlive it (freeing it here left them empty: "setStorage: ... out of bounds for storage of size
+        0"); those nodes release it as they run, and the original forward's hooks re-gather their own copy. Called
+        by the run's post-forward hook, or -- a replay the checkpoint stopped early (by an exception, once it had
+        what backward needs), which never reached that hook -- by the unit's backward (:meth:`forget_replays`)."""
+        full = self._live
+        self._replay, self._depth = False, 0
+        if full is not None and self.common is None:  # "copy": a gather of its own, counted in the stats
+            self._replayed_bytes += full.untyped_storage().nbytes()
+        self._live, self._live_params = None, ()
+        self._set_views(None)
+
     def forget_replays(self) -> None:
-        """The replays' gathers leave the stats once the unit's backward ran: autograd has released the tensors
-        their saved views were (approximately then: the memory goes with the last view)."""
+        """After the unit's backward (and at a step's start): the replays' gathers leave the stats -- autograd has
+        released the views they were saved as (approximately then: the memory goes with the last view)."""
+        if self._replay:  # a replay stopped early, before the unit's post-forward hook: over now
+            self._end_replay()
         self.stats.live -= self._replayed_bytes
         self._replayed_bytes = 0
 
