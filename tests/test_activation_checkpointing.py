@@ -85,6 +85,16 @@ def test_recomputed_instances_train_as_the_same_layout_without_checkpointing(nam
     assert recomputed.own_forward_left == 0
 
 
+def test_a_class_living_on_one_pipeline_stage_is_recomputed_there():
+    """The stage holding no instance (the embedding is the first stage's) trains on; the run equals the unchecked one.
+    Until the check moved to the whole model (before launch) the second stage refused: "holds no instance"."""
+    from lightning_shm.models.transformer import RowEmbedding
+
+    make = RUNS["pp2-zero-bubble"][0]
+    plain, recomputed = _fit(make(), 2, 24), _fit(make(activation_checkpointing={RowEmbedding}), 2, 24)
+    torch.testing.assert_close(flat_params(recomputed), flat_params(plain), rtol=0, atol=0)
+
+
 def test_refusals_before_any_worker_starts(no_worker_starts):
     for cls in (SHMDDPStrategy, SHMFSDPStrategy, SHMTensorParallel):  # a pipeline's chunks: True needs one
         with pytest.raises(ValueError, match=r"needs pipeline_parallel_size > 1, got 1; .* activation_checkpointing="

@@ -48,8 +48,9 @@ class _Recomputed:
 
 def checkpoint_instances(module: nn.Module, classes: tuple[type, ...]) -> Callable[[], None]:
     """Recompute in backward every instance of ``classes`` in ``module`` that no other selected instance holds
-    (one nested in another is replayed with it). Returns what takes it off again. Raises if none is found: the
-    memory the user asked to save would silently not be saved."""
+    (one nested in another is replayed with it). Returns what takes it off again. A pipeline stage may hold none
+    (the class lives on another stage); that the whole model holds one is checked before the workers start
+    (:func:`~lightning_shm.parallel.compose.validate`)."""
     inside: set[int] = set()
     done: list[tuple[nn.Module, Any]] = []
     for _, m in module.named_modules():
@@ -58,10 +59,6 @@ def checkpoint_instances(module: nn.Module, classes: tuple[type, ...]) -> Callab
         inside.update(id(sub) for sub in m.modules())
         done.append((m, vars(m).get("forward")))  # an instance's own forward (a patched one) comes back after
         m.forward = _Recomputed(m.forward)
-    if not done:
-        names = sorted(c.__name__ for c in classes)
-        raise ValueError(f"activation_checkpointing={{{', '.join(names)}}}: {type(module).__name__} holds no instance "
-                         f"of {names} to recompute")
 
     def undo() -> None:
         for m, own in done:
