@@ -8,6 +8,7 @@ from typing import Any, Callable, Optional
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_shm import SHMDDPStrategy, SHMFSDPStrategy, SHMModelParallel, SHMPipeline, SHMTensorParallel
@@ -83,6 +84,35 @@ class InBatchNegatives(pl.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.Adam(self.parameters(), lr=0.01)
+
+
+class SeenCount(nn.Module):
+    """Counts the samples it sees in training, in a buffer updated in place (as a running statistic is); centres
+    its input on a running mean it *reassigns* (as a custom normaliser may); and after a warm-up of 12 samples
+    shifts it by a buffer it moves in place -- one the first checkpointed forward sees unchanged."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("seen", torch.zeros((), dtype=torch.long))
+        self.register_buffer("mean", torch.zeros(()))
+        self.register_buffer("shift", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            if self.seen > 12:
+                self.shift.mul_(0.5).add_(x.detach().mean())
+            self.seen += x.shape[0]
+            self.mean = 0.9 * self.mean + 0.1 * x.detach().mean()
+        return x - self.mean - self.shift
+
+
+def small_cnn_with_buffers(**kw: Any) -> MNISTClassifier:
+    """A small CNN whose forward updates buffers every way a replay must not repeat: :class:`SeenCount` first, a
+    spectral_norm on the first convolution (its power iteration), BatchNorm's running statistics."""
+    model = MNISTClassifier(arch="cnn", channels=(4, 8), cnn_hidden=16, **kw)
+    model.net.insert(0, SeenCount())
+    nn.utils.parametrizations.spectral_norm(model.net[1])
+    return model
 
 
 def loader(ds: TensorDataset, batch_size: int, shuffle: bool = True) -> DataLoader:

@@ -17,7 +17,7 @@ from torch import nn
 from lightning_shm import SHMDDPStrategy, SHMFSDPStrategy, SHMModelParallel, SHMPipeline, SHMTensorParallel
 from lightning_shm.models import MNISTClassifier
 from lightning_shm.models.transformer import Block
-from tests.helpers import SEED, flat_params, loader, mnist_like, trainer
+from tests.helpers import SEED, SeenCount, flat_params, loader, mnist_like, small_cnn_with_buffers, trainer
 
 
 class DroppedBlock(nn.Module):
@@ -95,6 +95,66 @@ def test_a_class_living_on_one_pipeline_stage_is_recomputed_there():
     torch.testing.assert_close(flat_params(recomputed), flat_params(plain), rtol=0, atol=0)
 
 
+class ConvBlock(nn.Sequential):
+    """Convolution, BatchNorm, ReLU, pooling: recomputed as one."""
+
+
+class LargeDrift(nn.Module):
+    """A buffer over ``replay_buffers.SMALL_BYTES`` (80 KB in float64) moved in place by every training forward and
+    read by it: kept for a replay only once a forward was seen to move it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("table", torch.zeros(10_000))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.table.mul_(0.5).add_(x.detach().mean())
+        return x + self.table[0]
+
+
+class BufferedCNN(MNISTClassifier):
+    """:func:`small_cnn_with_buffers` in two blocks, the first holding its sample counter (counted, reassigned,
+    moved after a warm-up) and spectral_norm's convolution (its power-iteration vectors), the second a large
+    buffer; both BatchNorm's statistics. Tensor parallelism splits the head."""
+
+    def __init__(self) -> None:
+        super().__init__(optimizer="adam", lr=0.01)
+        layers = small_cnn_with_buffers().net
+        self.net = nn.Sequential(ConvBlock(*layers[:5]), ConvBlock(LargeDrift(), *layers[5:9]), *layers[9:])
+        self.tp_plan = {"net.3": "column", "net.5": "row"}
+
+
+BUFFER_RUNS = {
+    **{name: RUNS[name] for name in ("ddp", "fsdp", "tp2", "pp2-zero-bubble", "dp2xpp2-shard")},
+    "ddp-sync-batchnorm": (lambda **kw: SHMDDPStrategy(start_method="fork", **kw), 2, 2),
+}
+
+
+@pytest.mark.parametrize("name", list(BUFFER_RUNS))
+def test_a_replay_leaves_the_buffers_as_the_forward_made_them(name):
+    """A replay ran each BatchNorm a second time in training mode: under every layout the running statistics moved
+    towards each batch twice (0.27 apart from the unchecked run's after two steps under shm_ddp, a probe's figure) and
+    ``num_batches_tracked`` counted double; the counter counted each sample twice, the reassigned mean moved twice
+    and the replay centred its input on the moved one, and spectral_norm's replay rebuilt the weight from an
+    advanced vector. A pipeline's own chunk replay kept them; an instance's did not. Now both run on stand-ins
+    holding the values the forward started from: weights and buffers equal the unchecked run's exactly."""
+    make, devices, dp = BUFFER_RUNS[name]
+    sync = {"sync_batchnorm": True} if name == "ddp-sync-batchnorm" else {}
+
+    def fit(**kw: Any) -> BufferedCNN:
+        pl.seed_everything(SEED)
+        model = BufferedCNN()
+        trainer(strategy=make(**kw), devices=devices, max_epochs=1, precision="64-true", **sync).fit(
+            model, loader(mnist_like(72, seed=1), 24 // dp))  # three steps: the third moves the shift
+        return model
+
+    plain, replayed = fit(), fit(activation_checkpointing={ConvBlock})
+    assert int(plain.net[0][0].seen) > 12 and float(plain.net[0][0].shift) != 0  # the warm-up passed: the shift moved
+    for (key, want), got in zip(plain.state_dict().items(), replayed.state_dict().values()):
+        torch.testing.assert_close(got, want, rtol=0, atol=0, msg=lambda m: f"{key}: {m}")
+
+
 def test_refusals_before_any_worker_starts(no_worker_starts):
     for cls in (SHMDDPStrategy, SHMFSDPStrategy, SHMTensorParallel):  # a pipeline's chunks: True needs one
         with pytest.raises(ValueError, match=r"needs pipeline_parallel_size > 1, got 1; .* activation_checkpointing="
@@ -137,3 +197,33 @@ def test_a_replay_inside_backward_keeps_the_fsdp_stats_balanced(gather):
         assert live == live_plain == 0
         for g, g_plain in zip(grads, grads_plain):
             torch.testing.assert_close(g, g_plain, rtol=0, atol=0)
+
+
+def test_a_block_applied_twice_replays_each_call_from_its_own_start():
+    """One process, no strategy: a block applied twice in a forward, holding a sample counter (whose reassigned
+    mean centres the input) and a BatchNorm. Its second call moves both before backward replays the first; each
+    replay starts from what its own call found, and the module keeps what the two calls made of its buffers."""
+    from lightning_shm.parallel.checkpointing import checkpoint_instances
+
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.block = ConvBlock(SeenCount(), nn.Linear(8, 8), nn.BatchNorm1d(8, momentum=None), nn.Tanh())
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.block(self.block(x))
+
+    def run(checkpointed: bool) -> dict[str, torch.Tensor]:
+        torch.manual_seed(0)
+        model = Twice().double()
+        undo = checkpoint_instances(model, (ConvBlock,)) if checkpointed else None
+        for _ in range(2):
+            model(torch.randn(16, 8, dtype=torch.float64)).square().sum().backward()
+        if undo is not None:
+            undo()
+        return {**model.state_dict(), **{f"{k}.grad": p.grad for k, p in model.named_parameters()}}
+
+    plain, replayed = run(False), run(True)
+    assert int(plain["block.2.num_batches_tracked"]) == 4 and int(plain["block.0.seen"]) == 64
+    for key, want in plain.items():
+        torch.testing.assert_close(replayed[key], want, rtol=0, atol=0, msg=lambda m: f"{key}: {m}")

@@ -10,20 +10,23 @@ patches took their places), so the forward it replays is the one that runs, and 
 Data movement, one instance in a training step::
 
     forward:   y = forward(x) under torch.utils.checkpoint (non-reentrant): keeps x and the random state,
-               not the activations inside
+               not the activations inside; copies of the instance's small and changing buffers
     backward:  forward(x) again from that random state (the same dropout masks; a tensor-parallel split
-               region seeds its own stream from it, :mod:`.tp.rng`), then the backward through it
+               region seeds its own stream from it, :mod:`.tp.rng`) on stand-ins for the buffers the forward
+               changed (:mod:`.replay_buffers`: BatchNorm's statistics move once), then the backward through it
 
 Without gradients (evaluation, ``torch.no_grad``) the forward runs as it is.
 """
 
 from __future__ import annotations
 
-from typing import AbstractSet, Any, Callable
+from typing import AbstractSet, Any, Callable, Optional
 
 import torch
 import torch.utils.checkpoint
 from torch import nn
+
+from lightning_shm.parallel import replay_buffers
 
 
 def module_classes(value: Any) -> tuple[type, ...]:
@@ -35,15 +38,31 @@ def module_classes(value: Any) -> tuple[type, ...]:
 
 
 class _Recomputed:
-    """The instance's ``forward``, replayed in backward."""
+    """The instance's ``forward``, replayed in backward on the buffers as the forward found them
+    (:mod:`.replay_buffers`): a BatchNorm inside updates its running statistics once per forward, as without
+    checkpointing, and a spectral_norm's replay rebuilds the weight the forward used."""
 
-    def __init__(self, forward: Callable[..., Any]) -> None:
-        self.forward = forward
+    def __init__(self, module: nn.Module, forward: Callable[..., Any]) -> None:
+        self.module, self.forward = module, forward
+        self.updating: Optional[set[int]] = None  # ids of the buffers its forwards were seen to update
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return self.forward(*args, **kwargs)
-        return torch.utils.checkpoint.checkpoint(self.forward, *args, use_reentrant=False, **kwargs)
+        around = replay_buffers.ForwardBuffers(self.module, self.updating)
+        calls = 0
+
+        def run(*a: Any, **kw: Any) -> Any:
+            nonlocal calls
+            calls += 1
+            if calls == 1:  # the forward itself
+                return self.forward(*a, **kw)
+            with replay_buffers.replaying(around):
+                return self.forward(*a, **kw)
+
+        out = torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False, **kwargs)
+        self.updating = (self.updating or set()) | {id(b) for b, _ in around.changed().in_place}
+        return out
 
 
 def checkpoint_instances(module: nn.Module, classes: tuple[type, ...]) -> Callable[[], None]:
@@ -58,7 +77,7 @@ def checkpoint_instances(module: nn.Module, classes: tuple[type, ...]) -> Callab
             continue
         inside.update(id(sub) for sub in m.modules())
         done.append((m, vars(m).get("forward")))  # an instance's own forward (a patched one) comes back after
-        m.forward = _Recomputed(m.forward)
+        m.forward = _Recomputed(m, m.forward)
 
     def undo() -> None:
         for m, own in done:

@@ -47,6 +47,7 @@ from tests.helpers import (
     logged_floats,
     mnist_like,
     reference_loader,
+    small_cnn_with_buffers,
     train_mnist,
     trainer,
 )
@@ -361,33 +362,6 @@ def test_checkpointing_recomputes_with_the_forward_dropout_masks(schedule):
     torch.testing.assert_close(run(True), run(False), rtol=0, atol=0)
 
 
-class _SeenCount(nn.Module):
-    """Counts the samples it sees in training, in a buffer updated in place (as a running statistic is); centres
-    its input on a running mean it *reassigns* (as a custom normaliser may); and after a warm-up of 12 samples
-    shifts it by a buffer it moves in place -- one the first checkpointed forward sees unchanged."""
-
-    def __init__(self):
-        super().__init__()
-        self.register_buffer("seen", torch.zeros((), dtype=torch.long))
-        self.register_buffer("mean", torch.zeros(()))
-        self.register_buffer("shift", torch.zeros(()))
-
-    def forward(self, x):
-        if self.training:
-            if self.seen > 12:
-                self.shift.mul_(0.5).add_(x.mean())
-            self.seen += x.shape[0]
-            self.mean = 0.9 * self.mean + 0.1 * x.mean()
-        return x - self.mean - self.shift
-
-
-def _small_cnn(**kw):
-    model = MNISTClassifier(arch="cnn", channels=(4, 8), cnn_hidden=16, **kw)
-    model.net.insert(0, _SeenCount())
-    nn.utils.parametrizations.spectral_norm(model.net[1])
-    return model
-
-
 @pytest.mark.parametrize("schedule, M", [("1f1b", 4), ("zero_bubble", 4), ("1f1b", 1)])
 def test_checkpointing_updates_the_buffers_once_and_recomputes_from_them(schedule, M):
     """The recomputation ran each BatchNorm a second time in training mode: the running statistics moved
@@ -402,11 +376,12 @@ def test_checkpointing_updates_the_buffers_once_and_recomputes_from_them(schedul
     statistics are one process's."""
     def run(checkpointing):
         return train_mnist(pp(2, schedule, M, split_points=[5], activation_checkpointing=checkpointing), 2, "sgd",
-                           batch=GLOBAL_BATCH, model_cls=_small_cnn, buffers=True)
+                           batch=GLOBAL_BATCH, model_cls=small_cnn_with_buffers, buffers=True)
     got = run(True)
     torch.testing.assert_close(got, run(False), rtol=0, atol=0)
     if M == 1:
-        ref = train_mnist("auto", 1, "sgd", batch=GLOBAL_BATCH, ref=True, model_cls=_small_cnn, buffers=True)
+        ref = train_mnist("auto", 1, "sgd", batch=GLOBAL_BATCH, ref=True, model_cls=small_cnn_with_buffers,
+                          buffers=True)
         torch.testing.assert_close(got, ref, rtol=0, atol=1e-9)
 
 

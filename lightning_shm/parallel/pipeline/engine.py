@@ -32,9 +32,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_shm.parallel import replay_buffers as buffers
 from lightning_shm.parallel.linear_grads import PaddedWeights, SinkLinear, restore_linears, route_linears
 from lightning_shm.parallel.pipeline import activation as act
-from lightning_shm.parallel.pipeline import buffers
 from lightning_shm.parallel.pipeline.row_cut import LinearRows
 from lightning_shm.parallel.pipeline.schedules import Action, PipelineSchedule, Schedule, Timed
 from lightning_shm.runtime import Channel, ChannelConfig, World
@@ -140,7 +140,7 @@ class PipelineEngine:
         self._marks: list[tuple[str, int, int, float, float]] = []  # this step's actions: kind, mb, chunk, start, end
         self._peak = 0
         # (m, c) -> x, out, and under checkpointing what the recomputation replays: forward's random state and
-        # the chunk's buffers as forward found them (.buffers)
+        # the chunk's buffers as forward found them (replay_buffers)
         self._store: dict[tuple[int, int], tuple[Any, Any, Optional[tuple[torch.Tensor, buffers.ForwardBuffers]]]] = {}
         self._updating: dict[int, set[int]] = {}  # chunk -> ids of the buffers its forwards were seen to update
         self._saved: dict[tuple[int, int], dict[int, int]] = {}  # (m, c) -> {storage ptr: bytes}
@@ -306,16 +306,14 @@ class PipelineEngine:
             # itself (on the first stage it may carry the step's graph: a parameter applied before the Sequential)
             # and forward's random state and buffers; the stream and the buffers end as if nothing were rerun
             rng, around = replay
-            saved = buffers.rewound(around.changed())
-            with torch.random.fork_rng(devices=[]), torch.enable_grad(), io.forward_context():
+            with (torch.random.fork_rng(devices=[]), buffers.replaying(around), torch.enable_grad(),
+                  io.forward_context()):
                 torch.set_rng_state(rng)
                 out = self.chunks[c](act.entries(x))
         self._current = (m, c)
         if gets_grad and out is not None and act.requires_grad(out):
             act.backward(out, grad)
         self._current = None
-        if replay is not None:
-            buffers.put_back(saved)
         self._last_b = (m, c)
         self._saved.pop((m, c), None)
         self._record("B", m, c, t0)
