@@ -7,6 +7,8 @@ format and resume under any other layout, combine logs over the data-parallel ra
 
 from __future__ import annotations
 
+import os
+
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -14,7 +16,7 @@ import torchmetrics
 from lightning.pytorch.callbacks import EarlyStopping
 from torch.utils.data import DataLoader
 
-from lightning_shm import SHMModelParallel
+from lightning_shm import SHMDDPStrategy, SHMFSDPStrategy, SHMModelParallel, SHMPipeline, SHMTensorParallel
 from lightning_shm.models import MNISTClassifier
 from lightning_shm.runtime import CollectiveMismatchError, DeadlockError, Topology, launch
 from tests.helpers import (
@@ -38,7 +40,8 @@ GRIDS = [(2, 2, 1, "replicate"), (2, 2, 1, "shard"), (2, 1, 2, "shard"), (1, 2, 
 
 def mp(dp, tp, pp, data_parallel="replicate", **kw):
     return SHMModelParallel(start_method="fork", data_parallel_size=dp, tensor_parallel_size=tp,
-                            pipeline_parallel_size=pp, data_parallel=data_parallel, microbatches=2, **kw)
+                            pipeline_parallel_size=pp, data_parallel=data_parallel,
+                            **({"microbatches": 2} if pp > 1 else {}), **kw)
 
 
 @pytest.fixture(scope="module")
@@ -157,6 +160,40 @@ def test_bad_grid_names_every_size():
         trainer(strategy=mp(2, 2, 2), devices=6)
     with pytest.raises(ValueError, match=r"data_parallel must be one of \('replicate', 'shard'\), got 'zero'"):
         mp(1, 1, 1, "zero")
+
+
+@pytest.mark.parametrize("make, said", [
+    (lambda: SHMDDPStrategy(microbatches=8),
+     r"microbatches=8 does nothing without a pipeline: .* use Trainer\(accumulate_grad_batches=8\)\. Layout: "
+     r"pipeline_parallel_size=1, tensor_parallel_size=1, data_parallel='replicate'"),
+    (lambda: SHMFSDPStrategy(find_unused_parameters=True, bucket_cap_mb=50),
+     r"bucket_cap_mb=50, find_unused_parameters=True do nothing when sharded \(shm_ddp's gradient reducer"),
+    (lambda: SHMDDPStrategy(unit_policy={torch.nn.Linear}, gather="copy", reshard_after_forward=False),
+     r"unit_policy=\{<class 'torch.nn.modules.linear.Linear'>\}, reshard_after_forward=False, gather='copy' do "
+     r"nothing without sharding"),
+    (lambda: SHMTensorParallel(tensor_parallel_size=2, schedule="zero_bubble", split_points=[3]),
+     r"schedule='zero_bubble', split_points=\[3\] do nothing without a pipeline \(pipeline_parallel_size > 1\)\. "
+     r"Layout: pipeline_parallel_size=1, tensor_parallel_size=2"),
+    (lambda: SHMModelParallel(data_parallel_size=2, plan={"net.1": "column"}, balance="params"),
+     r"balance='params' does nothing without a pipeline .*; plan=\{'net.1': 'column'\} does nothing without tensor "
+     r"parallelism"),
+], ids=["microbatches", "reducer-when-sharded", "fsdp-when-replicated", "pipeline-under-tp", "plan-and-balance"])
+def test_arguments_that_do_nothing_in_the_layout_are_named_in_a_warning(make, said):
+    """Each was taken in silence and did nothing: ``SHMDDPStrategy(microbatches=8)`` trained on whole batches (no
+    accumulation), ``SHMFSDPStrategy(find_unused_parameters=True)`` as without it. A warning, pointing at the line
+    that made the strategy: a sweep over layouts may keep a pipeline's arguments at pipeline_parallel_size=1."""
+    with pytest.warns(UserWarning, match=said) as caught:
+        make()
+    assert [os.path.basename(w.filename) for w in caught] == ["test_model_parallel.py"]
+
+
+def test_arguments_of_the_layout_chosen_are_taken_without_a_word(recwarn):
+    SHMPipeline(pipeline_parallel_size=2, microbatches=8, schedule="zero_bubble", balance="params")
+    SHMFSDPStrategy(unit_policy={torch.nn.Linear}, gather="copy", reshard_after_forward=False, prefetch=True)
+    SHMDDPStrategy(find_unused_parameters=True, bucket_cap_mb=1, microbatches=4)  # a default given is no setting
+    SHMModelParallel(tensor_parallel_size=2, pipeline_parallel_size=2, data_parallel="shard",
+                     plan={"net.1": "column", "net.3": "row"}, microbatches=2, unit_policy={torch.nn.Linear})
+    assert not recwarn.list
 
 
 def test_pipeline_cut_never_splits_a_tensor_parallel_pair():

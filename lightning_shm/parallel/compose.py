@@ -145,6 +145,45 @@ class ParallelConfig:
         return Topology(world_size, dp=dp, tp=tp, pp=pp)
 
 
+def idle_arguments(config: ParallelConfig) -> Optional[str]:
+    """What to tell a user who set arguments (away from their defaults) that do nothing in ``config``'s layout:
+    each of them and what it belongs to; None if there are none.
+
+    Why: one who writes ``SHMDDPStrategy(microbatches=8)`` expecting gradient accumulation, or
+    ``SHMFSDPStrategy(find_unused_parameters=True)`` carried over from a DDP config, would otherwise train as if
+    they had not, silently. A warning, not an error: a sweep over layouts keeps one set of arguments (the
+    pipeline's microbatches at pipeline_parallel_size=1 too). Only what the sizes given decide is checked
+    (``data_parallel_size="auto"`` may still come to 1)."""
+    defaults = ParallelConfig.__dataclass_fields__
+
+    def given(*names: str) -> str:
+        set_ = [f"{n}={getattr(config, n)!r}" for n in names if getattr(config, n) != defaults[n].default]
+        return ", ".join(set_) + (" does" if len(set_) == 1 else " do") if set_ else ""
+
+    idle = []
+    if config.pipeline_parallel_size == 1:
+        if given("microbatches"):
+            idle.append(f"{given('microbatches')} nothing without a pipeline: it splits each batch for a pipeline's "
+                        f"schedule; to accumulate gradients over batches use "
+                        f"Trainer(accumulate_grad_batches={config.microbatches})")
+        if given("schedule", "virtual_stages", "split_points", "balance", "split_linear"):
+            idle.append(f"{given('schedule', 'virtual_stages', 'split_points', 'balance', 'split_linear')} nothing "
+                        "without a pipeline (pipeline_parallel_size > 1)")
+    if config.tensor_parallel_size == 1 and given("plan"):
+        idle.append(f"{given('plan')} nothing without tensor parallelism (tensor_parallel_size > 1)")
+    fsdp = ("unit_policy", "reshard_after_forward", "prefetch", "gather")
+    if not config.shard and given(*fsdp):
+        idle.append(f"{given(*fsdp)} nothing without sharding (data_parallel='shard', shm_fsdp)")
+    if config.shard and given("bucket_cap_mb", "find_unused_parameters"):
+        idle.append(f"{given('bucket_cap_mb', 'find_unused_parameters')} nothing when sharded (shm_ddp's gradient "
+                    "reducer takes them); sharded, each unit's gradients are reduce-scattered as its backward ends, "
+                    "and a parameter no rank used keeps no gradient")
+    if not idle:
+        return None
+    return (f"{'; '.join(idle)}. Layout: pipeline_parallel_size={config.pipeline_parallel_size}, "
+            f"tensor_parallel_size={config.tensor_parallel_size}, data_parallel={config.data_parallel!r}")
+
+
 # ---------------------------------------------------------------------- validation (main process and workers)
 def validate(module: nn.Module, config: ParallelConfig, world_size: int, batch_size: Optional[int] = None,
              automatic_optimization: bool = True) -> None:

@@ -41,7 +41,7 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_shm.parallel.clip import clip_grad_norm_, torch_clipping_over
-from lightning_shm.parallel.compose import ParallelConfig, ParallelState, parallelize, validate
+from lightning_shm.parallel.compose import ParallelConfig, ParallelState, idle_arguments, parallelize, validate
 from lightning_shm.parallel.ddp import broadcast_module_state, broadcast_tensors
 from lightning_shm.parallel.fsdp import UnitPolicy
 from lightning_shm.parallel.fsdp.policy import PolicyFn
@@ -161,6 +161,9 @@ class SHMModelParallel(SHMStrategyBase):
             list(split_points) if split_points is not None else None, balance, activation_checkpointing,
             unit_policy, reshard_after_forward, prefetch, bucket_cap_mb, find_unused_parameters,
             split_linear=split_linear, gather=gather)
+        idle = idle_arguments(self.parallel_config)
+        if idle is not None:
+            warnings.warn(idle, stacklevel=user_stacklevel())
         self.sample_input = sample_input
         self.broadcast_buffers = broadcast_buffers
         if tp_batch not in MODES:
