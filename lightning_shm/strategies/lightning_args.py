@@ -1,5 +1,5 @@
-"""Arguments of Lightning's own ``DDPStrategy`` / ``FSDPStrategy`` that the shm strategies do not take, each refused
-with what does its job here.
+"""Arguments of Lightning's own ``DDPStrategy`` / ``FSDPStrategy`` (and torch FSDP's, which ``FSDPStrategy`` passes on)
+that the shm strategies do not take, each refused with what does its job here.
 
 Why: code moving from ``FSDPStrategy(auto_wrap_policy={Block}, sharding_strategy="SHARD_GRAD_OP")`` to
 ``SHMFSDPStrategy`` got Python's bare "unexpected keyword argument"; now it learns the equivalent when the strategy
@@ -13,6 +13,9 @@ from typing import Any, Mapping
 
 _COMM_HOOKS = ("gradients are averaged in shared-memory buckets in their own dtype; no communication hook or "
                "periodic model averaging runs (a compressed all-reduce would change the numbers)")
+
+_PREFETCH = ("prefetch=True (with gather='copy') gathers the next unit while one computes; the default gather='view' "
+             "gathers nothing: the full parameters are the ranks' rows in shared memory")
 
 INSTEAD: dict[str, str] = {
     "auto_wrap_policy": "unit_policy selects shm_fsdp's units: a set of module classes ({Block}, as auto_wrap_policy "
@@ -32,6 +35,14 @@ INSTEAD: dict[str, str] = {
     "ddp_comm_wrapper": _COMM_HOOKS,
     "model_averaging_period": _COMM_HOOKS,
     "gradient_as_bucket_view": "shm_ddp's gradients are views of its shared buckets already",
+    # torch FSDP's own, which Lightning's FSDPStrategy passes on from its **kwargs
+    "use_orig_params": "the optimizer sees the module's own parameters already, by name (each one's rows under "
+                       "shm_fsdp)",
+    "sync_module_states": "every rank starts from rank 0's weights and buffers already",
+    "forward_prefetch": _PREFETCH,
+    "backward_prefetch": _PREFETCH,
+    "limit_all_gathers": "gather='copy' frees each unit's copy after its forward and its backward "
+                         "(reshard_after_forward=True), and the default gather='view' makes none",
     "static_graph": "shm_ddp needs no hint of a static graph (parameters some steps leave unused: "
                     "find_unused_parameters=True)",
 }

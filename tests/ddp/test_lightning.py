@@ -61,9 +61,14 @@ def test_bad_arguments():
     ("cpu_offload", True, "in CPU memory already"),
     ("process_group_backend", "gloo", "through shared memory"),
     ("static_graph", True, "find_unused_parameters=True"),
+    ("use_orig_params", True, "the module's own parameters already"),  # torch FSDP's, via FSDPStrategy(**kwargs)
+    ("backward_prefetch", "BACKWARD_PRE", r"prefetch=True \(with gather='copy'\)"),
+    ("limit_all_gathers", True, "frees each unit's copy"),
+    ("sync_module_states", True, "rank 0's weights and buffers"),
 ])
 def test_lightnings_own_strategy_arguments_are_refused_naming_what_does_their_job(name, value, instead):
-    """Code moving from Lightning's FSDPStrategy / DDPStrategy got Python's bare "unexpected keyword argument"."""
+    """Code moving from Lightning's FSDPStrategy / DDPStrategy got Python's bare "unexpected keyword argument" (for
+    torch FSDP's arguments too, until 2026-12-07)."""
     for cls in (SHMDDPStrategy, SHMFSDPStrategy, SHMPipeline):
         with pytest.raises(TypeError, match=rf"{cls.__name__} does not take Lightning's {name} -- {name}=.*{instead}"):
             cls(**{name: value})
