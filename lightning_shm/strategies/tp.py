@@ -1,7 +1,7 @@
 """``shm_tp``: Megatron-style tensor parallelism (optionally x data parallelism) over shared memory.
 
 ``devices = dp x tp``: ranks of a tensor-parallel group split the planned layers (Linear and
-Conv2d, column / row; attention by whole heads) and see the same batch; data-parallel replicas of
+Conv1d / 2d / 3d, column / row; attention by whole heads) and see the same batch; data-parallel replicas of
 each slice average their gradients with the shm_ddp reducer over their dp group. The
 LightningModule is untouched: its layers are swapped for parallel ones in ``setup``, following a
 plan given as data (see :mod:`lightning_shm.parallel.tp.plan`). A preset of
@@ -22,7 +22,7 @@ class SHMTensorParallel(SHMModelParallel):
         tensor_parallel_size: ranks that split each planned layer; must divide ``devices``.
         plan: ``{module path pattern: "column" | "row" | "column_gathered" | "replicate" | {"style": ...,
             "head_dim": ...}}`` (``*`` matches one path component); default: the module's ``tp_plan``
-            attribute, else derived for its Sequential (Linear / Conv2d layers paired column -> row; a
+            attribute, else derived for its Sequential (Linear / Conv1d-3d layers paired column -> row; a
             Linear followed by one at most 1/tp its size gathered instead, see ``derive_plan``).
         sequential: attribute path of the ``nn.Sequential`` a plan is derived from (default: the first one).
         **kwargs: ``tp_batch`` (how the ranks of a tp group come to compute on the same batch) and the

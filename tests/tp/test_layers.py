@@ -164,26 +164,37 @@ def test_backward_all_reduce_is_skipped_when_input_needs_no_grad():
     assert traffic == {"all_reduce": 2 * 3 * 4}  # only the row layer's forward output [2, 3] float32
 
 
-def _conv_block(world, out_channels):
-    """column Conv2d -> sliced BatchNorm2d -> ReLU -> MaxPool -> row Conv2d, against the unsharded block."""
+_CONV_DIMS = {  # convolution, its BatchNorm, max pooling, an input [4, 3, ...]
+    1: (nn.Conv1d, nn.BatchNorm1d, nn.functional.max_pool1d, (12,)),
+    2: (nn.Conv2d, nn.BatchNorm2d, nn.functional.max_pool2d, (10, 10)),
+    3: (nn.Conv3d, nn.BatchNorm3d, nn.functional.max_pool3d, (6, 6, 6)),
+}
+
+
+def _conv_block(world, out_channels, dims):
+    """column conv -> sliced BatchNorm -> ReLU -> MaxPool -> row conv (1-, 2- or 3-d), against the unsharded block."""
     import copy
 
-    from lightning_shm.parallel.tp import ColumnParallelConv2d, RowParallelConv2d, sliced_batchnorm
+    from lightning_shm.parallel.tp import sliced_batchnorm
+    from lightning_shm.parallel.tp.layers import COLUMN_CONV, ROW_CONV
 
+    conv, norm, pool, space = _CONV_DIMS[dims]
     g = world.group()
     torch.manual_seed(0)
-    c1, bn, c2 = nn.Conv2d(3, out_channels, 3, padding=1), nn.BatchNorm2d(out_channels), nn.Conv2d(out_channels, 5, 3)
+    c1, bn = conv(3, out_channels, 3, padding=1).double(), norm(out_channels).double()
+    c2 = conv(out_channels, 5, 3, padding="same").double()  # float64: the bias before BatchNorm has ~0 gradient
     with torch.no_grad():
         bn.weight.uniform_(0.5, 1.5)
         bn.bias.uniform_(-0.5, 0.5)
     s = even_split_sizes(out_channels, g.size)
-    col, row = ColumnParallelConv2d(c1, g, s), RowParallelConv2d(c2, g, s)
+    col, row = COLUMN_CONV[conv](c1, g, s), ROW_CONV[conv](c2, g, s)
+    assert isinstance(col, conv) and isinstance(row, conv)  # code classifying modules by type sees its layers
     sbn = sliced_batchnorm(copy.deepcopy(bn), g, s)
-    x = torch.randn(4, 3, 10, 10, requires_grad=True)
-    ref = c2(nn.functional.max_pool2d(torch.relu(bn(c1(x))), 2))
+    x = torch.randn(4, 3, *space, dtype=torch.float64, requires_grad=True)
+    ref = c2(pool(torch.relu(bn(c1(x))), 2))
     ref.pow(2).sum().backward()
     xp = x.detach().clone().requires_grad_(True)
-    out = row(nn.functional.max_pool2d(torch.relu(sbn(col(xp))), 2))
+    out = row(pool(torch.relu(sbn(col(xp))), 2))
     out.pow(2).sum().backward()
     i = g.index
     checks = {
@@ -202,7 +213,7 @@ def _conv_block(world, out_channels):
             for k, (a, b) in checks.items()}
 
 
-@pytest.mark.parametrize("world_size, channels", [(2, 8), (3, 8)])  # 8 over 3 ranks: 3, 3, 2 channels
-def test_conv_column_batchnorm_row_match_unsharded_block(world_size, channels):
-    for errors in launch(_conv_block, world_size, channels, start_method="fork"):
-        assert max(errors.values()) < 1e-5, errors  # float32; the conv bias before BatchNorm has ~0 gradient
+@pytest.mark.parametrize("world_size, channels, dims", [(2, 8, 2), (3, 8, 2), (2, 8, 1), (3, 8, 3)])  # 3 ranks: 3, 3, 2
+def test_conv_column_batchnorm_row_match_unsharded_block(world_size, channels, dims):
+    for errors in launch(_conv_block, world_size, channels, dims, start_method="fork"):
+        assert max(errors.values()) < 1e-12, errors

@@ -64,6 +64,18 @@ def test_derived_plan_pairs_linears_column_row_gathers_before_small_ones_and_rep
     # a grouped first layer is no column layer: the pair starts at the next plain one
     cnn = nn.Sequential(nn.Conv2d(8, 8, 3, groups=8), nn.Conv2d(8, 32, 1), nn.ReLU(), nn.Conv2d(32, 8, 1))
     assert _styles(derive_plan(cnn, 2)) == {"1": "column", "3": "row"}
+    # 1-d and 3-d convolutions pair as 2-d ones do, each with one of its own dimensions, over their norms,
+    # grouped convolutions and pooling
+    audio = nn.Sequential(nn.Conv1d(1, 16, 5), nn.BatchNorm1d(16), nn.GELU(), nn.Conv1d(16, 16, 3, groups=16),
+                          nn.MaxPool1d(2), nn.Conv1d(16, 4, 1), nn.Flatten(), nn.Linear(40, 10))
+    assert _styles(derive_plan(audio, 2)) == {"0": "column", "5": "row"}
+    video = nn.Sequential(nn.Conv3d(1, 8, 3), nn.InstanceNorm3d(8, affine=True), nn.AdaptiveAvgPool3d(2),
+                          nn.Conv3d(8, 4, 1))
+    assert _styles(derive_plan(video, 2)) == {"0": "column", "3": "row"}
+    mixed = nn.Sequential(nn.Conv1d(1, 8, 3), nn.ReLU(), nn.Conv2d(8, 4, 1))  # no pair across dimensions
+    assert _styles(derive_plan(mixed, 2)) == {}
+    wrong_norm = nn.Sequential(nn.Conv1d(1, 8, 3), nn.BatchNorm2d(8), nn.Conv1d(8, 4, 1))
+    assert _styles(derive_plan(wrong_norm, 2)) == {}
     # torch's encoder layer: its feed-forward pair, the attention whole; a Linear on each side stays unpaired
     encoder = nn.Sequential(nn.Linear(28, 16), nn.TransformerEncoderLayer(16, 4, 32), nn.Linear(16, 10))
     assert _styles(derive_plan(encoder, 2)) == {"1.linear1": "column", "1.linear2": "row"}
@@ -279,7 +291,7 @@ class _GroupNormBlock(nn.Module):
         ((nn.Linear(4, 8), nn.Softmax(-1), nn.Linear(8, 2)), {"net.0": "column", "net.2": "row"},
          r"'net.1' \(Softmax\) cannot run on features split by column layer 'net.0'"),
         ((nn.ReLU(), nn.Linear(8, 2)), {"net.0": "column"},
-         "'net.0' is a ReLU; only nn.Linear and nn.Conv2d can be 'column'"),
+         "'net.0' is a ReLU; only nn.Linear and nn.Conv1d / Conv2d / Conv3d can be 'column'"),
         ((nn.Linear(4, 3), nn.Linear(3, 2)), None, "column layer 'net.0' has 3 output features, fewer than tp=4"),
         ((nn.Linear(4, 8), nn.Linear(8, 2)), {"net.9": "row"}, r"plan pattern 'net.9' matches no module of Seq"),
         ((nn.Linear(4, 8), nn.Linear(8, 2)), {"net.0": "diagonal"}, "must be one of"),
@@ -369,7 +381,8 @@ def test_transformer_plan_expands_over_every_block():
 
 @pytest.mark.parametrize("plan, tp, model_kw, match", [
     ({"net.*.attn.qq": "column"}, 2, {}, r"plan pattern 'net.\*.attn.qq' matches no module of MNISTClassifier"),
-    ({"net.0": "column"}, 2, {}, r"'net.0' is a RowEmbedding; only nn.Linear and nn.Conv2d can be 'column'"),
+    ({"net.0": "column"}, 2, {},
+     r"'net.0' is a RowEmbedding; only nn.Linear and nn.Conv1d / Conv2d / Conv3d can be 'column'"),
     ({"net.*.attn.q": "column"}, 4, dict(heads=2),
      r"column layer 'net.1.attn.q' has 2 heads of 8 \(16 output features\), fewer than tp=4"),
     ({"net.*.attn.q": {"style": "column", "head_dim": 5}}, 2, {},

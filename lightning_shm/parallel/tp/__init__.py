@@ -1,8 +1,12 @@
 from lightning_shm.parallel.tp.layernorm import distributed_layer_norm
 from lightning_shm.parallel.tp.layers import (
+    ColumnParallelConv1d,
     ColumnParallelConv2d,
+    ColumnParallelConv3d,
     ColumnParallelLinear,
+    RowParallelConv1d,
     RowParallelConv2d,
+    RowParallelConv3d,
     RowParallelLinear,
     ShardedLayerNorm,
     sliced_batchnorm,
@@ -23,8 +27,9 @@ from lightning_shm.parallel.tp.plan import (
 from lightning_shm.parallel.tp.state import TensorParallelState
 
 __all__ = [
-    "ColumnParallelConv2d", "ColumnParallelLinear", "LayerPlan", "LayerSplit", "RowParallelConv2d",
-    "RowParallelLinear", "STYLES", "ShardedLayerNorm", "TensorParallelState", "apply_plan", "check_plan",
-    "copy_to_tp", "derive_plan", "distributed_layer_norm", "plan_for", "reduce_from_tp", "resolve_plan",
-    "sliced_batchnorm", "sliced_grouped_conv", "sliced_groupnorm",
+    "ColumnParallelConv1d", "ColumnParallelConv2d", "ColumnParallelConv3d", "ColumnParallelLinear", "LayerPlan",
+    "LayerSplit", "RowParallelConv1d", "RowParallelConv2d", "RowParallelConv3d", "RowParallelLinear", "STYLES",
+    "ShardedLayerNorm", "TensorParallelState", "apply_plan", "check_plan", "copy_to_tp", "derive_plan",
+    "distributed_layer_norm", "plan_for", "reduce_from_tp", "resolve_plan", "sliced_batchnorm", "sliced_grouped_conv",
+    "sliced_groupnorm",
 ]

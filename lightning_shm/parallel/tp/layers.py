@@ -9,12 +9,12 @@ Which rank holds which slice (tp=2, Linear(784, 256) -> LayerNorm(256) -> ReLU -
     RowParallelLinear      W [64, 256]: rank 0 columns 0..127, rank 1 columns 128..255; bias [64] replicated
                            in: y_r [B, 128]      partial [B, 64] --all-reduce--> out [B, 64] on both
 
-Convolutions split channels the same way: a column ``Conv2d`` its output channels (weight dim 0),
-a row ``Conv2d`` its input channels (weight dim 1; partial outputs summed, the bias added once);
+Convolutions (``Conv1d``, ``Conv2d``, ``Conv3d``) split channels the same way: a column convolution its output
+channels (weight dim 0), a row one its input channels (weight dim 1; partial outputs summed, the bias added once);
 a BatchNorm between them normalises each of the rank's channels exactly as one process does
 (statistics are per channel), so it is only sliced.
 
-Each is an instance of the layer type it replaces (``nn.Linear``, ``nn.Conv2d``, ``nn.LayerNorm``), as torch's
+Each is an instance of the layer type it replaces (``nn.Linear``, ``nn.Conv2d``, ``nn.LayerNorm``, ...), as torch's
 own tensor parallelism keeps the module: code that classifies modules by type -- the usual
 ``configure_optimizers`` giving Linear weights weight decay and LayerNorm's none -- sees the layers it built.
 Their sizes (``out_features``, ``in_channels``, ``normalized_shape``) are this rank's, like their weights.
@@ -127,30 +127,34 @@ class RowParallelLinear(nn.Linear):
         return f"in={self.in_features} of {self.full_in_features}, out={self.out_features}, tp={self.group.size}"
 
 
-class _ConvBase(nn.Conv2d):
-    def __init__(self, full: nn.Conv2d, group: Group, random: Optional[SplitRegionRandom]) -> None:
-        nn.Module.__init__(self)
+class _SplitConv:
+    """What the column and row convolutions of every dimension (Conv1d, Conv2d, Conv3d) share: the full layer's
+    geometry, and its forward (torch's own ``_conv_forward``) over this rank's piece of the weight."""
+
+    def _init_split(self, full: nn.modules.conv._ConvNd, group: Group, random: Optional[SplitRegionRandom]) -> None:
+        nn.Module.__init__(self)  # type: ignore[arg-type]
+        kind = type(full).__name__
         if full.groups != 1:
-            raise ValueError(f"a grouped Conv2d (groups={full.groups}) cannot be split by channels here")
+            raise ValueError(f"a grouped {kind} (groups={full.groups}) cannot be split by channels here")
         if full.padding_mode != "zeros":
-            raise ValueError(f"Conv2d padding_mode={full.padding_mode!r}: only 'zeros' is supported")
+            raise ValueError(f"{kind} padding_mode={full.padding_mode!r}: only 'zeros' is supported")
         self.group, self.random = group, random
         self.stride, self.padding, self.dilation = full.stride, full.padding, full.dilation
         self.kernel_size, self.groups, self.padding_mode = full.kernel_size, 1, full.padding_mode
         self.transposed, self.output_padding = False, full.output_padding
 
     def _conv(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-        return F.conv2d(x, self.weight, bias, self.stride, self.padding, self.dilation)
+        return self._conv_forward(x, self.weight, bias)  # type: ignore[attr-defined]
 
 
-class ColumnParallelConv2d(_ConvBase):
+class _ColumnConv(_SplitConv):
     """Output channels split across the group; input replicated; output channels stay sharded."""
 
     split_dims = {"weight": 0, "bias": 0}
 
-    def __init__(self, full: nn.Conv2d, group: Group, sizes: Optional[Sequence[int]] = None,
+    def __init__(self, full: nn.modules.conv._ConvNd, group: Group, sizes: Optional[Sequence[int]] = None,
                  random: Optional[SplitRegionRandom] = None) -> None:
-        super().__init__(full, group, random)
+        self._init_split(full, group, random)
         self.sizes = list(sizes or even_split_sizes(full.out_channels, group.size))
         self.in_channels, self.out_channels = full.in_channels, self.sizes[group.index]
         self.weight = _slice(full.weight, 0, self.sizes, group.index)
@@ -165,14 +169,14 @@ class ColumnParallelConv2d(_ConvBase):
         return f"in={self.in_channels}, out={self.out_channels} of {sum(self.sizes)} channels, tp={self.group.size}"
 
 
-class RowParallelConv2d(_ConvBase):
+class _RowConv(_SplitConv):
     """Input channels split; partial outputs summed by an all-reduce; the (replicated) bias added once."""
 
     split_dims = {"weight": 1}
 
-    def __init__(self, full: nn.Conv2d, group: Group, sizes: Optional[Sequence[int]] = None,
+    def __init__(self, full: nn.modules.conv._ConvNd, group: Group, sizes: Optional[Sequence[int]] = None,
                  random: Optional[SplitRegionRandom] = None) -> None:
-        super().__init__(full, group, random)
+        self._init_split(full, group, random)
         self.sizes = list(sizes or even_split_sizes(full.in_channels, group.size))
         self.in_channels, self.out_channels = self.sizes[group.index], full.out_channels
         self.weight = _slice(full.weight, 1, self.sizes, group.index)
@@ -181,10 +185,38 @@ class RowParallelConv2d(_ConvBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _leave(self.random)
         y = reduce_from_tp(self._conv(x, None), self.group)
-        return y if self.bias is None else y + self.bias.view(1, -1, 1, 1)
+        return y if self.bias is None else y + self.bias.view(-1, *([1] * (y.dim() - 2)))
 
     def extra_repr(self) -> str:
         return f"in={self.in_channels} of {sum(self.sizes)}, out={self.out_channels} channels, tp={self.group.size}"
+
+
+class ColumnParallelConv1d(_ColumnConv, nn.Conv1d):
+    """A column Conv1d: [B, C_in, L] in, this rank's output channels [B, C_out_r, L'] out."""
+
+
+class ColumnParallelConv2d(_ColumnConv, nn.Conv2d):
+    """A column Conv2d: [B, C_in, H, W] in, this rank's output channels [B, C_out_r, H', W'] out."""
+
+
+class ColumnParallelConv3d(_ColumnConv, nn.Conv3d):
+    """A column Conv3d: [B, C_in, D, H, W] in, this rank's output channels out."""
+
+
+class RowParallelConv1d(_RowConv, nn.Conv1d):
+    """A row Conv1d: this rank's input channels [B, C_in_r, L] in, the summed [B, C_out, L'] out on every rank."""
+
+
+class RowParallelConv2d(_RowConv, nn.Conv2d):
+    """A row Conv2d: this rank's input channels [B, C_in_r, H, W] in, the summed [B, C_out, H', W'] out."""
+
+
+class RowParallelConv3d(_RowConv, nn.Conv3d):
+    """A row Conv3d: this rank's input channels in, the summed output on every rank."""
+
+
+COLUMN_CONV = {nn.Conv1d: ColumnParallelConv1d, nn.Conv2d: ColumnParallelConv2d, nn.Conv3d: ColumnParallelConv3d}
+ROW_CONV = {nn.Conv1d: RowParallelConv1d, nn.Conv2d: RowParallelConv2d, nn.Conv3d: RowParallelConv3d}
 
 
 class ShardedLayerNorm(nn.LayerNorm):
@@ -256,15 +288,15 @@ def sliced_groupnorm(full: nn.GroupNorm, group: Group, sizes: Sequence[int]) -> 
     return gn
 
 
-def sliced_grouped_conv(full: nn.Conv2d, group: Group, sizes: Sequence[int]) -> nn.Module:
-    """A grouped Conv2d with as many output as input channels (a depthwise conv, ``groups=C``; ResNeXt's
+def sliced_grouped_conv(full: nn.modules.conv._ConvNd, group: Group, sizes: Sequence[int]) -> nn.Module:
+    """A grouped convolution with as many output as input channels (a depthwise conv, ``groups=C``; ResNeXt's
     ``groups=32``) over this rank's channels only: each group reads and writes its own channels, so when every
     rank's channels are whole groups (:func:`conv_groups_fit` -- the plan checks it) the rank's groups compute
     exactly one process's channels, without communication. ``Conv2d(16, 16, 3, groups=16)`` at tp=2: each
     rank runs ``Conv2d(8, 8, 3, groups=8)`` on its 8 channels (weight ``[16, 1, 3, 3]`` -> ``[8, 1, 3, 3]``)."""
     if not conv_groups_fit(full, sizes):
-        raise ValueError(f"Conv2d({full.in_channels}, {full.out_channels}, groups={full.groups}) cannot run on "
-                         f"channels split as {list(sizes)}")
+        raise ValueError(f"{type(full).__name__}({full.in_channels}, {full.out_channels}, groups={full.groups}) cannot "
+                         f"run on channels split as {list(sizes)}")
     n = sizes[group.index]
     conv = _channel_slice(full, group, sizes)
     conv.in_channels = conv.out_channels = n
@@ -272,7 +304,7 @@ def sliced_grouped_conv(full: nn.Conv2d, group: Group, sizes: Sequence[int]) -> 
     return conv
 
 
-def conv_groups_fit(conv: nn.Conv2d, sizes: Sequence[int]) -> bool:
+def conv_groups_fit(conv: nn.modules.conv._ConvNd, sizes: Sequence[int]) -> bool:
     """``conv`` is grouped, keeps its channel count, and every rank's channels are whole groups of it."""
     return conv.groups > 1 and conv.out_channels == conv.in_channels and _whole_groups(conv.in_channels,
                                                                                         conv.groups, sizes)

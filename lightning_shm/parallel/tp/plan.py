@@ -6,13 +6,14 @@ component, as Hugging Face models declare their ``tp_plan`` -- to a style::
     {"net.*.attn.q": "column", "net.*.attn.k": "column", "net.*.attn.v": "column",
      "net.*.attn.o": "row", "net.*.mlp.fc1": "column", "net.*.mlp.fc2": "row"}
 
-* ``"column"``: ``Linear`` / ``Conv2d`` output features (channels) split; input replicated.
+* ``"column"``: ``Linear`` / ``Conv1d`` / ``Conv2d`` / ``Conv3d`` output features (channels) split; input
+  replicated.
 * ``"column_gathered"``: a ``Linear`` split like ``"column"`` whose outputs are all-gathered, so
   everything after it runs replicated on the whole features (Megatron's ``gather_output``; Hugging
   Face's ``"colwise_rep"``). One collective forward, none backward, no row layer needed.
 * ``"row"``: input features (channels) split; partial outputs all-reduced; bias added once.
 * ``"replicate"``: every rank holds the whole layer (the default for anything not planned).
-* ``"between"``: a norm (LayerNorm, BatchNorm, InstanceNorm, GroupNorm) or a grouped Conv2d that a block's own
+* ``"between"``: a norm (LayerNorm, BatchNorm, InstanceNorm, GroupNorm) or a grouped convolution that a block's own
   ``forward`` runs on a column layer's output before the row layer -- a ResNet block's ``bn1`` between ``conv1``
   and ``conv2``. It runs on the rank's features, as between a pair inside a Sequential (found there without
   being planned); its column layer is the sibling column layer with as many output features.
@@ -20,13 +21,13 @@ component, as Hugging Face models declare their ``tp_plan`` -- to a style::
   it, a layer whose parent module has an int ``head_dim`` attribute is split on that.
 
 Where the plan comes from, first found wins: the strategy's ``plan=``; else the module's ``tp_plan``
-attribute; else it is derived for the model's ``nn.Sequential`` (Linear layers paired column ->
-row, Conv2d layers likewise, a leftover replicated; a Linear whose successor is small is gathered
-instead, see :func:`derive_plan`).
+attribute; else it is derived for the model's ``nn.Sequential`` (Linear layers paired column -> row,
+convolutions likewise -- each with one of its own dimensions --, a leftover replicated; a Linear whose
+successor is small is gathered instead, see :func:`derive_plan`).
 
 Inside an ``nn.Sequential``, the children between a column layer and the row layer after it run on
 the split features: a LayerNorm becomes a distributed LayerNorm, a BatchNorm or InstanceNorm is sliced per
-channel, a GroupNorm per group and a grouped Conv2d (a depthwise conv) per group of channels (when every rank's
+channel, a GroupNorm per group and a grouped convolution (a depthwise conv) per group of channels (when every rank's
 channels are whole groups), elementwise modules, pooling and dropout run unchanged; anything else there is
 refused. Attention
 code (q/k/v column, o row inside a module with its own ``forward``) runs unchanged on the local heads
@@ -57,9 +58,9 @@ from lightning_shm.parallel.sequential import (
 )
 from lightning_shm.parallel.tp.hooks import whole_tensors_for_hooks
 from lightning_shm.parallel.tp.layers import (
-    ColumnParallelConv2d,
+    COLUMN_CONV,
+    ROW_CONV,
     ColumnParallelLinear,
-    RowParallelConv2d,
     RowParallelLinear,
     ShardedLayerNorm,
     conv_groups_fit,
@@ -74,13 +75,21 @@ from lightning_shm.runtime import Group
 
 STYLES = ("column", "row", "replicate", "column_gathered", "between")
 ELEMENTWISE = (nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.LeakyReLU, nn.ELU, nn.Identity, nn.Softplus,
-               nn.Mish, nn.Hardswish, nn.Hardtanh, nn.ReLU6, nn.Dropout, nn.Dropout2d)
-POOLING = (nn.MaxPool2d, nn.AvgPool2d, nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d)
-_BETWEEN = {nn.Linear: (nn.LayerNorm, nn.BatchNorm1d, nn.SyncBatchNorm, *ELEMENTWISE),  # may run on split features
-            nn.Conv2d: (nn.BatchNorm2d, nn.SyncBatchNorm, nn.GroupNorm, nn.InstanceNorm2d, *ELEMENTWISE, *POOLING)}
+               nn.Mish, nn.Hardswish, nn.Hardtanh, nn.ReLU6, nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d)
+_CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+# what may run on split features between a column and a row layer of each kind
+_BETWEEN = {
+    nn.Linear: (nn.LayerNorm, nn.BatchNorm1d, nn.SyncBatchNorm, *ELEMENTWISE),
+    nn.Conv1d: (nn.BatchNorm1d, nn.SyncBatchNorm, nn.GroupNorm, nn.InstanceNorm1d, *ELEMENTWISE,
+                nn.MaxPool1d, nn.AvgPool1d, nn.AdaptiveAvgPool1d, nn.AdaptiveMaxPool1d),
+    nn.Conv2d: (nn.BatchNorm2d, nn.SyncBatchNorm, nn.GroupNorm, nn.InstanceNorm2d, *ELEMENTWISE,
+                nn.MaxPool2d, nn.AvgPool2d, nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d),
+    nn.Conv3d: (nn.BatchNorm3d, nn.SyncBatchNorm, nn.GroupNorm, nn.InstanceNorm3d, *ELEMENTWISE,
+                nn.MaxPool3d, nn.AvgPool3d, nn.AdaptiveAvgPool3d, nn.AdaptiveMaxPool3d),
+}
 # norms between a column and a row layer, run on the rank's features (LayerNorm: distributed; the others sliced)
 _NORMS = (nn.LayerNorm, nn.modules.batchnorm._NormBase, nn.GroupNorm)
-_SPLITTABLE = (nn.Linear, nn.Conv2d)
+_SPLITTABLE = (nn.Linear, *_CONVS)
 
 
 @dataclass(frozen=True)
@@ -138,12 +147,12 @@ def resolve_plan(module: nn.Module, plan: Mapping[str, Any]) -> dict[str, LayerP
 
 def derive_plan(seq: nn.Sequential, tp: int, prefix: str = "", tied: frozenset[int] = frozenset()
                 ) -> dict[str, LayerPlan]:
-    """Pair the Sequential's Linear (Conv2d) children column -> row; a leftover stays replicated. A child that
-    is torch's ``nn.TransformerEncoderLayer`` -- or an ``nn.TransformerEncoder`` stack of them -- gets each
-    block's feed-forward pair split (``linear1`` column, ``linear2`` row); the attention's fused
-    ``in_proj_weight`` stays whole. A child holding a parameter of ``tied`` (ids the
-    model also holds outside ``seq``: tied to another module, or the child kept under a second name) or another
-    child's stays whole: split, they would stop sharing.
+    """Pair the Sequential's Linear (Conv1d / Conv2d / Conv3d) children column -> row, each with one of its kind;
+    a leftover stays replicated. A child that is torch's ``nn.TransformerEncoderLayer`` -- or an
+    ``nn.TransformerEncoder`` stack of them -- gets each block's feed-forward pair split (``linear1`` column,
+    ``linear2`` row); the attention's fused ``in_proj_weight`` stays whole. A child holding a parameter of
+    ``tied`` (ids the model also holds outside ``seq``: tied to another module, or the child kept under a second
+    name) or another child's stays whole: split, they would stop sharing.
 
     Except when the second Linear of a pair holds at most ``1/tp`` of the first's weights: then the
     first is ``"column_gathered"``, and it and every later Linear that small stay replicated (a
@@ -173,8 +182,8 @@ def derive_plan(seq: nn.Sequential, tp: int, prefix: str = "", tied: frozenset[i
             pending = None
             continue
         kind = _kind(m)
-        if kind is nn.Conv2d and _odd_conv(m):  # never a pair's layer; a grouped one may run between a pair's
-            between = pending is not None and pending[1] is nn.Conv2d and i not in shared and not (
+        if kind in _CONVS and _odd_conv(m):  # never a pair's layer; a grouped one may run between a pair's
+            between = pending is not None and pending[1] is kind and i not in shared and not (
                 computed_weight(m) or own_behaviour(m))
             if not (between and conv_groups_fit(m, even_split_sizes(pending[2].out_channels, tp))):  # type: ignore
                 pending = None
@@ -231,7 +240,8 @@ def plan_for(module: nn.Module, plan: Optional[Mapping[str, Any]], tp: int, sequ
 def split_sizes(name: str, layer: nn.Module, lp: LayerPlan, tp: int, parent: Optional[nn.Module]) -> list[int]:
     """Features (channels) per rank of a column or row layer; whole heads when a head_dim applies."""
     if not isinstance(layer, _SPLITTABLE):
-        raise ValueError(f"'{name}' is a {type(layer).__name__}; only nn.Linear and nn.Conv2d can be '{lp.style}'")
+        raise ValueError(f"'{name}' is a {type(layer).__name__}; only nn.Linear and nn.Conv1d / Conv2d / Conv3d can "
+                         f"be '{lp.style}'")
     if lp.style == "column_gathered" and not isinstance(layer, nn.Linear):
         raise ValueError(f"'{name}' is a {type(layer).__name__}; only nn.Linear can be 'column_gathered'")
     if lp.style in ("column", "column_gathered"):
@@ -259,7 +269,7 @@ def split_sizes(name: str, layer: nn.Module, lp: LayerPlan, tp: int, parent: Opt
 @dataclass(frozen=True)
 class LayerSplit:
     """How one module is split: ``role`` "column" / "row" / "column_gathered" (a planned layer) or
-    "between" (a norm, or a grouped Conv2d, running on split features between a column and a row layer);
+    "between" (a norm, or a grouped convolution, running on split features between a column and a row layer);
     features per rank."""
 
     role: str
@@ -296,7 +306,8 @@ def check_plan(module: nn.Module, plan: Mapping[str, LayerPlan], tp: int) -> dic
                              "Leave the layer replicated.")
         odd = _odd_conv(mods[name])
         if odd:
-            raise ValueError(f"'{name}' ({lp.style}) is a Conv2d with {odd}: a column or row layer splits a plain "
+            raise ValueError(f"'{name}' ({lp.style}) is a {type(mods[name]).__name__} with {odd}: a column or row "
+                             "layer splits a plain "
                              "convolution's channels. Leave it replicated (a grouped one with as many output as input "
                              "channels runs split between a column and a row layer, on whole groups)")
         how = computed_weight(mods[name]) if isinstance(mods[name], _SPLITTABLE) else None
@@ -313,19 +324,17 @@ def check_plan(module: nn.Module, plan: Mapping[str, LayerPlan], tp: int) -> dic
     return out
 
 
-def _features(m: nn.Module) -> Optional[tuple[int, type]]:
-    """(features it runs on, the layer kind whose split output it can take) of a module that may run between a
+def _features(m: nn.Module) -> Optional[tuple[int, tuple[type, ...]]]:
+    """(features it runs on, the layer kinds whose split output it can take) of a module that may run between a
     column and a row layer; None for any other."""
     if isinstance(m, nn.LayerNorm) and len(m.normalized_shape) == 1:
-        return m.normalized_shape[0], nn.Linear
-    if isinstance(m, (nn.BatchNorm1d, nn.InstanceNorm1d)):
-        return m.num_features, nn.Linear
-    if isinstance(m, nn.modules.batchnorm._NormBase):
-        return m.num_features, nn.Conv2d
+        return m.normalized_shape[0], (nn.Linear,)
     if isinstance(m, nn.GroupNorm):
-        return m.num_channels, nn.Conv2d
-    if isinstance(m, nn.Conv2d) and m.groups > 1:
-        return m.in_channels, nn.Conv2d
+        return m.num_channels, _CONVS
+    if isinstance(m, _CONVS) and m.groups > 1:
+        return m.in_channels, (_kind(m),)  # type: ignore[return-value]
+    if isinstance(m, nn.modules.batchnorm._NormBase):
+        return m.num_features, tuple(k for k, fit in _BETWEEN.items() if isinstance(m, fit)) or _CONVS
     return None
 
 
@@ -335,11 +344,11 @@ def _between(name: str, mods: Mapping[str, nn.Module], splits: Mapping[str, Laye
     found = _features(m)
     if found is None:
         raise ValueError(f"'{name}' ({type(m).__name__}) is planned 'between', which only a LayerNorm over one "
-                         "dimension, a BatchNorm, InstanceNorm, GroupNorm or grouped Conv2d can be")
-    n, kind = found
+                         "dimension, a BatchNorm, InstanceNorm, GroupNorm or grouped convolution can be")
+    n, kinds = found
     parent = name.rpartition(".")[0]
     columns = [c for c, sp in splits.items() if sp.role == "column" and c.rpartition(".")[0] == parent
-               and sum(sp.sizes) == n and (_kind(mods[c]) is kind or isinstance(m, nn.SyncBatchNorm))]
+               and sum(sp.sizes) == n and _kind(mods[c]) in kinds]
     if len(columns) != 1:
         raise ValueError(f"'{name}' ({type(m).__name__}, {n} features) is planned 'between', so it runs on a column "
                          f"layer's split output: its module '{parent or '<root>'}' must hold exactly one column layer "
@@ -350,19 +359,20 @@ def _between(name: str, mods: Mapping[str, nn.Module], splits: Mapping[str, Laye
 
 
 def _check_runs_split(q: str, m: nn.Module, column: str, sizes: Sequence[int]) -> None:
-    """A norm or grouped Conv2d running on ``column``'s output split as ``sizes``: ValueError if it cannot --
+    """A norm or grouped convolution running on ``column``'s output split as ``sizes``: ValueError if it cannot --
     a behaviour of its own a split copy would drop, a GroupNorm's group or a grouped conv's group across two
     ranks, a grouped conv changing its channel count."""
     where = f"sits between column layer '{column}' and its row layer"
-    own = computed_weight(m) or own_behaviour(m) if isinstance(m, (nn.LayerNorm, nn.Conv2d)) else ""
+    own = computed_weight(m) or own_behaviour(m) if isinstance(m, (nn.LayerNorm, *_CONVS)) else ""
     if own:
         raise ValueError(f"'{q}' {where}, so it would run split, but {own}: end the pair before it")
     if isinstance(m, nn.GroupNorm) and not groups_fit(m, sizes):
         raise ValueError(f"GroupNorm '{q}' ({m.num_groups} groups of {m.num_channels // m.num_groups} channels) "
                          f"{where}, which split the channels as {list(sizes)}: a group would span two ranks. Give it "
                          "a number of groups that tp divides, or end the pair before it")
-    if isinstance(m, nn.Conv2d) and not conv_groups_fit(m, sizes):
-        raise ValueError(f"grouped Conv2d '{q}' ({m.in_channels} -> {m.out_channels} channels, groups={m.groups}) "
+    if isinstance(m, _CONVS) and not conv_groups_fit(m, sizes):
+        raise ValueError(f"grouped {type(m).__name__} '{q}' ({m.in_channels} -> {m.out_channels} channels, "
+                         f"groups={m.groups}) "
                          f"{where}, which split the channels as {list(sizes)}: it runs there only on whole groups "
                          "and as many output as input channels. End the pair before it")
 
@@ -394,7 +404,7 @@ def _check_sequential(seq: nn.Sequential, prefix: str, splits: Mapping[str, Laye
                              "layer: it needs the whole input features")
         elif region is not None:
             sizes = splits[region[0]].sizes
-            if isinstance(m, nn.Conv2d) and m.groups > 1 and region[1] is nn.Conv2d:
+            if isinstance(m, _CONVS) and m.groups > 1 and region[1] is _kind(m):
                 _check_runs_split(q, m, region[0], sizes)
                 norms[q] = LayerSplit("between", sizes)
                 continue
@@ -424,17 +434,17 @@ def apply_plan(module: nn.Module, splits: Mapping[str, LayerSplit], group: Group
         if layer is None:
             continue
         if sp.role != "column_gathered":  # the user's forward hooks see whole tensors, as in one process
-            dim = 1 if isinstance(layer, (nn.Conv2d, nn.modules.batchnorm._NormBase, nn.GroupNorm)) else -1
+            dim = 1 if isinstance(layer, (*_CONVS, nn.modules.batchnorm._NormBase, nn.GroupNorm)) else -1
             whole_tensors_for_hooks(layer, group, sp.sizes, dim, inputs_split=sp.role != "column",
                                     output_split=sp.role != "row")  # (before a copy of the layer takes them)
         if sp.role == "between":
             new = (ShardedLayerNorm(layer, group, sp.sizes) if isinstance(layer, nn.LayerNorm)
                    else sliced_groupnorm(layer, group, sp.sizes) if isinstance(layer, nn.GroupNorm)
-                   else sliced_grouped_conv(layer, group, sp.sizes) if isinstance(layer, nn.Conv2d)
+                   else sliced_grouped_conv(layer, group, sp.sizes) if isinstance(layer, _CONVS)
                    else sliced_batchnorm(layer, group, sp.sizes))
         else:
             cls = {("column", nn.Linear): ColumnParallelLinear, ("row", nn.Linear): RowParallelLinear,
-                   ("column", nn.Conv2d): ColumnParallelConv2d, ("row", nn.Conv2d): RowParallelConv2d}
+                   **{("column", k): c for k, c in COLUMN_CONV.items()}, **{("row", k): c for k, c in ROW_CONV.items()}}
             if sp.role == "column_gathered":
                 new = ColumnParallelLinear(layer, group, sp.sizes, gather_output=True)
             else:
@@ -508,18 +518,18 @@ def computed_weight(m: nn.Module) -> str:
 
 
 def _numel(m: nn.Module) -> int:
-    """A Linear's or Conv2d's weight elements, from its shape (``m.weight`` may be computed when read)."""
+    """A Linear's or convolution's weight elements, from its shape (``m.weight`` may be computed when read)."""
     if isinstance(m, nn.Linear):
         return m.in_features * m.out_features
     return m.out_channels * m.in_channels // m.groups * math.prod(m.kernel_size)
 
 
 def _plain(m: nn.Module) -> Optional[type]:
-    return next((t for t in (nn.Linear, nn.Conv2d, nn.LayerNorm) if isinstance(m, t)), None)
+    return next((t for t in (nn.Linear, *_CONVS, nn.LayerNorm) if isinstance(m, t)), None)
 
 
 def own_behaviour(m: nn.Module) -> str:
-    """What ``m``'s class adds to the plain Linear / Conv2d / LayerNorm it derives from ('' if nothing): its own
+    """What ``m``'s class adds to the plain Linear / Conv1d-3d / LayerNorm it derives from ('' if nothing): its own
     forward (a scaled or LoRA Linear), or parameters and modules besides weight and bias. A tensor-parallel
     layer replaces the module and would silently drop it. A computed weight is :func:`computed_weight`'s."""
     plain = _plain(m)
@@ -532,8 +542,8 @@ def own_behaviour(m: nn.Module) -> str:
 
 
 def _odd_conv(m: nn.Module) -> str:
-    """Why a Conv2d cannot be a column or row layer ('' if it can): groups, or a padding other than zeros."""
-    if not isinstance(m, nn.Conv2d):
+    """Why a convolution cannot be a column or row layer ('' if it can): groups, or a padding other than zeros."""
+    if not isinstance(m, _CONVS):
         return ""
     if m.groups != 1:
         return f"groups={m.groups}"
@@ -541,12 +551,12 @@ def _odd_conv(m: nn.Module) -> str:
 
 
 def _fits(m: nn.Module, column: nn.Module, tp: int) -> bool:
-    """A GroupNorm after a column Conv2d of a derived plan (split evenly) keeps whole groups on every rank."""
+    """A GroupNorm after a column convolution of a derived plan (split evenly) keeps whole groups on every rank."""
     return not isinstance(m, nn.GroupNorm) or groups_fit(m, even_split_sizes(column.out_channels, tp))
 
 
 def _kind(m: nn.Module) -> Optional[type]:
-    return nn.Linear if isinstance(m, nn.Linear) else nn.Conv2d if isinstance(m, nn.Conv2d) else None
+    return next((k for k in (nn.Linear, *_CONVS) if isinstance(m, k)), None)
 
 
 def _qual(prefix: str, name: str) -> str:
