@@ -155,29 +155,27 @@ def idle_arguments(config: ParallelConfig) -> Optional[str]:
     pipeline's microbatches at pipeline_parallel_size=1 too). Only what the sizes given decide is checked
     (``data_parallel_size="auto"`` may still come to 1)."""
     defaults = ParallelConfig.__dataclass_fields__
+    idle: list[str] = []
 
-    def given(*names: str) -> str:
+    def say(names: tuple[str, ...], why: str) -> None:
         set_ = [f"{n}={getattr(config, n)!r}" for n in names if getattr(config, n) != defaults[n].default]
-        return ", ".join(set_) + (" does" if len(set_) == 1 else " do") if set_ else ""
+        if set_:
+            idle.append(f"{', '.join(set_)} {'does' if len(set_) == 1 else 'do'} nothing {why}")
 
-    idle = []
     if config.pipeline_parallel_size == 1:
-        if given("microbatches"):
-            idle.append(f"{given('microbatches')} nothing without a pipeline: it splits each batch for a pipeline's "
-                        f"schedule; to accumulate gradients over batches use "
-                        f"Trainer(accumulate_grad_batches={config.microbatches})")
-        if given("schedule", "virtual_stages", "split_points", "balance", "split_linear"):
-            idle.append(f"{given('schedule', 'virtual_stages', 'split_points', 'balance', 'split_linear')} nothing "
-                        "without a pipeline (pipeline_parallel_size > 1)")
-    if config.tensor_parallel_size == 1 and given("plan"):
-        idle.append(f"{given('plan')} nothing without tensor parallelism (tensor_parallel_size > 1)")
-    fsdp = ("unit_policy", "reshard_after_forward", "prefetch", "gather")
-    if not config.shard and given(*fsdp):
-        idle.append(f"{given(*fsdp)} nothing without sharding (data_parallel='shard', shm_fsdp)")
-    if config.shard and given("bucket_cap_mb", "find_unused_parameters"):
-        idle.append(f"{given('bucket_cap_mb', 'find_unused_parameters')} nothing when sharded (shm_ddp's gradient "
-                    "reducer takes them); sharded, each unit's gradients are reduce-scattered as its backward ends, "
-                    "and a parameter no rank used keeps no gradient")
+        say(("microbatches",), "without a pipeline: it splits each batch for a pipeline's schedule; to accumulate "
+                               f"gradients over batches use Trainer(accumulate_grad_batches={config.microbatches})")
+        say(("schedule", "virtual_stages", "split_points", "balance", "split_linear"),
+            "without a pipeline (pipeline_parallel_size > 1)")
+    if config.tensor_parallel_size == 1:
+        say(("plan",), "without tensor parallelism (tensor_parallel_size > 1)")
+    if config.shard:
+        say(("bucket_cap_mb", "find_unused_parameters"), "when sharded (shm_ddp's gradient reducer takes them); "
+            "sharded, each unit's gradients are reduce-scattered as its backward ends, and a parameter no rank used "
+            "keeps no gradient")
+    else:
+        say(("unit_policy", "reshard_after_forward", "prefetch", "gather"),
+            "without sharding (data_parallel='shard', shm_fsdp)")
     if not idle:
         return None
     return (f"{'; '.join(idle)}. Layout: pipeline_parallel_size={config.pipeline_parallel_size}, "
