@@ -4,16 +4,18 @@
 Seeded alike on every rank of a replica they give the same draws (a pipeline's step, every stage:
 :mod:`lightning_shm.strategies.step_randomness`); kept aside around a call, they show whether it drew
 (:func:`draws_of`: does a dataset's ``__getitem__`` augment at random -- from the global streams or from a generator
-it keeps, :func:`generators_of`?).
+it keeps, :func:`generators_of`?); kept for a replay of a forward that drew from Python's and numpy's
+(:class:`HostStreams`: activation checkpointing).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import random
 import sys
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
@@ -34,6 +36,57 @@ def seed_streams(seed: int) -> None:
 
 
 Stream = tuple[str, Callable[[], Any], Callable[[Any], Any]]  # a name, how to read its state, how to put it back
+
+
+class HostStreams:
+    """Python's ``random`` and numpy's global stream around the forwards a replay repeats (activation
+    checkpointing; torch's own stream is the checkpoint's or the engine's to keep).
+
+    Why: a forward drawing from them -- a LayerDrop deciding with ``random.random()``, a scale from
+    ``np.random.rand()`` -- drew again in its replay: other numbers, so a gradient of another computation (0.80 off
+    in a probe), a different graph (torch's "A different number of tensors was saved"), and every later draw of
+    the stream moved. Reading numpy's state costs ~30 us, so whether a forward draws is learned at its first one,
+    and only a forward that drew keeps them::
+
+        forward:  state = states()             (first forward, and every one of a forward that drew)
+        replay:   now = states(); put(state) -> forward again -> put(now)
+    """
+
+    def __init__(self) -> None:
+        self.draws: Optional[bool] = None  # unknown until the first forward
+
+    def before_forward(self) -> Optional[tuple[Any, Any]]:
+        """The streams as the forward starts (None: it is known not to draw)."""
+        return None if self.draws is False else _host_states()
+
+    def after_forward(self, before: Optional[tuple[Any, Any]]) -> None:
+        if self.draws is None and before is not None:
+            self.draws = not _same(before, _host_states())
+
+    @contextlib.contextmanager
+    def replaying(self, before: Optional[tuple[Any, Any]]) -> Iterator[None]:
+        """Around a replay: the streams as its forward found them, then as they were before it."""
+        if not self.draws or before is None:
+            yield
+            return
+        now = _host_states()
+        _put_host_states(before)
+        try:
+            yield
+        finally:
+            _put_host_states(now)
+
+
+def _host_states() -> tuple[Any, Any]:
+    np = sys.modules.get("numpy")
+    return random.getstate(), (np.random.get_state() if np is not None else None)
+
+
+def _put_host_states(states: tuple[Any, Any]) -> None:
+    random.setstate(states[0])
+    np = sys.modules.get("numpy")
+    if np is not None and states[1] is not None:
+        np.random.set_state(states[1])
 
 
 def draws_of(fn: Callable[[], Any], own: Sequence[Stream] = ()) -> list[str]:
