@@ -230,12 +230,14 @@ def test_a_block_applied_twice_replays_each_call_from_its_own_start():
 
 
 class HostDraw(nn.Module):
-    """A layer drawing from Python's ``random`` or numpy's global stream in forward: a random scale, or a LayerDrop
-    deciding whether to run at all (``random.random() < 0.5``, as some LayerDrop implementations decide)."""
+    """A layer drawing from Python's ``random`` or numpy's global stream in forward (a random scale, or a LayerDrop
+    deciding whether to run at all, ``random.random() < 0.5``, as some LayerDrop implementations decide), or noise
+    from a ``torch.Generator`` of its own."""
 
     def __init__(self, n: int, how: str) -> None:
         super().__init__()
         self.lin, self.how = nn.Linear(n, n), how
+        self.gen = torch.Generator().manual_seed(3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         import random
@@ -244,6 +246,8 @@ class HostDraw(nn.Module):
 
         if self.how == "layerdrop":
             return x if random.random() < 0.5 else x + torch.tanh(self.lin(x))
+        if self.how == "generator":
+            return torch.tanh(self.lin(x + 0.5 * torch.randn(x.shape, generator=self.gen, dtype=x.dtype)))
         r = random.random() if self.how == "random" else float(np.random.rand())
         return torch.tanh(self.lin(x)) * (0.5 + r)
 
@@ -252,16 +256,17 @@ class HostDrawing(MNISTClassifier):
     def __init__(self) -> None:
         super().__init__(optimizer="adam", lr=0.01)
         self.net = nn.Sequential(nn.Flatten(), nn.Linear(784, 16), HostDraw(16, "random"), HostDraw(16, "layerdrop"),
-                                 HostDraw(16, "numpy"), HostDraw(16, "layerdrop"), HostDraw(16, "random"),
-                                 nn.Linear(16, 10))
+                                 HostDraw(16, "numpy"), HostDraw(16, "layerdrop"), HostDraw(16, "generator"),
+                                 HostDraw(16, "random"), HostDraw(16, "generator"), nn.Linear(16, 10))
 
 
 @pytest.mark.parametrize("name", ["ddp", "pp2-1f1b-chunks", "pp2-zero-bubble"])
-def test_a_replay_draws_from_python_and_numpy_as_its_forward_did(name):
-    """Torch's checkpoint keeps torch's stream only: the replay of a forward drawing from Python's or numpy's
-    stream drew other numbers -- a gradient of another computation (0.074 off the unchecked run under pp2's chunk
-    replays after 2 epochs), and a LayerDrop that decided otherwise made torch fail ("A different number of
-    tensors was saved"). Now each replay runs from the streams its forward found, and leaves them as they were."""
+def test_a_replay_draws_from_python_numpy_and_held_generators_as_its_forward_did(name):
+    """Torch's checkpoint keeps torch's default stream only: the replay of a forward drawing from Python's or
+    numpy's stream, or from a generator a layer holds, drew other numbers -- a gradient of another computation
+    (0.074 off the unchecked run under pp2's chunk replays after 2 epochs), and a LayerDrop that decided otherwise
+    made torch fail ("A different number of tensors was saved"). Now each replay runs from the streams its
+    forward found, and leaves them as they were."""
     make, devices, batch, recompute = {
         "ddp": (lambda **kw: SHMDDPStrategy(start_method="fork", find_unused_parameters=True, **kw), 2, 12,
                 {HostDraw}),
@@ -283,8 +288,8 @@ def test_a_replay_draws_from_python_and_numpy_as_its_forward_did(name):
 
 
 def test_the_streams_go_on_as_if_nothing_were_replayed():
-    """One process, no strategy: after four steps the next draw of Python's and numpy's streams is the unchecked
-    run's (a replay drawing again moved them), and so are the gradients."""
+    """One process, no strategy: after four steps the next draw of Python's and numpy's streams and of a layer's
+    generator is the unchecked run's (a replay drawing again moved them), and so are the gradients."""
     import random
 
     import numpy as np
@@ -295,13 +300,14 @@ def test_the_streams_go_on_as_if_nothing_were_replayed():
         torch.manual_seed(0)
         random.seed(0)
         np.random.seed(0)
-        model = nn.Sequential(HostDraw(8, "random"), HostDraw(8, "numpy"), HostDraw(8, "layerdrop"), nn.Linear(8, 2))
+        model = nn.Sequential(HostDraw(8, "random"), HostDraw(8, "numpy"), HostDraw(8, "layerdrop"),
+                              HostDraw(8, "generator"), nn.Linear(8, 2))
         if checkpointed:
             checkpoint_instances(model, (HostDraw,))
         for _ in range(4):
             model(torch.randn(5, 8)).square().sum().backward()
         grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
-        return grads, random.random(), float(np.random.rand())
+        return grads, random.random(), float(np.random.rand()), float(torch.rand(1, generator=model[3].gen))
 
     (plain, *next_plain), (replayed, *next_replayed) = run(False), run(True)
     torch.testing.assert_close(replayed, plain, rtol=0, atol=0)

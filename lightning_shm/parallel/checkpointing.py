@@ -12,9 +12,10 @@ Data movement, one instance in a training step::
     forward:   y = forward(x) under torch.utils.checkpoint (non-reentrant): keeps x and the random state,
                not the activations inside; copies of the instance's small and changing buffers
     backward:  forward(x) again from that random state (the same dropout masks; a tensor-parallel split
-               region seeds its own stream from it, :mod:`.tp.rng`; Python's and numpy's streams too, for a
-               forward that draws from them: :class:`.streams.HostStreams`) on stand-ins for the buffers the forward
-               changed (:mod:`.replay_buffers`: BatchNorm's statistics move once), then the backward through it
+               region seeds its own stream from it, :mod:`.tp.rng`; Python's, numpy's and the generators its
+               modules hold too, for a forward that draws from them: :class:`.streams.ReplayStreams`), on
+               stand-ins for the buffers the forward changed (:mod:`.replay_buffers`: BatchNorm's statistics
+               move once), then the backward through it
 
 Without gradients (evaluation, ``torch.no_grad``) the forward runs as it is.
 """
@@ -28,7 +29,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from lightning_shm.parallel import replay_buffers
-from lightning_shm.parallel.streams import HostStreams
+from lightning_shm.parallel.streams import ReplayStreams
 
 
 def module_classes(value: Any) -> tuple[type, ...]:
@@ -47,13 +48,13 @@ class _Recomputed:
     def __init__(self, module: nn.Module, forward: Callable[..., Any]) -> None:
         self.module, self.forward = module, forward
         self.updating: Optional[set[int]] = None  # ids of the buffers its forwards were seen to update
-        self.host_streams = HostStreams()  # Python's and numpy's (torch's: the checkpoint keeps it)
+        self.streams = ReplayStreams(module)  # besides torch's stream, which the checkpoint keeps
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return self.forward(*args, **kwargs)
         around = replay_buffers.ForwardBuffers(self.module, self.updating)
-        streams = self.host_streams.before_forward()
+        streams = self.streams.before_forward()
         calls = 0
 
         def run(*a: Any, **kw: Any) -> Any:
@@ -61,12 +62,12 @@ class _Recomputed:
             calls += 1
             if calls == 1:  # the forward itself
                 return self.forward(*a, **kw)
-            with replay_buffers.replaying(around), self.host_streams.replaying(streams):
+            with replay_buffers.replaying(around), self.streams.replaying(streams):
                 return self.forward(*a, **kw)
 
         out = torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False, **kwargs)
         self.updating = (self.updating or set()) | {id(b) for b, _ in around.changed().in_place}
-        self.host_streams.after_forward(streams)
+        self.streams.after_forward(streams)
         return out
 
 

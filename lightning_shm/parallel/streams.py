@@ -4,8 +4,8 @@
 Seeded alike on every rank of a replica they give the same draws (a pipeline's step, every stage:
 :mod:`lightning_shm.strategies.step_randomness`); kept aside around a call, they show whether it drew
 (:func:`draws_of`: does a dataset's ``__getitem__`` augment at random -- from the global streams or from a generator
-it keeps, :func:`generators_of`?); kept for a replay of a forward that drew from Python's and numpy's
-(:class:`HostStreams`: activation checkpointing).
+it keeps, :func:`generators_of`?); kept for the replay of a forward that drew from Python's, numpy's or a layer's
+own generator (:class:`ReplayStreams`: activation checkpointing).
 """
 
 from __future__ import annotations
@@ -38,55 +38,59 @@ def seed_streams(seed: int) -> None:
 Stream = tuple[str, Callable[[], Any], Callable[[Any], Any]]  # a name, how to read its state, how to put it back
 
 
-class HostStreams:
-    """Python's ``random`` and numpy's global stream around the forwards a replay repeats (activation
-    checkpointing; torch's own stream is the checkpoint's or the engine's to keep).
+class ReplayStreams:
+    """The random streams a replay of a forward must draw from again that torch's own keeping misses (activation
+    checkpointing; torch's default generator is the checkpoint's or the engine's to keep): Python's ``random``,
+    numpy's global stream, and the generators ``module``'s submodules hold (:func:`generators_of`: a noise layer's
+    own ``torch.Generator``).
 
     Why: a forward drawing from them -- a LayerDrop deciding with ``random.random()``, a scale from
-    ``np.random.rand()`` -- drew again in its replay: other numbers, so a gradient of another computation (0.80 off
-    in a probe), a different graph (torch's "A different number of tensors was saved"), and every later draw of
-    the stream moved. Reading numpy's state costs ~30 us, so whether a forward draws is learned at its first one,
-    and only a forward that drew keeps them::
+    ``np.random.rand()``, noise from ``torch.randn(..., generator=self.gen)`` -- drew again in its replay: other
+    numbers, so a gradient of another computation (0.80 and 2.1 off in probes), a different graph (torch's "A
+    different number of tensors was saved"), and every later draw of the stream moved. Reading numpy's state costs
+    ~30 us, so whether a forward draws is learned at its first one, and only a forward that drew keeps them::
 
         forward:  state = states()             (first forward, and every one of a forward that drew)
         replay:   now = states(); put(state) -> forward again -> put(now)
     """
 
-    def __init__(self) -> None:
+    def __init__(self, module: Optional[torch.nn.Module] = None) -> None:
+        self.own = [s for m in module.modules() for s in generators_of(m)] if module is not None else []
         self.draws: Optional[bool] = None  # unknown until the first forward
 
-    def before_forward(self) -> Optional[tuple[Any, Any]]:
+    def before_forward(self) -> Optional[tuple[Any, ...]]:
         """The streams as the forward starts (None: it is known not to draw)."""
-        return None if self.draws is False else _host_states()
+        return None if self.draws is False else self._states()
 
-    def after_forward(self, before: Optional[tuple[Any, Any]]) -> None:
+    def after_forward(self, before: Optional[tuple[Any, ...]]) -> None:
         if self.draws is None and before is not None:
-            self.draws = not _same(before, _host_states())
+            self.draws = not _same(before, self._states())
 
     @contextlib.contextmanager
-    def replaying(self, before: Optional[tuple[Any, Any]]) -> Iterator[None]:
+    def replaying(self, before: Optional[tuple[Any, ...]]) -> Iterator[None]:
         """Around a replay: the streams as its forward found them, then as they were before it."""
         if not self.draws or before is None:
             yield
             return
-        now = _host_states()
-        _put_host_states(before)
+        now = self._states()
+        self._put(before)
         try:
             yield
         finally:
-            _put_host_states(now)
+            self._put(now)
 
+    def _states(self) -> tuple[Any, ...]:
+        np = sys.modules.get("numpy")
+        return (random.getstate(), np.random.get_state() if np is not None else None,
+                [get() for _, get, _ in self.own])
 
-def _host_states() -> tuple[Any, Any]:
-    np = sys.modules.get("numpy")
-    return random.getstate(), (np.random.get_state() if np is not None else None)
-
-
-def _put_host_states(states: tuple[Any, Any]) -> None:
-    random.setstate(states[0])
-    np = sys.modules.get("numpy")
-    if np is not None and states[1] is not None:
-        np.random.set_state(states[1])
+    def _put(self, states: tuple[Any, ...]) -> None:
+        random.setstate(states[0])
+        np = sys.modules.get("numpy")
+        if np is not None and states[1] is not None:
+            np.random.set_state(states[1])
+        for (_, _, put), state in zip(self.own, states[2]):
+            put(state)
 
 
 def draws_of(fn: Callable[[], Any], own: Sequence[Stream] = ()) -> list[str]:

@@ -24,7 +24,6 @@ counts once.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import time
 from typing import Any, ContextManager, Optional, Protocol
@@ -38,7 +37,7 @@ from lightning_shm.parallel.linear_grads import PaddedWeights, SinkLinear, resto
 from lightning_shm.parallel.pipeline import activation as act
 from lightning_shm.parallel.pipeline.row_cut import LinearRows
 from lightning_shm.parallel.pipeline.schedules import Action, PipelineSchedule, Schedule, Timed
-from lightning_shm.parallel.streams import HostStreams
+from lightning_shm.parallel.streams import ReplayStreams
 from lightning_shm.runtime import Channel, ChannelConfig, World
 
 
@@ -142,11 +141,12 @@ class PipelineEngine:
         self._marks: list[tuple[str, int, int, float, float]] = []  # this step's actions: kind, mb, chunk, start, end
         self._peak = 0
         # (m, c) -> x, out, and under checkpointing what the recomputation replays: forward's random states
-        # (torch's; Python's and numpy's if it draws from them) and the chunk's buffers as forward found them
+        # (torch's; Python's, numpy's and its modules' generators if it draws from them) and the chunk's buffers
+        # as forward found them
         Replay = tuple[torch.Tensor, buffers.ForwardBuffers, Any]
         self._store: dict[tuple[int, int], tuple[Any, Any, Optional[Replay]]] = {}
         self._updating: dict[int, set[int]] = {}  # chunk -> ids of the buffers its forwards were seen to update
-        self._host_streams: dict[int, HostStreams] = collections.defaultdict(HostStreams)  # chunk -> its draws
+        self._streams: dict[int, ReplayStreams] = {}  # chunk -> the streams besides torch's its replays keep
         self._saved: dict[tuple[int, int], dict[int, int]] = {}  # (m, c) -> {storage ptr: bytes}
         self._alive: list[tuple[tuple[dict[int, int], ...], Optional[dict[int, int]]]] = []  # see _update_peak
         self._stash: dict[tuple[int, int], list[tuple[nn.Parameter, torch.Tensor, torch.Tensor]]] = {}
@@ -273,7 +273,10 @@ class PipelineEngine:
         # it must start from the buffers as this forward found them, and leave them as it finds them
         rng = torch.get_rng_state() if checkpointed else None
         around = buffers.ForwardBuffers(chunk, self._updating.get(c)) if checkpointed else None
-        host = self._host_streams[c].before_forward() if checkpointed else None  # Python's, numpy's
+        if checkpointed and c not in self._streams:
+            self._streams[c] = ReplayStreams(chunk)
+        streams = self._streams[c] if checkpointed else None
+        host = streams.before_forward() if streams is not None else None  # Python's, numpy's, generators
         grad_ctx = torch.enable_grad() if keep_graph else torch.no_grad()
         with grad_ctx, io.forward_context(), tracked:
             if keep_graph and c > 0:
@@ -292,7 +295,7 @@ class PipelineEngine:
             replay = None
             if around is not None:
                 self._updating.setdefault(c, set()).update(id(b) for b, _ in around.changed().in_place)
-                self._host_streams[c].after_forward(host)
+                self._streams[c].after_forward(host)
                 replay = (rng, around, host)
             self._store[(m, c)] = (x, out, replay)
             if self.tracks_memory:
@@ -312,7 +315,7 @@ class PipelineEngine:
             # itself (on the first stage it may carry the step's graph: a parameter applied before the Sequential)
             # and forward's random state and buffers; the stream and the buffers end as if nothing were rerun
             rng, around, host = replay
-            with (torch.random.fork_rng(devices=[]), self._host_streams[c].replaying(host), buffers.replaying(around),
+            with (torch.random.fork_rng(devices=[]), self._streams[c].replaying(host), buffers.replaying(around),
                   torch.enable_grad(), io.forward_context()):
                 torch.set_rng_state(rng)
                 out = self.chunks[c](act.entries(x))
