@@ -40,6 +40,8 @@ from lightning_shm.parallel.pipeline.schedules import Action, PipelineSchedule, 
 from lightning_shm.parallel.streams import ReplayStreams
 from lightning_shm.runtime import Channel, ChannelConfig, World
 
+_Replay = tuple[torch.Tensor, buffers.ForwardBuffers, Any]  # torch's random state, the buffers, the other streams
+
 
 class StageIO(Protocol):
     """What the engine needs from the model around it (Lightning step functions or plain code)."""
@@ -143,8 +145,7 @@ class PipelineEngine:
         # (m, c) -> x, out, and under checkpointing what the recomputation replays: forward's random states
         # (torch's; Python's, numpy's and its modules' generators if it draws from them) and the chunk's buffers
         # as forward found them
-        Replay = tuple[torch.Tensor, buffers.ForwardBuffers, Any]
-        self._store: dict[tuple[int, int], tuple[Any, Any, Optional[Replay]]] = {}
+        self._store: dict[tuple[int, int], tuple[Any, Any, Optional[_Replay]]] = {}
         self._updating: dict[int, set[int]] = {}  # chunk -> ids of the buffers its forwards were seen to update
         self._streams: dict[int, ReplayStreams] = {}  # chunk -> the streams besides torch's its replays keep
         self._saved: dict[tuple[int, int], dict[int, int]] = {}  # (m, c) -> {storage ptr: bytes}

@@ -90,6 +90,8 @@ _BETWEEN = {
 # norms between a column and a row layer, run on the rank's features (LayerNorm: distributed; the others sliced)
 _NORMS = (nn.LayerNorm, nn.modules.batchnorm._NormBase, nn.GroupNorm)
 _SPLITTABLE = (nn.Linear, *_CONVS)
+_SPLIT_LAYERS = {("column", nn.Linear): ColumnParallelLinear, ("row", nn.Linear): RowParallelLinear,
+                 **{("column", k): c for k, c in COLUMN_CONV.items()}, **{("row", k): c for k, c in ROW_CONV.items()}}
 
 
 @dataclass(frozen=True)
@@ -307,9 +309,9 @@ def check_plan(module: nn.Module, plan: Mapping[str, LayerPlan], tp: int) -> dic
         odd = _odd_conv(mods[name])
         if odd:
             raise ValueError(f"'{name}' ({lp.style}) is a {type(mods[name]).__name__} with {odd}: a column or row "
-                             "layer splits a plain "
-                             "convolution's channels. Leave it replicated (a grouped one with as many output as input "
-                             "channels runs split between a column and a row layer, on whole groups)")
+                             "layer splits a plain convolution's channels. Leave it replicated (a grouped one with as "
+                             "many output as input channels runs split between a column and a row layer, on whole "
+                             "groups)")
         how = computed_weight(mods[name]) if isinstance(mods[name], _SPLITTABLE) else None
         if how:
             raise ValueError(f"'{name}' ({lp.style}) computes its weight from other parameters ({how}): the "
@@ -443,12 +445,10 @@ def apply_plan(module: nn.Module, splits: Mapping[str, LayerSplit], group: Group
                    else sliced_grouped_conv(layer, group, sp.sizes) if isinstance(layer, _CONVS)
                    else sliced_batchnorm(layer, group, sp.sizes))
         else:
-            cls = {("column", nn.Linear): ColumnParallelLinear, ("row", nn.Linear): RowParallelLinear,
-                   **{("column", k): c for k, c in COLUMN_CONV.items()}, **{("row", k): c for k, c in ROW_CONV.items()}}
             if sp.role == "column_gathered":
                 new = ColumnParallelLinear(layer, group, sp.sizes, gather_output=True)
             else:
-                new = cls[(sp.role, _kind(layer))](layer, group, sp.sizes, random=random)
+                new = _SPLIT_LAYERS[(sp.role, _kind(layer))](layer, group, sp.sizes, random=random)
         carry_over_module(layer, new)  # the user's hooks on the layer run on its tensor-parallel version
         replaced[name] = new
     _say_when_split_features_reach(local, splits)
