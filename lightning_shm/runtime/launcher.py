@@ -56,6 +56,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 from lightning_shm.runtime import forkserver, stacks
+from lightning_shm.runtime.deadlock import DeadlockError
 from lightning_shm.runtime.errors import (
     BarrierTimeoutError,
     CollectiveMismatchError,
@@ -391,11 +392,13 @@ class Launcher:
         first = min(primary, key=lambda f: f.at)
         raised = {f.rank: f for f in failures}
         others = sorted(set(raised) - {first.rank})
-        # the other side of a mismatch found it too: it did not stop because of the reported rank
-        met = [r for r in others if isinstance(first.exc, CollectiveMismatchError)
-               and isinstance(raised[r].exc, CollectiveMismatchError)]
+        # the other side of a mismatch, another rank of a deadlock's cycle, found it too: it did not stop because
+        # of the reported rank
+        same = next((t for t in (DeadlockError, CollectiveMismatchError) if isinstance(first.exc, t)), None)
+        met = [r for r in others if same is not None and isinstance(raised[r].exc, same)]
         if met:
-            first.exc.add_note(f"(ranks {met} met the same mismatch on their side)")
+            what = "deadlock" if same is DeadlockError else "mismatch"
+            first.exc.add_note(f"(ranks {met} met the same {what} on their side)")
         stopped = [r for r in others if r not in met]
         if stopped:
             first.exc.add_note(f"(ranks {stopped} stopped because rank {first.rank} failed)")
@@ -615,10 +618,11 @@ def _rebuild(rank: int, payload: Optional[bytes], type_name: str, message: str, 
 
 def _add_peer(exc: BaseException, rank: int, failure: Optional[_Failure],
               frames: Optional[Sequence[tuple[str, int, str]]] = None) -> None:
-    """Beside the reported error: where another rank involved was -- ``frames`` as asked for, else where it raised
-    (a rank that failed too may have exited before it could be asked) -- and what the layer above noted on its
-    own error there (a Trainer's loop position: the two ranks' paths side by side)."""
-    frames = frames or (failure.frames if failure is not None else ())
+    """Beside the reported error: where another rank involved was -- where it raised, if it failed on its own (when
+    asked it may have been unwinding that error already, or gone), else ``frames`` as asked for -- and what the
+    layer above noted on its own error there (a Trainer's loop position: the two ranks' paths side by side)."""
+    if failure is not None and failure.frames and (not failure.secondary or not frames):
+        frames = failure.frames
     if frames:
         exc.add_note(stacks.describe(rank, list(frames)))
     if failure is not None:

@@ -8,6 +8,7 @@ processes on a loaded 2-core machine does not count against the limit.
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 import pickle
 import re
@@ -25,6 +26,8 @@ import torch
 from lightning_shm.runtime import (
     BarrierTimeoutError,
     CollectiveMismatchError,
+    DeadlockError,
+    PeerAbortedError,
     PeerFailedError,
     RuntimeConfig,
     SharedMemoryFullError,
@@ -131,6 +134,27 @@ def test_a_missing_rank_that_failed_too_is_placed_where_it_raised():
     notes = {n.split(" was here")[0]: n for n in exc.__notes__ if " was here" in n}
     assert set(notes) == {"rank 0", "rank 2"}, exc.__notes__
     assert "in loop" in notes["rank 0"] and "in _raise_in_a_step" in notes["rank 2"].splitlines()[1], notes
+
+
+def test_a_rank_asked_while_unwinding_its_own_error_is_placed_where_it_raised():
+    """Each rank of a deadlock's cycle finds it within a check of the others: one may be asked for its stack while
+    it already reports its own DeadlockError, outside the program (a CI run: the note showed multiprocessing's
+    frames only). Where it raised stands in; a rank that stopped because of the abort keeps the frames asked for
+    (taken before the abort moved it). The ones that found the deadlock too did not stop because of the first."""
+    from lightning_shm.runtime.launcher import Launcher, _Failure
+
+    runtime = os.path.dirname(stacks.__file__)
+    unwinding = [(f"{runtime}/launcher.py", 570, "_report"), (mp.process.__file__, 108, "run")]
+    raised_at = ((f"{runtime}/wait.py", 145, "wait_ge"), ("/user/train.py", 9, "ring_step"))
+    first = DeadlockError("deadlock: ranks [0, 1, 2] wait for each other", [1, 2])
+    failures = [_Failure(0, 1.0, first, False), _Failure(1, 1.1, DeadlockError("deadlock", [0, 2]), False, raised_at),
+                _Failure(2, 1.2, PeerAbortedError("rank 0 failed"), True, (("/user/train.py", 30, "after"),))]
+    exc = Launcher._primary_error(failures, {1: unwinding, 2: [("/user/train.py", 20, "recv_step")]})
+    notes = {n.split(" was here")[0]: n for n in exc.__notes__ if " was here" in n}
+    assert "in ring_step" in notes["rank 1"].splitlines()[1], notes
+    assert "in recv_step" in notes["rank 2"].splitlines()[1], notes
+    assert "(ranks [1] met the same deadlock on their side)" in exc.__notes__, exc.__notes__
+    assert "(ranks [2] stopped because rank 0 failed)" in exc.__notes__, exc.__notes__
 
 
 def _sleep_with_stack_handler(path: str, w: int, then_default: bool = False) -> None:
