@@ -29,7 +29,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from lightning_shm.parallel import replay_buffers
-from lightning_shm.parallel.streams import ReplayStreams
+from lightning_shm.parallel.streams import Drawn, ReplayStreams
 
 
 def module_classes(value: Any) -> tuple[type, ...]:
@@ -54,7 +54,8 @@ class _Recomputed:
         if not torch.is_grad_enabled():
             return self.forward(*args, **kwargs)
         around = replay_buffers.ForwardBuffers(self.module, self.updating)
-        streams = self.streams.before_forward()
+        before = self.streams.before_forward()
+        drawn: Drawn = []  # what the forward drew from, known once it ran
         calls = 0
 
         def run(*a: Any, **kw: Any) -> Any:
@@ -62,12 +63,12 @@ class _Recomputed:
             calls += 1
             if calls == 1:  # the forward itself
                 return self.forward(*a, **kw)
-            with replay_buffers.replaying(around), self.streams.replaying(streams):
+            with replay_buffers.replaying(around), self.streams.replaying(drawn):
                 return self.forward(*a, **kw)
 
         out = torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False, **kwargs)
         self.updating = (self.updating or set()) | {id(b) for b, _ in around.changed().in_place}
-        self.streams.after_forward(streams)
+        drawn += self.streams.drawn(before)
         return out
 
 

@@ -277,7 +277,7 @@ class PipelineEngine:
         if checkpointed and c not in self._streams:
             self._streams[c] = ReplayStreams(chunk)
         streams = self._streams[c] if checkpointed else None
-        host = streams.before_forward() if streams is not None else None  # Python's, numpy's, generators
+        host = streams.before_forward() if streams is not None else []  # Python's, numpy's, generators
         grad_ctx = torch.enable_grad() if keep_graph else torch.no_grad()
         with grad_ctx, io.forward_context(), tracked:
             if keep_graph and c > 0:
@@ -296,8 +296,7 @@ class PipelineEngine:
             replay = None
             if around is not None:
                 self._updating.setdefault(c, set()).update(id(b) for b, _ in around.changed().in_place)
-                self._streams[c].after_forward(host)
-                replay = (rng, around, host)
+                replay = (rng, around, ReplayStreams.drawn(host))  # the streams it drew from
             self._store[(m, c)] = (x, out, replay)
             if self.tracks_memory:
                 if checkpointed:  # only the chunk input is kept
@@ -315,8 +314,8 @@ class PipelineEngine:
         if replay is not None:  # checkpointed: the chunk's forward again, keeping the graph this time -- from x
             # itself (on the first stage it may carry the step's graph: a parameter applied before the Sequential)
             # and forward's random state and buffers; the stream and the buffers end as if nothing were rerun
-            rng, around, host = replay
-            with (torch.random.fork_rng(devices=[]), self._streams[c].replaying(host), buffers.replaying(around),
+            rng, around, drawn = replay
+            with (torch.random.fork_rng(devices=[]), self._streams[c].replaying(drawn), buffers.replaying(around),
                   torch.enable_grad(), io.forward_context()):
                 torch.set_rng_state(rng)
                 out = self.chunks[c](act.entries(x))
