@@ -423,6 +423,12 @@ class TorchvisionResNet(TorchvisionViT):
         self.net = torchvision.models.ResNet(torchvision.models.resnet.BasicBlock, [1, 1, 1, 1], num_classes=10)
 
 
+class TorchvisionResNetSplit(TorchvisionResNet):
+    """Each stage's block split as torch's ``parallelize_module`` plans are written: shell-style components."""
+
+    tp_plan = {"net.layer*.0.conv1": "column", "net.layer*.0.bn1": "between", "net.layer[1-4].0.conv2": "row"}
+
+
 TORCHVISION_RUNS = {
     "vit-ddp": (TorchvisionViT, LAYOUTS["ddp"]), "vit-fsdp": (TorchvisionViT, LAYOUTS["fsdp"]),
     "vit-fsdp-copy": (TorchvisionViT, LAYOUTS["fsdp-copy"]), "vit-tp2": (TorchvisionViT, LAYOUTS["tp2"]),
@@ -430,6 +436,7 @@ TORCHVISION_RUNS = {
                                                               tensor_parallel_size=2), 4, 2)),
     "resnet-ddp-sync-bn": (TorchvisionResNet, LAYOUTS["ddp"]),
     "resnet-fsdp-sync-bn": (TorchvisionResNet, LAYOUTS["fsdp"]),
+    "resnet-tp2": (TorchvisionResNetSplit, LAYOUTS["tp2"]),
 }
 
 
@@ -439,7 +446,7 @@ def test_torchvision_models_equal_one_process(name):
     with a plan (a pipeline needs the user's Sequential of their parts). The ResNet with ``sync_batchnorm``:
     statistics of the global batch, one process's."""
     model_cls, (strategy, devices, dp) = TORCHVISION_RUNS[name]
-    kw = {"sync_batchnorm": True} if model_cls is TorchvisionResNet else {}
+    kw = {"sync_batchnorm": True} if model_cls is TorchvisionResNet else {}  # tp2's one replica needs none
     _trained_and_validated_as_one_process(model_cls, strategy(), devices, dp, GLOBAL_BATCH * 3, **kw)
 
 

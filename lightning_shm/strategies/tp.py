@@ -21,9 +21,9 @@ class SHMTensorParallel(SHMModelParallel):
     Args:
         tensor_parallel_size: ranks that split each planned layer; must divide ``devices``.
         plan: ``{module path pattern: "column" | "row" | "column_gathered" | "replicate" | {"style": ...,
-            "head_dim": ...}}`` (``*`` matches one path component); default: the module's ``tp_plan``
-            attribute, else derived for its Sequential (Linear / Conv1d-3d layers paired column -> row; a
-            Linear followed by one at most 1/tp its size gathered instead, see ``derive_plan``).
+            "head_dim": ...}}`` (each path component matched shell-style: ``*``, ``layer*``); default: the
+            module's ``tp_plan`` attribute, else derived for its Sequential (Linear / Conv1d-3d layers paired
+            column -> row; a Linear followed by one at most 1/tp its size gathered instead, see ``derive_plan``).
         sequential: attribute path of the ``nn.Sequential`` a plan is derived from (default: the first one).
         **kwargs: ``tp_batch`` (how the ranks of a tp group come to compute on the same batch) and the
             rest of :class:`~lightning_shm.strategies.model_parallel.SHMModelParallel`.

@@ -1,7 +1,8 @@
 """Tensor-parallel plans: which layers are split how, as data keyed by qualified module name.
 
-A plan maps module paths relative to the LightningModule -- ``*`` matching exactly one path
-component, as Hugging Face models declare their ``tp_plan`` -- to a style::
+A plan maps module paths relative to the LightningModule -- each path component matched shell-style, ``*``
+a whole one (as Hugging Face models declare their ``tp_plan``), ``layer*`` or ``[0-3]`` a part of one (as torch's
+``parallelize_module`` matches its plans) -- to a style::
 
     {"net.*.attn.q": "column", "net.*.attn.k": "column", "net.*.attn.v": "column",
      "net.*.attn.o": "row", "net.*.mlp.fc1": "column", "net.*.mlp.fc2": "row"}
@@ -42,6 +43,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from fnmatch import fnmatchcase
 from typing import Any, Mapping, Optional, Sequence
 
 from torch import nn
@@ -125,8 +127,10 @@ def parse_plan(plan: Mapping[str, Any]) -> dict[str, LayerPlan]:
 
 
 def _matches(pattern: list[str], name: str) -> bool:
+    """Each component of the path against the pattern's, shell-style (``*``, ``layer*``, ``[0-3]``), as torch's
+    ``parallelize_module`` matches its plans' keys."""
     parts = name.split(".")
-    return len(parts) == len(pattern) and all(p in ("*", q) for p, q in zip(pattern, parts))
+    return len(parts) == len(pattern) and all(fnmatchcase(q, p) for p, q in zip(pattern, parts))
 
 
 def resolve_plan(module: nn.Module, plan: Mapping[str, Any]) -> dict[str, LayerPlan]:
