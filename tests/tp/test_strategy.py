@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import pickle
 from functools import partial
 
 import lightning.pytorch as pl
@@ -16,6 +17,7 @@ from lightning_shm import SHMModelParallel, SHMTensorParallel
 from lightning_shm.models import MNISTClassifier, build_mlp
 from lightning_shm.parallel.tp import TensorParallelState, check_plan, derive_plan, plan_for
 from lightning_shm.parallel.tp.loading import gather_rows, is_group_batch
+from lightning_shm.parallel.tp.plan import parse_plan
 from lightning_shm.runtime import launch
 from tests.helpers import (
     GLOBAL_BATCH,
@@ -222,6 +224,36 @@ def test_user_plan_as_data_and_global_norm_clipping():
     ref = train_mnist("auto", 1, "sgd", batch=GLOBAL_BATCH, ref=True, **kw)
     got = train_mnist(tp(2, plan=plan), 2, "sgd", batch=GLOBAL_BATCH, **kw)
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
+
+
+def test_a_plan_of_torchs_parallel_styles_trains_as_the_same_plan_in_words():
+    """A module written for Lightning's ``ModelParallelStrategy`` keeps its ``parallelize_module`` plan: torch's
+    ``ColwiseParallel()`` is "column", ``ColwiseParallel(output_layouts=Replicate())`` "column_gathered",
+    ``RowwiseParallel()`` "row" (until 2026-12-07: "expected a style"). The plan travels to spawned workers too."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    torch_plan = {"net.1": ColwiseParallel(), "net.2": "between", "net.4": RowwiseParallel(),
+                  "net.7": ColwiseParallel(output_layouts=Replicate())}
+    words = {"net.1": "column", "net.2": "between", "net.4": "row", "net.7": "column_gathered"}
+    assert {k: v.style for k, v in parse_plan(pickle.loads(pickle.dumps(torch_plan))).items()} == words
+    got = train_mnist(tp(2, plan=torch_plan), 2, "adam", batch=GLOBAL_BATCH)
+    torch.testing.assert_close(got, train_mnist(tp(2, plan=words), 2, "adam", batch=GLOBAL_BATCH), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("style, said", [
+    ("SequenceParallel()", r"SequenceParallel\(.*\) has no counterpart here: ColwiseParallel\(\) is 'column'"),
+    ("RowwiseParallel(output_layouts=Shard(1))", r"RowwiseParallel\(.*Shard\(dim=1\).*\) has no counterpart"),
+    ("ColwiseParallel(input_layouts=Shard(1))", r"ColwiseParallel\(.*Shard\(dim=1\).*\) has no counterpart"),
+    ("ColwiseParallel(use_local_output=False)", r"ColwiseParallel\(.*\) has no counterpart.*use_local_output=True"),
+])
+def test_torchs_parallel_styles_without_a_counterpart_fail_before_launch(style, said):
+    from torch.distributed.tensor import Shard  # noqa: F401 - the styles' arguments
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel  # noqa: F401
+
+    plan = {"net.1": eval(style), "net.4": "row"}
+    with pytest.raises(ValueError, match=r"plan entry 'net.1': " + said):
+        trainer(strategy=tp(2, plan=plan), devices=2, max_epochs=1).fit(MNISTClassifier(), loader(mnist_like(8), 4))
 
 
 def _param_bytes(world):

@@ -42,6 +42,7 @@ starts.
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import Any, Mapping, Optional, Sequence
@@ -109,7 +110,8 @@ class LayerPlan:
 
 
 def parse_plan(plan: Mapping[str, Any]) -> dict[str, LayerPlan]:
-    """``{pattern: "column" | {"style": ..., "head_dim": ...}}`` -> ``{pattern: LayerPlan}``."""
+    """``{pattern: "column" | {"style": ..., "head_dim": ...} | ColwiseParallel() | ...}`` -> ``{pattern:
+    LayerPlan}``."""
     out = {}
     for pattern, value in plan.items():
         try:
@@ -119,11 +121,37 @@ def parse_plan(plan: Mapping[str, Any]) -> dict[str, LayerPlan]:
                 out[pattern] = LayerPlan(value)
             elif isinstance(value, Mapping) and set(value) <= {"style", "head_dim"} and "style" in value:
                 out[pattern] = LayerPlan(value["style"], value.get("head_dim"))
+            elif _torch_style(value) is not None:
+                out[pattern] = LayerPlan(_torch_style(value))
             else:
                 raise ValueError(f"expected a style or {{'style': ..., 'head_dim': ...}}, got {value!r}")
         except ValueError as e:
             raise ValueError(f"plan entry '{pattern}': {e}") from None
     return out
+
+
+def _torch_style(value: Any) -> Optional[str]:
+    """The style of torch's ``ColwiseParallel`` / ``RowwiseParallel`` as ``parallelize_module`` plans use them
+    (a module written for Lightning's ``ModelParallelStrategy`` keeps its plan); None for anything else. Only
+    their default layouts (and a column's gathered output) have a counterpart: sequence parallelism (``Shard(1)``)
+    and ``DTensor`` outputs (``use_local_output=False``) are refused by name."""
+    style_mod = sys.modules.get("torch.distributed.tensor.parallel.style")
+    if style_mod is None or not isinstance(value, style_mod.ParallelStyle):
+        return None
+    from torch.distributed.tensor import Replicate, Shard
+
+    layouts = (getattr(value, "input_layouts", None), getattr(value, "output_layouts", None))
+    local = getattr(value, "use_local_output", False)
+    if type(value) is style_mod.ColwiseParallel and local and layouts == ((Replicate(),), (Shard(-1),)):
+        return "column"
+    if type(value) is style_mod.ColwiseParallel and local and layouts == ((Replicate(),), (Replicate(),)):
+        return "column_gathered"
+    if type(value) is style_mod.RowwiseParallel and local and layouts == ((Shard(-1),), (Replicate(),)):
+        return "row"
+    raise ValueError(f"{value!r} has no counterpart here: ColwiseParallel() is 'column', ColwiseParallel("
+                     f"output_layouts=Replicate()) 'column_gathered', RowwiseParallel() 'row' (their default "
+                     f"layouts, use_local_output=True); sequence parallelism (Shard(1) layouts), SequenceParallel "
+                     f"and PrepareModuleInput / Output have none")
 
 
 def _matches(pattern: list[str], name: str) -> bool:
