@@ -560,6 +560,49 @@ def test_1d_and_3d_convolutions_split_by_tensor_parallelism_equal_one_process(mo
                                           sync_batchnorm=dp > 1)
 
 
+# ---------------------------------------------------------------------- a vocabulary split by tensor parallelism
+class _Tokens(torch.nn.Module):
+    """[B, 1, 28, 28] -> [B, 49] token ids: the image pooled to 7 x 7, each cell's intensity in 16 levels, offset
+    by its position -- a vocabulary of 784 words, and id 0 (position 0 dark, as most images are there) for the
+    padding row."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        levels = (torch.nn.functional.avg_pool2d(x, 4).flatten(1).clamp(0, 1) * 15).round().long()
+        return levels + 16 * torch.arange(49)
+
+
+class _MeanOverTokens(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.mean(1)
+
+
+class TokenClassifier(MNISTClassifier):
+    """An embedding table as language models open with (its largest layer), then an MLP: the plan splits the
+    table's vocabulary ('row') and the MLP's pair, as a transformer's embedding and blocks are split."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        nn = torch.nn
+        self.net = nn.Sequential(_Tokens(), nn.Embedding(784, 32, padding_idx=0), _MeanOverTokens(), nn.Linear(32, 64),
+                                 nn.ReLU(), nn.Linear(64, 10))
+        self.tp_plan = {"net.1": "row", "net.3": "column", "net.5": "row"}
+
+
+@pytest.mark.parametrize("name", ["tp2", "tp3-uneven", "dp2xtp2-shard", "tp2xpp2"])
+def test_an_embedding_split_by_its_vocabulary_equals_one_process(name):
+    """Each rank holds a block of the table's rows and looks up the ids it holds; an all-reduce sums the lookups
+    (until 2026-12-07 an nn.Embedding could not be split: "only nn.Linear and nn.Conv1d / Conv2d / Conv3d")."""
+    strategy, devices, dp = {
+        "tp2": (lambda: SHMTensorParallel(start_method="fork", tensor_parallel_size=2), 2, 1),
+        "tp3-uneven": (lambda: SHMTensorParallel(start_method="fork", tensor_parallel_size=3), 3, 1),  # 262, 261, 261
+        "dp2xtp2-shard": (lambda: SHMModelParallel(start_method="fork", data_parallel_size=2, tensor_parallel_size=2,
+                                                   data_parallel="shard"), 4, 2),
+        "tp2xpp2": (lambda: SHMModelParallel(start_method="fork", tensor_parallel_size=2, pipeline_parallel_size=2,
+                                             microbatches=2), 4, 1),
+    }[name]
+    _trained_and_validated_as_one_process(TokenClassifier, strategy(), devices, dp, GLOBAL_BATCH * 2)
+
+
 # ---------------------------------------------------------------------- a recurrent model
 class _LastStep(torch.nn.Module):
     """An LSTM over the image's 28 rows, its last step's output: the RNN keeps its weights in ``_flat_weights``

@@ -303,6 +303,15 @@ class Seq(pl.LightningModule):
         self.net = nn.Sequential(*layers)
 
 
+class _TiedHead(nn.Module):
+    """An embedding whose table is also the output layer's weight, as language models tie them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Embedding(10, 8), nn.Linear(8, 10, bias=False)
+        self.head.weight = self.embed.weight
+
+
 class _GroupNormBlock(nn.Module):
     """conv1 -> GroupNorm(2, 8) -> conv2 in its own forward (the plan must say where the norm runs)."""
 
@@ -347,6 +356,17 @@ class _GroupNormBlock(nn.Module):
         ((nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 2)),
          {"net.0": "column", "net.1": "column_gathered", "net.2": "row"},
          "'column_gathered' layer 'net.1' sits between column layer 'net.0' and its row layer"),
+        ((nn.Embedding(10, 8), nn.Linear(8, 2)), {"net.0": "column"},
+         r"'net.0' is an nn.Embedding planned 'column': an embedding splits its vocabulary.*plan it 'row'"),
+        ((nn.Embedding(10, 8, max_norm=1.0, scale_grad_by_freq=True), nn.Linear(8, 2)), {"net.0": "row"},
+         r"'net.0' \(row\) is an nn.Embedding with max_norm=1.0 \(renormalises the rows it looks up in place\), "
+         r"scale_grad_by_freq=True \(scales by how often each id occurs in the batch\): a rank looks up only"),
+        ((nn.Embedding(3, 8), nn.Linear(8, 2)), {"net.0": "row"},
+         r"row layer 'net.0' has 3 embeddings, fewer than tp=4"),
+        ((nn.Linear(4, 8), nn.Embedding(10, 8), nn.Linear(8, 2)), {"net.0": "column", "net.1": "row", "net.2": "row"},
+         r"embedding 'net.1' sits between column layer 'net.0' and its row layer"),
+        ((_TiedHead(),), {"net.0.embed": "row"},
+         r"'net.0.embed' \(row\) holds 'net.0.embed.weight', which is also 'net.0.head.weight'"),
     ],
 )
 def test_bad_plans_fail_before_launch(layers, plan, match):

@@ -7,6 +7,7 @@ from lightning_shm.parallel.tp.layers import (
     RowParallelConv1d,
     RowParallelConv2d,
     RowParallelConv3d,
+    RowParallelEmbedding,
     RowParallelLinear,
     ShardedLayerNorm,
     sliced_batchnorm,
@@ -28,8 +29,8 @@ from lightning_shm.parallel.tp.state import TensorParallelState
 
 __all__ = [
     "ColumnParallelConv1d", "ColumnParallelConv2d", "ColumnParallelConv3d", "ColumnParallelLinear", "LayerPlan",
-    "LayerSplit", "RowParallelConv1d", "RowParallelConv2d", "RowParallelConv3d", "RowParallelLinear", "STYLES",
-    "ShardedLayerNorm", "TensorParallelState", "apply_plan", "check_plan", "copy_to_tp", "derive_plan",
-    "distributed_layer_norm", "plan_for", "reduce_from_tp", "resolve_plan", "sliced_batchnorm", "sliced_grouped_conv",
-    "sliced_groupnorm",
+    "LayerSplit", "RowParallelConv1d", "RowParallelConv2d", "RowParallelConv3d", "RowParallelEmbedding",
+    "RowParallelLinear", "STYLES", "ShardedLayerNorm", "TensorParallelState", "apply_plan", "check_plan", "copy_to_tp",
+    "derive_plan", "distributed_layer_norm", "plan_for", "reduce_from_tp", "resolve_plan", "sliced_batchnorm",
+    "sliced_grouped_conv", "sliced_groupnorm",
 ]

@@ -127,6 +127,43 @@ class RowParallelLinear(nn.Linear):
         return f"in={self.in_features} of {self.full_in_features}, out={self.out_features}, tp={self.group.size}"
 
 
+class RowParallelEmbedding(nn.Embedding):
+    """The vocabulary split across the group (Megatron's vocab-parallel embedding, torch's ``RowwiseParallel`` on
+    an ``nn.Embedding``): the table's rows are its largest dimension, so each rank holds a block of them. Every id
+    lives on exactly one rank; the others look up zeros, and an all-reduce sums the lookups -- each value plus
+    zeros, so one process's rows exactly::
+
+        table W [V, D]: rank 0 rows 0..V_0-1, rank 1 rows V_0..V-1
+        ids [B, T] on both ranks -> rows of the ids this rank holds, zeros elsewhere [B, T, D]
+                                 --all-reduce--> [B, T, D] on both (backward: each rank's rows get their ids' grads)
+    """
+
+    split_dims = {"weight": 0}
+
+    def __init__(self, full: nn.Embedding, group: Group, sizes: Optional[Sequence[int]] = None,
+                 random: Optional[SplitRegionRandom] = None) -> None:
+        nn.Module.__init__(self)  # not nn.Embedding's: it would allocate the whole table
+        self.group, self.full_num_embeddings, self.embedding_dim = group, full.num_embeddings, full.embedding_dim
+        self.sizes = list(sizes or even_split_sizes(full.num_embeddings, group.size))
+        self.first, self.num_embeddings = sum(self.sizes[:group.index]), self.sizes[group.index]
+        pad = full.padding_idx
+        self.padding_idx = pad - self.first if pad is not None and 0 <= pad - self.first < self.num_embeddings else None
+        self.full_padding_idx = pad
+        self.max_norm, self.norm_type = full.max_norm, full.norm_type  # None: the plan refuses a max_norm
+        self.scale_grad_by_freq, self.sparse = full.scale_grad_by_freq, full.sparse  # False: refused too
+        self.weight = _slice(full.weight, 0, self.sizes, group.index)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.first
+        elsewhere = (local < 0) | (local >= self.num_embeddings)
+        rows = F.embedding(local.masked_fill(elsewhere, 0), self.weight, self.padding_idx)
+        return reduce_from_tp(rows.masked_fill(elsewhere.unsqueeze(-1), 0), self.group)
+
+    def extra_repr(self) -> str:
+        return (f"rows {self.first}..{self.first + self.num_embeddings - 1} of {self.full_num_embeddings}, "
+                f"dim={self.embedding_dim}, tp={self.group.size}")
+
+
 class _SplitConv:
     """What the column and row convolutions of every dimension (Conv1d, Conv2d, Conv3d) share: the full layer's
     geometry, and its forward (torch's own ``_conv_forward``) over this rank's piece of the weight."""

@@ -12,7 +12,9 @@ a whole one (as Hugging Face models declare their ``tp_plan``), ``layer*`` or ``
 * ``"column_gathered"``: a ``Linear`` split like ``"column"`` whose outputs are all-gathered, so
   everything after it runs replicated on the whole features (Megatron's ``gather_output``; Hugging
   Face's ``"colwise_rep"``). One collective forward, none backward, no row layer needed.
-* ``"row"``: input features (channels) split; partial outputs all-reduced; bias added once.
+* ``"row"``: input features (channels) split; partial outputs all-reduced; bias added once. On an
+  ``nn.Embedding``: its vocabulary split (the table's rows; Megatron's vocab-parallel embedding), ids in, whole
+  rows out -- no column layer before it.
 * ``"replicate"``: every rank holds the whole layer (the default for anything not planned).
 * ``"between"``: a norm (LayerNorm, BatchNorm, InstanceNorm, GroupNorm) or a grouped convolution that a block's own
   ``forward`` runs on a column layer's output before the row layer -- a ResNet block's ``bn1`` between ``conv1``
@@ -64,6 +66,7 @@ from lightning_shm.parallel.tp.layers import (
     COLUMN_CONV,
     ROW_CONV,
     ColumnParallelLinear,
+    RowParallelEmbedding,
     RowParallelLinear,
     ShardedLayerNorm,
     conv_groups_fit,
@@ -94,6 +97,7 @@ _BETWEEN = {
 _NORMS = (nn.LayerNorm, nn.modules.batchnorm._NormBase, nn.GroupNorm)
 _SPLITTABLE = (nn.Linear, *_CONVS)
 _SPLIT_LAYERS = {("column", nn.Linear): ColumnParallelLinear, ("row", nn.Linear): RowParallelLinear,
+                 ("row", nn.Embedding): RowParallelEmbedding,
                  **{("column", k): c for k, c in COLUMN_CONV.items()}, **{("row", k): c for k, c in ROW_CONV.items()}}
 
 
@@ -272,10 +276,13 @@ def plan_for(module: nn.Module, plan: Optional[Mapping[str, Any]], tp: int, sequ
 
 
 def split_sizes(name: str, layer: nn.Module, lp: LayerPlan, tp: int, parent: Optional[nn.Module]) -> list[int]:
-    """Features (channels) per rank of a column or row layer; whole heads when a head_dim applies."""
+    """Features (channels) per rank of a column or row layer; whole heads when a head_dim applies; an embedding's
+    vocabulary rows."""
+    if isinstance(layer, nn.Embedding):
+        return _vocabulary_sizes(name, layer, lp, tp)
     if not isinstance(layer, _SPLITTABLE):
         raise ValueError(f"'{name}' is a {type(layer).__name__}; only nn.Linear and nn.Conv1d / Conv2d / Conv3d can "
-                         f"be '{lp.style}'")
+                         f"be '{lp.style}' (and an nn.Embedding 'row')")
     if lp.style == "column_gathered" and not isinstance(layer, nn.Linear):
         raise ValueError(f"'{name}' is a {type(layer).__name__}; only nn.Linear can be 'column_gathered'")
     if lp.style in ("column", "column_gathered"):
@@ -298,6 +305,23 @@ def split_sizes(name: str, layer: nn.Module, lp: LayerPlan, tp: int, parent: Opt
     if n < tp:
         raise ValueError(f"{lp.style} layer '{name}' has {n} {what}, fewer than tp={tp}")
     return even_split_sizes(n, tp)
+
+
+def _vocabulary_sizes(name: str, layer: nn.Embedding, lp: LayerPlan, tp: int) -> list[int]:
+    """Rows per rank of an embedding split by its vocabulary (:class:`RowParallelEmbedding`)."""
+    if lp.style != "row":
+        raise ValueError(f"'{name}' is an nn.Embedding planned '{lp.style}': an embedding splits its vocabulary, the "
+                         "rows of its table -- plan it 'row' (torch's RowwiseParallel())")
+    odd = {"max_norm": (layer.max_norm, "renormalises the rows it looks up in place"),
+           "scale_grad_by_freq": (layer.scale_grad_by_freq, "scales by how often each id occurs in the batch"),
+           "sparse": (layer.sparse, "gives sparse gradients")}
+    said = [f"{k}={v!r} ({why})" for k, (v, why) in odd.items() if v]
+    if said:
+        raise ValueError(f"'{name}' (row) is an nn.Embedding with {', '.join(said)}: a rank looks up only the ids "
+                         "its rows hold. Leave it replicated")
+    if layer.num_embeddings < tp:
+        raise ValueError(f"row layer '{name}' has {layer.num_embeddings} embeddings, fewer than tp={tp}")
+    return even_split_sizes(layer.num_embeddings, tp)
 
 
 @dataclass(frozen=True)
@@ -344,7 +368,7 @@ def check_plan(module: nn.Module, plan: Mapping[str, LayerPlan], tp: int) -> dic
                              "layer splits a plain convolution's channels. Leave it replicated (a grouped one with as "
                              "many output as input channels runs split between a column and a row layer, on whole "
                              "groups)")
-        how = computed_weight(mods[name]) if isinstance(mods[name], _SPLITTABLE) else None
+        how = computed_weight(mods[name]) if isinstance(mods[name], (*_SPLITTABLE, nn.Embedding)) else None
         if how:
             raise ValueError(f"'{name}' ({lp.style}) computes its weight from other parameters ({how}): the "
                              "computation (a norm over the whole weight) cannot run on a piece of it. Leave the "
@@ -422,6 +446,9 @@ def _check_sequential(seq: nn.Sequential, prefix: str, splits: Mapping[str, Laye
             if region is not None:
                 raise ValueError(f"column layer '{q}' starts before column layer '{region[0]}' met its row layer")
             region = (q, _kind(m))  # type: ignore[assignment]
+        elif role == "row" and isinstance(m, nn.Embedding):  # takes ids, gives whole rows: no pair
+            if region is not None:
+                raise ValueError(f"embedding '{q}' sits between column layer '{region[0]}' and its row layer")
         elif role == "row":
             if region is None:
                 raise ValueError(f"row layer '{q}' has no column layer before it in its nn.Sequential (a row layer "
@@ -467,7 +494,8 @@ def apply_plan(module: nn.Module, splits: Mapping[str, LayerSplit], group: Group
         layer = local.get(name)
         if layer is None:
             continue
-        if sp.role != "column_gathered":  # the user's forward hooks see whole tensors, as in one process
+        # the user's forward hooks see whole tensors, as in one process (an embedding's ids and rows are whole)
+        if sp.role != "column_gathered" and not isinstance(layer, nn.Embedding):
             dim = 1 if isinstance(layer, (*_CONVS, nn.modules.batchnorm._NormBase, nn.GroupNorm)) else -1
             whole_tensors_for_hooks(layer, group, sp.sizes, dim, inputs_split=sp.role != "column",
                                     output_split=sp.role != "row")  # (before a copy of the layer takes them)
@@ -480,7 +508,8 @@ def apply_plan(module: nn.Module, splits: Mapping[str, LayerSplit], group: Group
             if sp.role == "column_gathered":
                 new = ColumnParallelLinear(layer, group, sp.sizes, gather_output=True)
             else:
-                new = _SPLIT_LAYERS[(sp.role, _kind(layer))](layer, group, sp.sizes, random=random)
+                kind = nn.Embedding if isinstance(layer, nn.Embedding) else _kind(layer)
+                new = _SPLIT_LAYERS[(sp.role, kind)](layer, group, sp.sizes, random=random)
         carry_over_module(layer, new)  # the user's hooks on the layer run on its tensor-parallel version
         replaced[name] = new
     _say_when_split_features_reach(local, splits)
@@ -557,13 +586,14 @@ def _numel(m: nn.Module) -> int:
 
 
 def _plain(m: nn.Module) -> Optional[type]:
-    return next((t for t in (nn.Linear, *_CONVS, nn.LayerNorm) if isinstance(m, t)), None)
+    return next((t for t in (nn.Linear, *_CONVS, nn.LayerNorm, nn.Embedding) if isinstance(m, t)), None)
 
 
 def own_behaviour(m: nn.Module) -> str:
-    """What ``m``'s class adds to the plain Linear / Conv1d-3d / LayerNorm it derives from ('' if nothing): its own
-    forward (a scaled or LoRA Linear), or parameters and modules besides weight and bias. A tensor-parallel
-    layer replaces the module and would silently drop it. A computed weight is :func:`computed_weight`'s."""
+    """What ``m``'s class adds to the plain Linear / Conv1d-3d / LayerNorm / Embedding it derives from ('' if
+    nothing): its own forward (a scaled or LoRA Linear), or parameters and modules besides weight and bias. A
+    tensor-parallel layer replaces the module and would silently drop it. A computed weight is
+    :func:`computed_weight`'s."""
     plain = _plain(m)
     if plain is None or computed_weight(m):
         return ""
