@@ -148,7 +148,6 @@ class RowParallelEmbedding(nn.Embedding):
         self.first, self.num_embeddings = sum(self.sizes[:group.index]), self.sizes[group.index]
         pad = full.padding_idx
         self.padding_idx = pad - self.first if pad is not None and 0 <= pad - self.first < self.num_embeddings else None
-        self.full_padding_idx = pad
         self.max_norm, self.norm_type = full.max_norm, full.norm_type  # None: the plan refuses a max_norm
         self.scale_grad_by_freq, self.sparse = full.scale_grad_by_freq, full.sparse  # False: refused too
         self.weight = _slice(full.weight, 0, self.sizes, group.index)

@@ -125,8 +125,8 @@ def parse_plan(plan: Mapping[str, Any]) -> dict[str, LayerPlan]:
                 out[pattern] = LayerPlan(value)
             elif isinstance(value, Mapping) and set(value) <= {"style", "head_dim"} and "style" in value:
                 out[pattern] = LayerPlan(value["style"], value.get("head_dim"))
-            elif _torch_style(value) is not None:
-                out[pattern] = LayerPlan(_torch_style(value))
+            elif (style := _torch_style(value)) is not None:
+                out[pattern] = LayerPlan(style)
             else:
                 raise ValueError(f"expected a style or {{'style': ..., 'head_dim': ...}}, got {value!r}")
         except ValueError as e:
@@ -153,9 +153,9 @@ def _torch_style(value: Any) -> Optional[str]:
     if type(value) is style_mod.RowwiseParallel and local and layouts == ((Shard(-1),), (Replicate(),)):
         return "row"
     raise ValueError(f"{value!r} has no counterpart here: ColwiseParallel() is 'column', ColwiseParallel("
-                     f"output_layouts=Replicate()) 'column_gathered', RowwiseParallel() 'row' (their default "
-                     f"layouts, use_local_output=True); sequence parallelism (Shard(1) layouts), SequenceParallel "
-                     f"and PrepareModuleInput / Output have none")
+                     "output_layouts=Replicate()) 'column_gathered', RowwiseParallel() 'row' (their default "
+                     "layouts, use_local_output=True); sequence parallelism (Shard(1) layouts), SequenceParallel "
+                     "and PrepareModuleInput / Output have none")
 
 
 def _matches(pattern: list[str], name: str) -> bool:
