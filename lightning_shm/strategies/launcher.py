@@ -36,6 +36,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException, _TunerExitE
 from lightning_utilities.core.apply_func import apply_to_collection
 
 from lightning_shm.runtime import LaunchConfig, Launcher, World, stacks
+from lightning_shm.strategies.lightning_args import note_device_mesh
 from lightning_shm.strategies.loggers import (
     apply_logger_writers,
     carried,
@@ -233,6 +234,7 @@ def _run_in_worker(world: World, launcher: SHMLauncher, trainer: Optional["pl.Tr
         except BaseException as exc:
             if not (isinstance(exc, (KeyboardInterrupt, SIGTERMException)) and strategy.stop_agreed):
                 note_loop_position(trainer, exc)
+                note_device_mesh(trainer.lightning_module, exc)
                 # a failure (a stop no rank agreed on included): handled here only where every rank failed
                 if strategy.num_nodes == 1:
                     on_exception_where_all_failed(trainer, world.world_group, exc)

@@ -9,7 +9,10 @@ is made, before any worker starts. ``timeout`` (a ``timedelta`` too) and ``find_
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+import traceback
+from typing import Any, Mapping, Optional
+
+from torch import nn
 
 _COMM_HOOKS = ("gradients are averaged in shared-memory buckets in their own dtype; no communication hook or "
                "periodic model averaging runs (a compressed all-reduce would change the numbers)")
@@ -55,3 +58,19 @@ def refuse_lightning_only(strategy: str, kwargs: Mapping[str, Any]) -> None:
     if known:
         said = "; ".join(f"{name}={kwargs[name]!r}: {INSTEAD[name]}" for name in known)
         raise TypeError(f"{strategy} does not take Lightning's {', '.join(known)} -- {said}")
+
+
+def note_device_mesh(module: Optional[nn.Module], exc: BaseException) -> None:
+    """A module written for Lightning's ``ModelParallelStrategy`` parallelizes itself in ``configure_model`` with
+    ``self.device_mesh``, which is None here: Python says only "'NoneType' object is not subscriptable". When
+    ``exc`` came from a line of ``configure_model`` reading it, a note says what takes its place."""
+    if module is None or getattr(module, "device_mesh", None) is not None or not isinstance(
+            exc, (TypeError, AttributeError)):
+        return
+    if any(f.name == "configure_model" and "device_mesh" in (f.line or "") for f in traceback.extract_tb(
+            exc.__traceback__)):
+        exc.add_note("configure_model reads self.device_mesh, which Lightning's ModelParallelStrategy gives a module "
+                     "to call torch's parallelize_module with. The shm strategies have none (it is None): they apply "
+                     "a tensor-parallel plan themselves. Give it as SHMTensorParallel(plan=...) or as the module's "
+                     "tp_plan attribute -- torch's ColwiseParallel() / RowwiseParallel() are taken as they are -- "
+                     "and leave configure_model to build layers.")

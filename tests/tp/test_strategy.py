@@ -241,6 +241,25 @@ def test_a_plan_of_torchs_parallel_styles_trains_as_the_same_plan_in_words():
     torch.testing.assert_close(got, train_mnist(tp(2, plan=words), 2, "adam", batch=GLOBAL_BATCH), rtol=0, atol=0)
 
 
+class _PortedFromModelParallel(MNISTClassifier):
+    """Lightning's ModelParallelStrategy recipe: the module parallelizes itself with the mesh it is given."""
+
+    def configure_model(self):
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        tp_mesh = self.device_mesh["tensor_parallel"]
+        parallelize_module(self.net, tp_mesh, {"1": ColwiseParallel(), "4": RowwiseParallel()})
+
+
+def test_a_module_parallelizing_itself_with_lightnings_device_mesh_is_told_what_takes_its_place():
+    """Its configure_model failed with Python's "'NoneType' object is not subscriptable" alone."""
+    with pytest.raises(TypeError, match="'NoneType' object is not subscriptable") as info:
+        trainer(strategy=tp(2), devices=2, max_steps=1).fit(_PortedFromModelParallel(), loader(mnist_like(8), 4))
+    notes = "\n".join(info.value.__notes__)
+    assert "configure_model reads self.device_mesh, which Lightning's ModelParallelStrategy gives" in notes, notes
+    assert "SHMTensorParallel(plan=...) or as the module's tp_plan attribute" in notes, notes
+
+
 @pytest.mark.parametrize("style, said", [
     ("SequenceParallel()", r"SequenceParallel\(.*\) has no counterpart here: ColwiseParallel\(\) is 'column'"),
     ("RowwiseParallel(output_layouts=Shard(1))", r"RowwiseParallel\(.*Shard\(dim=1\).*\) has no counterpart"),
