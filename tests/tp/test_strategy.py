@@ -229,7 +229,8 @@ def test_user_plan_as_data_and_global_norm_clipping():
 def test_a_plan_of_torchs_parallel_styles_trains_as_the_same_plan_in_words():
     """A module written for Lightning's ``ModelParallelStrategy`` keeps its ``parallelize_module`` plan: torch's
     ``ColwiseParallel()`` is "column", ``ColwiseParallel(output_layouts=Replicate())`` "column_gathered",
-    ``RowwiseParallel()`` "row" (until 2026-12-07: "expected a style"). The plan travels to spawned workers too."""
+    ``RowwiseParallel()`` "row" (until 2026-12-07: "expected a style"). The plan travels to spawned workers too.
+    Hugging Face's words for them, "colwise", "rowwise", "colwise_rep", are taken too."""
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
@@ -237,6 +238,8 @@ def test_a_plan_of_torchs_parallel_styles_trains_as_the_same_plan_in_words():
                   "net.7": ColwiseParallel(output_layouts=Replicate())}
     words = {"net.1": "column", "net.2": "between", "net.4": "row", "net.7": "column_gathered"}
     assert {k: v.style for k, v in parse_plan(pickle.loads(pickle.dumps(torch_plan))).items()} == words
+    hugging_face = {"net.1": "colwise", "net.2": "between", "net.4": "rowwise", "net.7": "colwise_rep"}
+    assert {k: v.style for k, v in parse_plan(hugging_face).items()} == words
     got = train_mnist(tp(2, plan=torch_plan), 2, "adam", batch=GLOBAL_BATCH)
     torch.testing.assert_close(got, train_mnist(tp(2, plan=words), 2, "adam", batch=GLOBAL_BATCH), rtol=0, atol=0)
 

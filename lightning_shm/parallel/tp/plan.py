@@ -80,6 +80,7 @@ from lightning_shm.parallel.tp.rng import SplitRegionRandom
 from lightning_shm.runtime import Group
 
 STYLES = ("column", "row", "replicate", "column_gathered", "between")
+HF_STYLES = {"colwise": "column", "rowwise": "row", "colwise_rep": "column_gathered"}  # Hugging Face's tp_plan words
 ELEMENTWISE = (nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.LeakyReLU, nn.ELU, nn.Identity, nn.Softplus,
                nn.Mish, nn.Hardswish, nn.Hardtanh, nn.ReLU6, nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d)
 _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
@@ -122,9 +123,9 @@ def parse_plan(plan: Mapping[str, Any]) -> dict[str, LayerPlan]:
             if isinstance(value, LayerPlan):
                 out[pattern] = value
             elif isinstance(value, str):
-                out[pattern] = LayerPlan(value)
+                out[pattern] = LayerPlan(HF_STYLES.get(value, value))
             elif isinstance(value, Mapping) and set(value) <= {"style", "head_dim"} and "style" in value:
-                out[pattern] = LayerPlan(value["style"], value.get("head_dim"))
+                out[pattern] = LayerPlan(HF_STYLES.get(value["style"], value["style"]), value.get("head_dim"))
             elif (style := _torch_style(value)) is not None:
                 out[pattern] = LayerPlan(style)
             else:
