@@ -588,10 +588,25 @@ class TokenClassifier(MNISTClassifier):
         self.tp_plan = {"net.1": "row", "net.3": "column", "net.5": "row"}
 
 
+class TiedTokenClassifier(MNISTClassifier):
+    """The table also scores the vocabulary, as a language model's output layer tied to its embedding does (one
+    tensor, two layers): both split by the vocabulary, each rank's piece held by both."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        nn = torch.nn
+        embed, scores = nn.Embedding(784, 32, padding_idx=0), nn.Linear(32, 784, bias=False)
+        scores.weight = embed.weight
+        self.net = nn.Sequential(_Tokens(), embed, _MeanOverTokens(), scores, nn.Tanh(), nn.Linear(784, 10))
+        self.tp_plan = {"net.1": "row", "net.3": "column_gathered"}
+
+
+@pytest.mark.parametrize("model_cls", [TokenClassifier, TiedTokenClassifier])
 @pytest.mark.parametrize("name", ["tp2", "tp3-uneven", "dp2xtp2-shard", "tp2xpp2"])
-def test_an_embedding_split_by_its_vocabulary_equals_one_process(name):
+def test_an_embedding_split_by_its_vocabulary_equals_one_process(name, model_cls):
     """Each rank holds a block of the table's rows and looks up the ids it holds; an all-reduce sums the lookups
-    (until 2026-12-07 an nn.Embedding could not be split: "only nn.Linear and nn.Conv1d / Conv2d / Conv3d")."""
+    (until 2026-12-07 an nn.Embedding could not be split: "only nn.Linear and nn.Conv1d / Conv2d / Conv3d"; a table
+    tied to an output layer could not be split either)."""
     strategy, devices, dp = {
         "tp2": (lambda: SHMTensorParallel(start_method="fork", tensor_parallel_size=2), 2, 1),
         "tp3-uneven": (lambda: SHMTensorParallel(start_method="fork", tensor_parallel_size=3), 3, 1),  # 262, 261, 261
@@ -600,7 +615,7 @@ def test_an_embedding_split_by_its_vocabulary_equals_one_process(name):
         "tp2xpp2": (lambda: SHMModelParallel(start_method="fork", tensor_parallel_size=2, pipeline_parallel_size=2,
                                              microbatches=2), 4, 1),
     }[name]
-    _trained_and_validated_as_one_process(TokenClassifier, strategy(), devices, dp, GLOBAL_BATCH * 2)
+    _trained_and_validated_as_one_process(model_cls, strategy(), devices, dp, GLOBAL_BATCH * 2)
 
 
 # ---------------------------------------------------------------------- a recurrent model

@@ -389,6 +389,9 @@ class _GroupNormBlock(nn.Module):
          r"embedding 'net.1' sits between column layer 'net.0' and its row layer"),
         ((_TiedHead(),), {"net.0.embed": "row"},
          r"'net.0.embed' \(row\) holds 'net.0.embed.weight', which is also 'net.0.head.weight'"),
+        ((_TiedHead(),), {"net.0.embed": "row", "net.0.head": "row"},  # the head's row cuts the other dimension
+         r"'net.0.embed' \(row\) holds 'net.0.embed.weight', which is also 'net.0.head.weight'.*or plan the other "
+         r"holder to cut the tensor alike"),
     ],
 )
 def test_bad_plans_fail_before_launch(layers, plan, match):

@@ -343,15 +343,14 @@ def check_plan(module: nn.Module, plan: Mapping[str, LayerPlan], tp: int) -> dic
     mods = dict(module.named_modules())
     holders = parameter_holders(module)
     out: dict[str, LayerSplit] = {}
+    ties: dict[str, list[str]] = {}  # a split layer's tensor -> the other names it is held under
     for name, lp in plan.items():
         if lp.style in ("replicate", "between"):  # "between": once the column layers' sizes are known
             continue
         for pname, p in mods[name].named_parameters(prefix=name):
             others = [h for h, _ in holders[id(p)] if h != pname and not h.startswith(f"{name}.")]
             if others:
-                raise ValueError(f"'{name}' ({lp.style}) holds '{pname}', which is also '{others[0]}': splitting the "
-                                 "layer gives each rank a piece of its own, and the other holder would keep training "
-                                 "the whole tensor apart from it. Leave the layer replicated, or untie the weights.")
+                ties[pname] = others  # checked once every layer's split is known
         reader = next((a for a in _ancestors(name) if isinstance(mods.get(a), nn.MultiheadAttention)), None)
         if reader is not None:
             raise ValueError(f"'{name}' ({lp.style}) is part of nn.MultiheadAttention '{reader}', whose forward reads "
@@ -376,11 +375,40 @@ def check_plan(module: nn.Module, plan: Mapping[str, LayerPlan], tp: int) -> dic
                              "layer replicated.")
         parent = mods.get(name.rpartition(".")[0]) if "." in name else module
         out[name] = LayerSplit(lp.style, tuple(split_sizes(name, mods[name], lp, tp, parent)))
+    for pname, others in ties.items():
+        _check_tie(pname, others, mods, out)
     for name in [n for n, lp in plan.items() if lp.style == "between"]:
         out[name] = _between(name, mods, out)
     for prefix, seq in [(n, m) for n, m in module.named_modules() if isinstance(m, nn.Sequential)]:
         out.update(_check_sequential(seq, prefix, out))
     return out
+
+
+def _check_tie(pname: str, others: Sequence[str], mods: Mapping[str, nn.Module],
+               splits: Mapping[str, LayerSplit]) -> None:
+    """A split layer's tensor that another module holds too (a language model's output layer tied to its
+    embedding) is split with it only when that module cuts it alike -- the same dimension, the same pieces:
+    both layers then hold each rank's one piece (:func:`apply_plan`). Else ValueError: the other holder would
+    train the whole tensor apart from the pieces."""
+    name, entry = pname.rsplit(".", 1)
+    for other in others:
+        oname, oentry = other.rsplit(".", 1)
+        dims = [_split_dim(mods[n], splits[n], e) if n in splits else None for n, e in ((name, entry), (oname, oentry))]
+        if dims[0] is None or dims[0] != dims[1] or splits[name].sizes != splits[oname].sizes:
+            raise ValueError(f"'{name}' ({splits[name].role}) holds '{pname}', which is also '{other}': splitting "
+                             "the layer gives each rank a piece of its own, and the other holder would keep training "
+                             "the whole tensor apart from it. Leave the layer replicated, untie the weights, or plan "
+                             "the other holder to cut the tensor alike (an embedding 'row' and its tied output layer "
+                             "'column_gathered')")
+
+
+def _split_dim(m: nn.Module, split: LayerSplit, entry: str) -> Optional[int]:
+    """The dimension the tensor-parallel layer replacing ``m`` cuts its ``entry`` along (None: held whole)."""
+    if split.role == "column_gathered":
+        return ColumnParallelLinear.split_dims.get(entry)
+    kind = nn.Embedding if isinstance(m, nn.Embedding) else _kind(m)
+    layer = _SPLIT_LAYERS.get((split.role, kind))  # type: ignore[arg-type]
+    return layer.split_dims.get(entry) if layer is not None else None
 
 
 def _features(m: nn.Module) -> Optional[tuple[int, tuple[type, ...]]]:
@@ -490,6 +518,7 @@ def apply_plan(module: nn.Module, splits: Mapping[str, LayerSplit], group: Group
     the new modules by qualified name. Every new module lists ``split_dims`` and ``sizes``."""
     local = dict(module.named_modules())
     replaced: dict[str, nn.Module] = {}
+    pieces: dict[int, nn.Parameter] = {}  # a tied tensor's piece, cut once: every layer holding it holds the piece
     random = SplitRegionRandom(group.index)  # shared by the column and row layers: see its module
     for name, sp in splits.items():
         layer = local.get(name)
@@ -511,6 +540,10 @@ def apply_plan(module: nn.Module, splits: Mapping[str, LayerSplit], group: Group
             else:
                 kind = nn.Embedding if isinstance(layer, nn.Embedding) else _kind(layer)
                 new = _SPLIT_LAYERS[(sp.role, kind)](layer, group, sp.sizes, random=random)
+        for entry in getattr(new, "split_dims", {}):
+            full, piece = getattr(layer, entry, None), getattr(new, entry, None)
+            if isinstance(full, nn.Parameter) and isinstance(piece, nn.Parameter):
+                setattr(new, entry, pieces.setdefault(id(full), piece))
         carry_over_module(layer, new)  # the user's hooks on the layer run on its tensor-parallel version
         replaced[name] = new
     _say_when_split_features_reach(local, splits)
