@@ -602,7 +602,8 @@ class TiedTokenClassifier(MNISTClassifier):
 
 
 @pytest.mark.parametrize("model_cls", [TokenClassifier, TiedTokenClassifier])
-@pytest.mark.parametrize("name", ["tp2", "tp3-uneven", "dp2xtp2-shard", "tp2xpp2"])
+@pytest.mark.parametrize("name", ["tp2", "tp3-uneven", "dp2xtp2-shard", "tp2xpp2", "tp2xpp2-cut-after-table",
+                                  "dp2xtp2xpp2-shard-cut-after-table"])
 def test_an_embedding_split_by_its_vocabulary_equals_one_process(name, model_cls):
     """Each rank holds a block of the table's rows and looks up the ids it holds; an all-reduce sums the lookups
     (until 2026-12-07 an nn.Embedding could not be split: "only nn.Linear and nn.Conv1d / Conv2d / Conv3d"; a table
@@ -614,6 +615,15 @@ def test_an_embedding_split_by_its_vocabulary_equals_one_process(name, model_cls
                                                    data_parallel="shard"), 4, 2),
         "tp2xpp2": (lambda: SHMModelParallel(start_method="fork", tensor_parallel_size=2, pipeline_parallel_size=2,
                                              microbatches=2), 4, 1),
+        # the table on stage 0, the layer tied to it on stage 1: each stage holds the rank's piece, their gradients
+        # summed over the two (until 2026-12-07 the stages summed the whole tensors the pieces had replaced)
+        "tp2xpp2-cut-after-table": (lambda: SHMModelParallel(start_method="fork", tensor_parallel_size=2,
+                                                             pipeline_parallel_size=2, microbatches=2,
+                                                             split_points=[2]), 4, 1),
+        # and FSDP keeps the piece whole, as it keeps a tied tensor's copies on two stages
+        "dp2xtp2xpp2-shard-cut-after-table": (lambda: SHMModelParallel(
+            start_method="fork", data_parallel_size=2, tensor_parallel_size=2, pipeline_parallel_size=2,
+            data_parallel="shard", microbatches=2, split_points=[2]), 8, 2),
     }[name]
     _trained_and_validated_as_one_process(model_cls, strategy(), devices, dp, GLOBAL_BATCH * 2)
 

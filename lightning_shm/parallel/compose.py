@@ -416,6 +416,9 @@ def parallelize(module: nn.Module, config: ParallelConfig, world: World, groups:
             log(f"pipeline: tied weights {[first[id(p)] for p, _ in apart]} sit on several stages: each keeps a "
                 "copy, and the stages sum their gradients every step")
     tp = TensorParallelState(module, groups.tp, splits) if splits else None
+    if tp is not None:  # a tie split with its layers: the stages hold, and FSDP keeps whole, the rank's piece
+        apart = [(tp.piece_of(p), holders) for p, holders in apart]
+        tied = {id(tp.pieces[i]) if i in tp.pieces else i for i in tied}
     if stage is not None:
         stage.refresh_chunks()  # the chunks run the tensor-parallel layers that replaced the plain ones
     # the sequence FSDP groups into units, as it is now (tp layers in place): the stage's layers or the Sequential's

@@ -513,12 +513,15 @@ def _check_sequential(seq: nn.Sequential, prefix: str, splits: Mapping[str, Laye
     return norms
 
 
-def apply_plan(module: nn.Module, splits: Mapping[str, LayerSplit], group: Group) -> dict[str, nn.Module]:
+def apply_plan(module: nn.Module, splits: Mapping[str, LayerSplit], group: Group,
+               pieces: Optional[dict[int, nn.Parameter]] = None) -> dict[str, nn.Module]:
     """Replace the split modules that ``module`` holds (a pipeline stage holds some) in place; returns
-    the new modules by qualified name. Every new module lists ``split_dims`` and ``sizes``."""
+    the new modules by qualified name. Every new module lists ``split_dims`` and ``sizes``. ``pieces`` gets each
+    split parameter's piece by the whole one's id: a tied tensor is cut once, and every layer holding it holds
+    the piece (and what kept the whole one -- a pipeline's tie across stages -- finds the piece there)."""
     local = dict(module.named_modules())
     replaced: dict[str, nn.Module] = {}
-    pieces: dict[int, nn.Parameter] = {}  # a tied tensor's piece, cut once: every layer holding it holds the piece
+    pieces = {} if pieces is None else pieces
     random = SplitRegionRandom(group.index)  # shared by the column and row layers: see its module
     for name, sp in splits.items():
         layer = local.get(name)

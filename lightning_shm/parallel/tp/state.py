@@ -23,7 +23,12 @@ class TensorParallelState:
 
     def __init__(self, module: nn.Module, group: Group, splits: Mapping[str, LayerSplit]) -> None:
         self.module, self.group = module, group
-        self.parallel = apply_plan(module, splits, group)
+        self.pieces: dict[int, nn.Parameter] = {}  # id of a whole parameter -> the piece that replaced it
+        self.parallel = apply_plan(module, splits, group, self.pieces)
+
+    def piece_of(self, p: nn.Parameter) -> nn.Parameter:
+        """What holds ``p``'s values now: its piece if the plan split it, else ``p``."""
+        return self.pieces.get(id(p), p)
 
     def placements(self) -> dict[str, Placement]:
         """Split entries: their split; every other parameter: held whole by each of the tp ranks."""
