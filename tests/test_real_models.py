@@ -802,13 +802,28 @@ class TinyGPT(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=3e-3, weight_decay=0.1)
 
 
-@pytest.mark.parametrize("name", ["fsdp", "fsdp-copy", "dp2xpp2-shard", "tp2xpp2"])
+# the blocks as the model's tp_plan splits them, and the vocabulary of the tied pair, in Hugging Face's words
+_VOCAB_SPLIT = {**TRANSFORMER_TP_PLAN, "wte": "rowwise", "lm_head": "colwise_rep"}
+
+
+@pytest.mark.parametrize("name", ["fsdp", "fsdp-copy", "dp2xpp2-shard", "tp2xpp2", "tp2-vocab", "tp2xpp2-vocab",
+                                  "dp2xtp2-shard-vocab"])
 def test_a_gpt_with_its_head_tied_to_the_embedding_equals_one_process(name):
     """shm_fsdp shards the tied embedding like any parameter (a unit gathered at both holders); a pipeline keeps
-    it whole on its stages, which sum its gradients."""
+    it whole on its stages, which sum its gradients. Planned by the vocabulary (``*-vocab``), each tp rank holds
+    half the table's rows, which both the embedding and the output layer hold (on every stage of a pipeline, their
+    gradients summed over the stages)."""
     runs = {**layouts("fsdp", "fsdp-copy", "dp2xpp2-shard"),
             "tp2xpp2": (lambda: SHMModelParallel(start_method="fork", tensor_parallel_size=2, pipeline_parallel_size=2,
-                                                 microbatches=2), 4, 1)}
+                                                 microbatches=2), 4, 1),
+            "tp2-vocab": (lambda: SHMTensorParallel(start_method="fork", tensor_parallel_size=2, plan=_VOCAB_SPLIT),
+                          2, 1),
+            "tp2xpp2-vocab": (lambda: SHMModelParallel(start_method="fork", tensor_parallel_size=2,
+                                                       pipeline_parallel_size=2, microbatches=2, plan=_VOCAB_SPLIT), 4,
+                              1),
+            "dp2xtp2-shard-vocab": (lambda: SHMModelParallel(start_method="fork", data_parallel_size=2,
+                                                             tensor_parallel_size=2, data_parallel="shard",
+                                                             plan=_VOCAB_SPLIT), 4, 2)}
     strategy, devices, dp = runs[name]
 
     def fit(strategy, devices, batch, ref):
@@ -824,4 +839,6 @@ def test_a_gpt_with_its_head_tied_to_the_embedding_equals_one_process(name):
     ref, _ = fit("auto", 1, 24, True)
     got, rows = fit(strategy(), devices, 24 // dp, False)
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-9)
-    assert rows == (TinyGPT.V // 2 if name.startswith("fsdp") else TinyGPT.V)
+    # the registered table's rows: halved by FSDP's shards (without a pipeline) and by the vocabulary split
+    halvings = name.startswith(("fsdp", "dp2xtp2-shard")) + name.endswith("-vocab")
+    assert rows == TinyGPT.V >> halvings
