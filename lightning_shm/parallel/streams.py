@@ -69,8 +69,9 @@ class ReplayStreams:
         """After the forward: the streams it drew from, each with its state ``before`` it."""
         return [(stream, state) for stream, state in before if not _same(state, stream[1]())]
 
+    @staticmethod
     @contextlib.contextmanager
-    def replaying(self, drawn: Drawn) -> Iterator[None]:
+    def replaying(drawn: Drawn) -> Iterator[None]:
         """Around a replay: the streams its forward drew from as that forward found them, then as they were."""
         now = [get() for (_, get, _), _ in drawn]
         for (_, _, put), state in drawn:

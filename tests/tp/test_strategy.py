@@ -229,7 +229,7 @@ def test_user_plan_as_data_and_global_norm_clipping():
 def test_a_plan_of_torchs_parallel_styles_trains_as_the_same_plan_in_words():
     """A module written for Lightning's ``ModelParallelStrategy`` keeps its ``parallelize_module`` plan: torch's
     ``ColwiseParallel()`` is "column", ``ColwiseParallel(output_layouts=Replicate())`` "column_gathered",
-    ``RowwiseParallel()`` "row" (until 2026-12-07: "expected a style"). The plan travels to spawned workers too.
+    ``RowwiseParallel()`` "row" (until 2026-12-07: "expected a style"). The plan pickles, as a spawned worker gets it.
     Hugging Face's words for them, "colwise", "rowwise", "colwise_rep", are taken too."""
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel

@@ -37,10 +37,10 @@ from lightning_shm.parallel.linear_grads import PaddedWeights, SinkLinear, resto
 from lightning_shm.parallel.pipeline import activation as act
 from lightning_shm.parallel.pipeline.row_cut import LinearRows
 from lightning_shm.parallel.pipeline.schedules import Action, PipelineSchedule, Schedule, Timed
-from lightning_shm.parallel.streams import ReplayStreams
+from lightning_shm.parallel.streams import Drawn, ReplayStreams
 from lightning_shm.runtime import Channel, ChannelConfig, World
 
-_Replay = tuple[torch.Tensor, buffers.ForwardBuffers, Any]  # torch's random state, the buffers, the other streams
+_Replay = tuple[torch.Tensor, buffers.ForwardBuffers, Drawn]  # torch's random state, the buffers, the other streams
 
 
 class StageIO(Protocol):
