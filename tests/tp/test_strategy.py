@@ -244,6 +244,32 @@ def test_a_plan_of_torchs_parallel_styles_trains_as_the_same_plan_in_words():
     torch.testing.assert_close(got, train_mnist(tp(2, plan=words), 2, "adam", batch=GLOBAL_BATCH), rtol=0, atol=0)
 
 
+def test_torchs_tutorial_plan_for_an_embedding_and_its_tied_output_layer_trains_as_the_plan_in_words():
+    """torch's tensor-parallel tutorial plans the token embedding ``RowwiseParallel(input_layouts=Replicate())`` (its
+    input is the ids, whole on every rank) and the output layer ``ColwiseParallel(output_layouts=Replicate())``;
+    until 2026-12-07 the first was refused ("has no counterpart here"). On a Linear it is refused by name: a row
+    Linear takes its column layer's split output."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from tests.test_real_models import TiedTokenClassifier, TokenClassifier
+
+    embedding = RowwiseParallel(input_layouts=Replicate())
+    for model_cls, torch_plan, words in [
+        (TokenClassifier, {"net.1": embedding, "net.3": ColwiseParallel(), "net.5": RowwiseParallel()},
+         {"net.1": "row", "net.3": "column", "net.5": "row"}),
+        (TiedTokenClassifier, {"net.1": embedding, "net.3": ColwiseParallel(output_layouts=Replicate())},
+         {"net.1": "row", "net.3": "column_gathered"})]:
+        assert _styles(parse_plan(pickle.loads(pickle.dumps(torch_plan)))) == words
+        got = train_mnist(tp(2, plan=torch_plan), 2, "adam", batch=GLOBAL_BATCH, model_cls=model_cls)
+        want = train_mnist(tp(2, plan=words), 2, "adam", batch=GLOBAL_BATCH, model_cls=model_cls)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"'net.4' \(Linear\) is planned RowwiseParallel\("
+                                         r"input_layouts=Replicate\(\)\): a row layer here takes the split output"):
+        trainer(strategy=tp(2, plan={"net.1": ColwiseParallel(), "net.4": embedding}), devices=2,
+                max_epochs=1).fit(MNISTClassifier(), loader(mnist_like(8), 4))
+
+
 class _PortedFromModelParallel(MNISTClassifier):
     """Lightning's ModelParallelStrategy recipe: the module parallelizes itself with the mesh it is given."""
 

@@ -104,12 +104,19 @@ _SPLIT_LAYERS = {("column", nn.Linear): ColumnParallelLinear, ("row", nn.Linear)
 
 @dataclass(frozen=True)
 class LayerPlan:
+    """``whole_input``: a "row" layer whose input every rank holds whole -- torch's ``RowwiseParallel(input_layouts=
+    Replicate())``, which torch's tutorials give an embedding (its ids); a row Linear takes a column layer's split
+    output instead, so there it is refused."""
+
     style: str
     head_dim: Optional[int] = None
+    whole_input: bool = False
 
     def __post_init__(self) -> None:
         if self.style not in STYLES:
             raise ValueError(f"a plan style must be one of {STYLES}, got {self.style!r}")
+        if self.whole_input and self.style != "row":
+            raise ValueError(f"whole_input applies to a 'row' layer, got style {self.style!r}")
         if self.head_dim is not None and (not isinstance(self.head_dim, int) or self.head_dim < 1):
             raise ValueError(f"head_dim must be a positive int, got {self.head_dim!r}")
 
@@ -126,8 +133,8 @@ def parse_plan(plan: Mapping[str, Any]) -> dict[str, LayerPlan]:
                 out[pattern] = LayerPlan(HF_STYLES.get(value, value))
             elif isinstance(value, Mapping) and set(value) <= {"style", "head_dim"} and "style" in value:
                 out[pattern] = LayerPlan(HF_STYLES.get(value["style"], value["style"]), value.get("head_dim"))
-            elif (style := _torch_style(value)) is not None:
-                out[pattern] = LayerPlan(style)
+            elif (torch_plan := _torch_style(value)) is not None:
+                out[pattern] = torch_plan
             else:
                 raise ValueError(f"expected a style or {{'style': ..., 'head_dim': ...}}, got {value!r}")
         except ValueError as e:
@@ -135,11 +142,12 @@ def parse_plan(plan: Mapping[str, Any]) -> dict[str, LayerPlan]:
     return out
 
 
-def _torch_style(value: Any) -> Optional[str]:
-    """The style of torch's ``ColwiseParallel`` / ``RowwiseParallel`` as ``parallelize_module`` plans use them
-    (a module written for Lightning's ``ModelParallelStrategy`` keeps its plan); None for anything else. Only
-    their default layouts (and a column's gathered output) have a counterpart: sequence parallelism (``Shard(1)``)
-    and ``DTensor`` outputs (``use_local_output=False``) are refused by name."""
+def _torch_style(value: Any) -> Optional[LayerPlan]:
+    """What torch's ``ColwiseParallel`` / ``RowwiseParallel`` say as ``parallelize_module`` plans use them (a
+    module written for Lightning's ``ModelParallelStrategy`` keeps its plan); None for anything else. Only their
+    default layouts, a column's gathered output and a row layer's whole input (an embedding's, as torch's
+    tutorials plan it) have a counterpart: sequence parallelism (``Shard(1)``) and ``DTensor`` outputs
+    (``use_local_output=False``) are refused by name."""
     style_mod = sys.modules.get("torch.distributed.tensor.parallel.style")
     if style_mod is None or not isinstance(value, style_mod.ParallelStyle):
         return None
@@ -148,15 +156,18 @@ def _torch_style(value: Any) -> Optional[str]:
     layouts = (getattr(value, "input_layouts", None), getattr(value, "output_layouts", None))
     local = getattr(value, "use_local_output", False)
     if type(value) is style_mod.ColwiseParallel and local and layouts == ((Replicate(),), (Shard(-1),)):
-        return "column"
+        return LayerPlan("column")
     if type(value) is style_mod.ColwiseParallel and local and layouts == ((Replicate(),), (Replicate(),)):
-        return "column_gathered"
+        return LayerPlan("column_gathered")
     if type(value) is style_mod.RowwiseParallel and local and layouts == ((Shard(-1),), (Replicate(),)):
-        return "row"
+        return LayerPlan("row")
+    if type(value) is style_mod.RowwiseParallel and local and layouts == ((Replicate(),), (Replicate(),)):
+        return LayerPlan("row", whole_input=True)
     raise ValueError(f"{value!r} has no counterpart here: ColwiseParallel() is 'column', ColwiseParallel("
                      "output_layouts=Replicate()) 'column_gathered', RowwiseParallel() 'row' (their default "
-                     "layouts, use_local_output=True); sequence parallelism (Shard(1) layouts), SequenceParallel "
-                     "and PrepareModuleInput / Output have none")
+                     "layouts, use_local_output=True; an embedding's RowwiseParallel(input_layouts=Replicate()) "
+                     "'row' too); sequence parallelism (Shard(1) layouts), SequenceParallel and PrepareModuleInput "
+                     "/ Output have none")
 
 
 def _matches(pattern: list[str], name: str) -> bool:
@@ -281,6 +292,11 @@ def split_sizes(name: str, layer: nn.Module, lp: LayerPlan, tp: int, parent: Opt
     vocabulary rows."""
     if isinstance(layer, nn.Embedding):
         return _vocabulary_sizes(name, layer, lp, tp)
+    if lp.whole_input:
+        raise ValueError(f"'{name}' ({type(layer).__name__}) is planned RowwiseParallel(input_layouts=Replicate()): "
+                         "a row layer here takes the split output of a column layer before it, not a whole input "
+                         "(only an nn.Embedding, whose input is its ids, takes one). Plan the pair ColwiseParallel() "
+                         "-> RowwiseParallel(), or leave the layer replicated")
     if not isinstance(layer, _SPLITTABLE):
         raise ValueError(f"'{name}' is a {type(layer).__name__}; only nn.Linear and nn.Conv1d / Conv2d / Conv3d can "
                          f"be '{lp.style}' (and an nn.Embedding 'row')")
@@ -312,7 +328,7 @@ def _vocabulary_sizes(name: str, layer: nn.Embedding, lp: LayerPlan, tp: int) ->
     """Rows per rank of an embedding split by its vocabulary (:class:`RowParallelEmbedding`)."""
     if lp.style != "row":
         raise ValueError(f"'{name}' is an nn.Embedding planned '{lp.style}': an embedding splits its vocabulary, the "
-                         "rows of its table -- plan it 'row' (torch's RowwiseParallel())")
+                         "rows of its table -- plan it 'row' (torch's RowwiseParallel(input_layouts=Replicate()))")
     odd = {"max_norm": (layer.max_norm, "renormalises the rows it looks up in place"),
            "scale_grad_by_freq": (layer.scale_grad_by_freq, "scales by how often each id occurs in the batch"),
            "sparse": (layer.sparse, "gives sparse gradients")}
