@@ -842,3 +842,99 @@ def test_a_gpt_with_its_head_tied_to_the_embedding_equals_one_process(name):
     # the registered table's rows: halved by FSDP's shards (without a pipeline) and by the vocabulary split
     halvings = name.startswith(("fsdp", "dp2xtp2-shard")) + name.endswith("-vocab")
     assert rows == TinyGPT.V >> halvings
+
+
+# ---------------------------------------------------------------------- Llama's block, planned as torch's tutorial
+class _LlamaAttention(torch.nn.Module):
+    """Llama's attention: no biases, rotary embeddings applied through complex numbers (a complex buffer), causal
+    scaled-dot-product attention; heads counted from the width the rank holds."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.head_dim = dim // heads
+        self.wq, self.wk, self.wv, self.wo = (torch.nn.Linear(dim, dim, bias=False) for _ in range(4))
+
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = (w(x).view(B, T, -1, self.head_dim) for w in (self.wq, self.wk, self.wv))
+
+        def rotate(t: torch.Tensor) -> torch.Tensor:
+            c = torch.view_as_complex(t.float().reshape(*t.shape[:-1], -1, 2)) * freqs_cis.view(1, T, 1, -1)
+            return torch.view_as_real(c).flatten(3).type_as(t)
+
+        o = torch.nn.functional.scaled_dot_product_attention(rotate(q).transpose(1, 2), rotate(k).transpose(1, 2),
+                                                             v.transpose(1, 2), is_causal=True)
+        return self.wo(o.transpose(1, 2).reshape(B, T, -1))
+
+
+class _LlamaFeedForward(torch.nn.Module):
+    """SwiGLU: two column layers (w1, w3) multiplied elementwise into one row layer (w2)."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1, self.w2 = torch.nn.Linear(dim, hidden, bias=False), torch.nn.Linear(hidden, dim, bias=False)
+        self.w3 = torch.nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(torch.nn.functional.silu(self.w1(x)) * self.w3(x))
+
+
+class _LlamaBlock(torch.nn.Module):
+    def __init__(self, dim: int = 32, heads: int = 4, tokens: int = 28) -> None:
+        super().__init__()
+        self.attention, self.feed_forward = _LlamaAttention(dim, heads), _LlamaFeedForward(dim, 64)
+        self.attention_norm, self.ffn_norm = torch.nn.RMSNorm(dim), torch.nn.RMSNorm(dim)
+        angles = torch.outer(torch.arange(tokens).float(),
+                             1.0 / 10000 ** (torch.arange(0, dim // heads, 2).float() / (dim // heads)))
+        self.register_buffer("freqs_cis", torch.polar(torch.ones_like(angles), angles), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), self.freqs_cis)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class _LastToken(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x[:, -1]
+
+
+def _llama_plan() -> dict:
+    """torch's tensor-parallel tutorial's plan for Llama's layers (without sequence parallelism), as it is written
+    there, plus the output layer gathered."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    layer = {"attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
+             "attention.wo": RowwiseParallel(), "feed_forward.w1": ColwiseParallel(),
+             "feed_forward.w2": RowwiseParallel(), "feed_forward.w3": ColwiseParallel()}
+    return {**{f"net.*.{k}": v for k, v in layer.items()}, "net.6": ColwiseParallel(output_layouts=Replicate())}
+
+
+class LlamaClassifier(MNISTClassifier):
+    """The image's 28 rows as tokens through two Llama blocks and a final RMSNorm; the last token classifies."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        nn = torch.nn
+        self.net = nn.Sequential(nn.Flatten(1, 2), nn.Linear(28, 32), _LlamaBlock(), _LlamaBlock(), nn.RMSNorm(32),
+                                 _LastToken(), nn.Linear(32, 10))
+        self.tp_plan = _llama_plan()
+
+    def on_train_start(self) -> None:  # the features of wq this rank computes (rank 0: a pipeline's first stage)
+        if hasattr(self.net[2], "attention"):  # a later stage holds a placeholder
+            self.log("wq_features", float(self.net[2].attention.wq.out_features))
+
+
+@pytest.mark.parametrize("name", ["tp2", "dp2xtp2-shard", "tp2xpp2"])
+def test_llama_blocks_planned_as_torchs_tutorial_equal_one_process(name):
+    """RMSNorm, rotary embeddings from a complex buffer, SwiGLU (two column layers into one row layer), causal
+    attention, split with the plan torch's tutorial writes for Llama."""
+    strategy, devices, dp = {
+        "tp2": (lambda: SHMTensorParallel(start_method="fork", tensor_parallel_size=2), 2, 1),
+        "dp2xtp2-shard": (lambda: SHMModelParallel(start_method="fork", data_parallel_size=2, tensor_parallel_size=2,
+                                                   data_parallel="shard"), 4, 2),
+        "tp2xpp2": (lambda: SHMModelParallel(start_method="fork", tensor_parallel_size=2, pipeline_parallel_size=2,
+                                             microbatches=2), 4, 1),
+    }[name]
+    metrics = _trained_and_validated_as_one_process(LlamaClassifier, strategy(), devices, dp, GLOBAL_BATCH * 2)
+    assert metrics["wq_features"] == 16  # of 32: split

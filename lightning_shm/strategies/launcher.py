@@ -35,6 +35,7 @@ from lightning.pytorch.trainer.states import TrainerFn, TrainerState, TrainerSta
 from lightning.pytorch.utilities.exceptions import SIGTERMException, _TunerExitException
 from lightning_utilities.core.apply_func import apply_to_collection
 
+from lightning_shm.parallel.tp.notes import note_local_width
 from lightning_shm.runtime import LaunchConfig, Launcher, World, stacks
 from lightning_shm.strategies.lightning_args import note_device_mesh
 from lightning_shm.strategies.loggers import (
@@ -235,6 +236,8 @@ def _run_in_worker(world: World, launcher: SHMLauncher, trainer: Optional["pl.Tr
             if not (isinstance(exc, (KeyboardInterrupt, SIGTERMException)) and strategy.stop_agreed):
                 note_loop_position(trainer, exc)
                 note_device_mesh(trainer.lightning_module, exc)
+                if trainer.lightning_module is not None:
+                    note_local_width(trainer.lightning_module, exc)
                 # a failure (a stop no rank agreed on included): handled here only where every rank failed
                 if strategy.num_nodes == 1:
                     on_exception_where_all_failed(trainer, world.world_group, exc)

@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 import lightning_shm  # noqa: F401
-from lightning_shm import SHMModelParallel, SHMTensorParallel
+from lightning_shm import SHMDDPStrategy, SHMModelParallel, SHMTensorParallel
 from lightning_shm.models import MNISTClassifier, build_mlp
 from lightning_shm.parallel.tp import TensorParallelState, check_plan, derive_plan, plan_for
 from lightning_shm.parallel.tp.loading import gather_rows, is_group_batch
@@ -268,6 +268,61 @@ def test_torchs_tutorial_plan_for_an_embedding_and_its_tied_output_layer_trains_
                                          r"input_layouts=Replicate\(\)\): a row layer here takes the split output"):
         trainer(strategy=tp(2, plan={"net.1": ColwiseParallel(), "net.4": embedding}), devices=2,
                 max_epochs=1).fit(MNISTClassifier(), loader(mnist_like(8), 4))
+
+
+class _StoredHeads(nn.Module):
+    """Attention over the image's rows, its head count stored at construction as torch's Llama stores n_heads."""
+
+    def __init__(self, n_heads: int) -> None:
+        super().__init__()
+        self.n_heads, self.head_dim = n_heads, 4
+        self.q, self.k, self.v, self.o = (nn.Linear(16, 16) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = (layer(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2) for layer in (self.q, self.k,
+                                                                                                    self.v))
+        return self.o(nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, T, -1))
+
+
+class _Block(nn.Module):
+    """The attention and an MLP pair of the block's own: the note names the innermost module (the attention)."""
+
+    def __init__(self, n_heads: int) -> None:
+        super().__init__()
+        self.attn, self.fc1, self.fc2 = _StoredHeads(n_heads), nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(x)
+        return x + self.fc2(torch.relu(self.fc1(x)))
+
+
+class _StoredHeadsClassifier(MNISTClassifier):
+    def __init__(self, n_heads: int = 4, **kw):
+        super().__init__(**kw)
+        self.net = nn.Sequential(nn.Flatten(1, 2), nn.Linear(28, 16), _Block(n_heads), _LastRow(), nn.Linear(16, 10))
+        self.tp_plan = {"net.2.attn.[qkv]": "column", "net.2.attn.o": "row", "net.2.fc1": "column",
+                        "net.2.fc2": "row"}
+
+
+class _LastRow(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x[:, -1]
+
+
+@pytest.mark.parametrize("strategy, n_heads", [("tp2", 4), ("shm_ddp", 5)])
+def test_a_head_count_stored_at_construction_gets_a_note_on_what_the_rank_holds(strategy, n_heads):
+    """torch says only "shape '[4, 28, 4, 4]' is invalid for input of size 896": the note names the module, its
+    column layers' widths on the rank and the fix. Under shm_ddp (no layer split) the same error is the user's own
+    (5 heads of 4 in 16 features) and gets no note."""
+    with pytest.raises(RuntimeError, match=r"shape '\[4, 28, (4|5), 4\]' is invalid for input of size") as info:
+        trainer(strategy=tp(2) if strategy == "tp2" else SHMDDPStrategy(start_method="fork"), devices=2,
+                max_steps=1).fit(_StoredHeadsClassifier(n_heads), loader(mnist_like(8), 4))
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    said = ("'net.2.attn' (_StoredHeads) holds column layers split by tensor parallelism; this rank computes part of "
+            "their outputs (q 8 of 16, k 8 of 16, v 8 of 16 features)")
+    assert (said in notes) == (strategy == "tp2"), notes
+    assert ("view(B, T, -1, self.head_dim)" in notes) == (strategy == "tp2"), notes
 
 
 class _PortedFromModelParallel(MNISTClassifier):
