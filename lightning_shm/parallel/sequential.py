@@ -19,7 +19,8 @@ def find_sequential(module: nn.Module, name: Optional[str] = None) -> tuple[str,
         if _compiled(seq):
             raise ValueError(_compiled_message(f"'{name}'"))
         if not isinstance(seq, nn.Sequential):
-            raise ValueError(f"'{name}' is a {type(seq).__name__}, not an nn.Sequential")
+            raise ValueError(f"'{name}' is a {type(seq).__name__}, not an nn.Sequential"
+                             + (_as_sequential(name, seq) if isinstance(seq, nn.ModuleList) else ""))
         return name, seq
     if isinstance(module, nn.Sequential):
         return "", module
@@ -31,8 +32,19 @@ def find_sequential(module: nn.Module, name: Optional[str] = None) -> tuple[str,
     compiled = [n for n, child in module.named_children() if _compiled(child)]
     if compiled:
         raise ValueError(_compiled_message(f"'{compiled[0]}'"))
+    lists = [(n, m) for n, m in module.named_modules() if isinstance(m, nn.ModuleList) and len(m) > 1]
     raise ValueError(f"{type(module).__name__} has no top-level nn.Sequential to split; pass sequential='<attribute "
-                     "name>' or build the model around an nn.Sequential")
+                     "name>' or build the model around an nn.Sequential"
+                     + (f". Its blocks are in the ModuleList '{lists[0][0]}'" + _as_sequential(*lists[0]) if lists
+                        else ""))
+
+
+def _as_sequential(name: str, blocks: nn.ModuleList) -> str:
+    """How a ModuleList the forward runs block after block becomes the Sequential the layouts split."""
+    return (f" ({len(blocks)} modules): the strategies split an nn.Sequential the step calls once. If the forward "
+            f"runs them one after another (for block in self.{name}: x = block(x)), build them as nn.Sequential("
+            f"*blocks) -- the same parameter names, so checkpoints still load -- call it once, x = self.{name}(x), "
+            f"and pass sequential='{name}'")
 
 
 def copies_of(module: nn.Module, seq_name: str) -> list[tuple[str, nn.Sequential]]:

@@ -872,6 +872,33 @@ def test_model_without_sequential():
         trainer(strategy=pp(2), devices=2, max_epochs=1).fit(BoringModel())
 
 
+class _BlocksInAModuleList(MNISTClassifier):
+    """nanoGPT's shape: the blocks in a ModuleList inside a ModuleDict, run one after another by the forward."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        del self.net
+        self.transformer = nn.ModuleDict({"h": nn.ModuleList([nn.Linear(784, 64), nn.Linear(64, 10)])})
+
+    def forward(self, x):
+        x = x.flatten(1)
+        for block in self.transformer.h:
+            x = block(x)
+        return x
+
+
+@pytest.mark.parametrize("sequential", [None, "transformer.h"])
+def test_blocks_in_a_module_list_are_named_with_the_sequential_that_replaces_them(sequential):
+    """Until 2026-12-07: "has no top-level nn.Sequential" / "'transformer.h' is a ModuleList" alone."""
+    with pytest.raises(ValueError, match=r"ModuleList.*'transformer.h' \(2 modules\)|ModuleList, not an nn.Sequential "
+                                         r"\(2 modules\)") as info:
+        trainer(strategy=pp(2, sequential=sequential), devices=2, max_epochs=1).fit(_BlocksInAModuleList(),
+                                                                                    loader(mnist_like(8), 4))
+    said = str(info.value)
+    assert "for block in self.transformer.h: x = block(x)" in said and "x = self.transformer.h(x)" in said, said
+    assert "sequential='transformer.h'" in said and "the same parameter names" in said, said
+
+
 def test_a_compiled_sequential_is_named_not_missed():
     """torch.compile wraps the Sequential in an OptimizedModule: say so, not "no nn.Sequential"."""
     from lightning_shm.parallel.sequential import find_sequential
