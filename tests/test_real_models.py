@@ -938,3 +938,78 @@ def test_llama_blocks_planned_as_torchs_tutorial_equal_one_process(name):
     }[name]
     metrics = _trained_and_validated_as_one_process(LlamaClassifier, strategy(), devices, dp, GLOBAL_BATCH * 2)
     assert metrics["wq_features"] == 16  # of 32: split
+
+
+# ---------------------------------------------------------------------- transposed convolutions: a decoder's layers
+class UpsamplingClassifier(MNISTClassifier):
+    """A decoder's shape: the image encoded to [B, 8, 7, 7], two transposed convolutions upsample it to 28 x 28 with
+    a BatchNorm2d between -- the layers a VAE's decoder or a DCGAN's generator stacks --, pooled into the classifier.
+    The plan derived for the Sequential pairs the two (column, row) and slices the norm between."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        nn = torch.nn
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(784, 392), nn.Unflatten(1, (8, 7, 7)),
+                                 nn.ConvTranspose2d(8, 16, 4, stride=2, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+                                 nn.ConvTranspose2d(16, 8, 4, stride=2, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(4),
+                                 nn.Flatten(), nn.Linear(128, 10))
+
+    def on_train_start(self) -> None:  # the output channels of the first transposed convolution this rank computes
+        if isinstance(self.net[3], torch.nn.ConvTranspose2d):  # a later pipeline stage holds a placeholder
+            self.log("upsampled_channels", float(self.net[3].out_channels))
+
+
+class _UpsampledTo(torch.nn.Module):
+    """Two ConvTranspose1d whose output lengths the forward gives: ``output_size`` picks the output padding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up1 = torch.nn.ConvTranspose1d(28, 12, 3, stride=2)
+        self.up2 = torch.nn.ConvTranspose1d(12, 4, 3, stride=2, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, 28, 28] -> [B, 12, 58] -> [B, 4, 116]
+        return self.up2(torch.relu(self.up1(x, output_size=[58])), output_size=[116])  # 57 and 115 without it
+
+
+class Upsampling1dClassifier(MNISTClassifier):
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        nn = torch.nn
+        self.net = nn.Sequential(nn.Flatten(1, 2), _UpsampledTo(), nn.Flatten(), nn.Linear(4 * 116, 10))
+        self.tp_plan = {"net.1.up1": "column", "net.1.up2": "row"}
+
+    def on_train_start(self) -> None:
+        self.log("upsampled_channels", float(self.net[1].up1.out_channels))
+
+
+class Upsampling3dClassifier(MNISTClassifier):
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        nn = torch.nn
+        self.net = nn.Sequential(nn.Unflatten(2, (4, 7)), nn.ConvTranspose3d(1, 6, 2, stride=2), nn.ReLU(),
+                                 nn.ConvTranspose3d(6, 2, 1), nn.AdaptiveAvgPool3d(2), nn.Flatten(), nn.Linear(16, 10))
+
+    def on_train_start(self) -> None:
+        if isinstance(self.net[1], torch.nn.ConvTranspose3d):  # a later pipeline stage holds a placeholder
+            self.log("upsampled_channels", float(self.net[1].out_channels))
+
+
+@pytest.mark.parametrize("model_cls, name, channels", [
+    (UpsamplingClassifier, "tp2", 8), (UpsamplingClassifier, "tp3-uneven", 6),  # 16 as 6, 5, 5
+    (UpsamplingClassifier, "dp2xtp2-sync-batchnorm", 8), (Upsampling1dClassifier, "tp2", 6),
+    (Upsampling1dClassifier, "tp3-uneven", 4), (Upsampling3dClassifier, "tp2", 3),
+    (Upsampling3dClassifier, "tp2xpp2", 3)])
+def test_transposed_convolutions_split_by_tensor_parallelism_equal_one_process(model_cls, name, channels):
+    """A column ConvTranspose cuts its weight's dim 1 (a transposed convolution's weight is [C_in, C_out, *k]), a
+    row one dim 0 and sums the partial outputs; ``output_size`` passes through. Until 2026-12-07 they stayed whole
+    (a plan naming one: "only nn.Linear and nn.Conv1d / Conv2d / Conv3d can be 'column'")."""
+    strategy, devices, dp, kw = {
+        "tp2": (lambda: SHMTensorParallel(start_method="fork", tensor_parallel_size=2), 2, 1, {}),
+        "tp3-uneven": (lambda: SHMTensorParallel(start_method="fork", tensor_parallel_size=3), 3, 1, {}),
+        "dp2xtp2-sync-batchnorm": (lambda: SHMModelParallel(start_method="fork", data_parallel_size=2,
+                                                            tensor_parallel_size=2), 4, 2, {"sync_batchnorm": True}),
+        "tp2xpp2": (lambda: SHMModelParallel(start_method="fork", tensor_parallel_size=2, pipeline_parallel_size=2,
+                                             microbatches=2, split_points=[4]), 4, 1, {}),  # the pair on stage 0
+    }[name]
+    metrics = _trained_and_validated_as_one_process(model_cls, strategy(), devices, dp, GLOBAL_BATCH * 2, **kw)
+    assert metrics["upsampled_channels"] == channels

@@ -233,14 +233,15 @@ def _nothing_to_split(module: nn.Module, config: ParallelConfig, tp: int) -> str
     prefix, seq = find_sequential(module, config.sequential)
     named = [(f"{prefix}.{n}" if prefix else n, c) for n, c in layers_of(seq)]
     compiled = [n for n, c in named if compiled_original(c) is not None]
-    computed = [n for n, c in named if isinstance(c, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d))
-                and computed_weight(c)]
+    computed = [n for n, c in named if isinstance(c, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d,
+                                                     nn.ConvTranspose2d, nn.ConvTranspose3d)) and computed_weight(c)]
     hint = f" ({compiled} are torch.compile'd: compiling hides a layer from the plan)" if compiled else ""
     hint += (f" ({computed} compute their weights, e.g. weight_norm / spectral_norm: such a layer stays whole)"
              if computed else "")
     return (f"tensor_parallel_size={tp} but the plan splits no layer of {type(module).__name__}: the plan derived "
-            f"for its nn.Sequential pairs nn.Linear / nn.Conv1d-3d children (and splits the feed-forward layers of "
-            f"nn.TransformerEncoderLayer / nn.TransformerEncoder children) and found none to split{hint}. Pass "
+            f"for its nn.Sequential pairs nn.Linear / nn.Conv1d-3d / nn.ConvTranspose1d-3d children (and splits the "
+            f"feed-forward layers of nn.TransformerEncoderLayer / nn.TransformerEncoder children) and found none to "
+            f"split{hint}. Pass "
             "plan={...}, give the model a tp_plan, or use tensor_parallel_size=1.")
 
 

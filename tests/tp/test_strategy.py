@@ -435,7 +435,8 @@ class _GroupNormBlock(nn.Module):
         ((nn.Linear(4, 8), nn.Softmax(-1), nn.Linear(8, 2)), {"net.0": "column", "net.2": "row"},
          r"'net.1' \(Softmax\) cannot run on features split by column layer 'net.0'"),
         ((nn.ReLU(), nn.Linear(8, 2)), {"net.0": "column"},
-         "'net.0' is a ReLU; only nn.Linear and nn.Conv1d / Conv2d / Conv3d can be 'column'"),
+         "'net.0' is a ReLU; only nn.Linear, nn.Conv1d / Conv2d / Conv3d and nn.ConvTranspose1d / 2d / 3d can be "
+         "'column'"),
         ((nn.Linear(4, 3), nn.Linear(3, 2)), None, "column layer 'net.0' has 3 output features, fewer than tp=4"),
         ((nn.Linear(4, 8), nn.Linear(8, 2)), {"net.9": "row"}, r"plan pattern 'net.9' matches no module of Seq"),
         ((nn.Linear(4, 8), nn.Linear(8, 2)), {"net.0": "diagonal"}, "must be one of"),
@@ -468,6 +469,13 @@ class _GroupNormBlock(nn.Module):
          r"row layer 'net.0' has 3 embeddings, fewer than tp=4"),
         ((nn.Linear(4, 8), nn.Embedding(10, 8), nn.Linear(8, 2)), {"net.0": "column", "net.1": "row", "net.2": "row"},
          r"embedding 'net.1' sits between column layer 'net.0' and its row layer"),
+        ((nn.ConvTranspose2d(1, 8, 1), nn.Conv2d(8, 2, 1)), {"net.0": "column", "net.1": "row"},
+         r"row layer 'net.1' \(Conv2d\) cannot follow column layer 'net.0' \(ConvTranspose2d\)"),
+        ((nn.ConvTranspose2d(1, 8, 1), nn.ConvTranspose2d(8, 8, 1, groups=2), nn.ConvTranspose2d(8, 2, 1)),
+         {"net.0": "column", "net.2": "row"}, "ConvTranspose2d 'net.1' sits between column layer 'net.0' and its row"),
+        ((nn.ConvTranspose2d(1, 8, 1), nn.ConvTranspose2d(8, 2, 1, groups=2)), {"net.0": "column", "net.1": "row"},
+         r"'net.1' \(row\) is a ConvTranspose2d with groups=2: a column or row layer splits a plain convolution's "
+         r"channels. Leave it replicated$"),
         ((_TiedHead(),), {"net.0.embed": "row"},
          r"'net.0.embed' \(row\) holds 'net.0.embed.weight', which is also 'net.0.head.weight'"),
         ((_TiedHead(),), {"net.0.embed": "row", "net.0.head": "row"},  # the head's row cuts the other dimension
@@ -540,7 +548,8 @@ def test_transformer_plan_expands_over_every_block():
 @pytest.mark.parametrize("plan, tp, model_kw, match", [
     ({"net.*.attn.qq": "column"}, 2, {}, r"plan pattern 'net.\*.attn.qq' matches no module of MNISTClassifier"),
     ({"net.0": "column"}, 2, {},
-     r"'net.0' is a RowEmbedding; only nn.Linear and nn.Conv1d / Conv2d / Conv3d can be 'column'"),
+     r"'net.0' is a RowEmbedding; only nn.Linear, nn.Conv1d / Conv2d / Conv3d and nn.ConvTranspose1d / 2d / 3d can "
+     r"be 'column'"),
     ({"net.*.attn.q": "column"}, 4, dict(heads=2),
      r"column layer 'net.1.attn.q' has 2 heads of 8 \(16 output features\), fewer than tp=4"),
     ({"net.*.attn.q": {"style": "column", "head_dim": 5}}, 2, {},

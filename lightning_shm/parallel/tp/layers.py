@@ -12,7 +12,9 @@ Which rank holds which slice (tp=2, Linear(784, 256) -> LayerNorm(256) -> ReLU -
 Convolutions (``Conv1d``, ``Conv2d``, ``Conv3d``) split channels the same way: a column convolution its output
 channels (weight dim 0), a row one its input channels (weight dim 1; partial outputs summed, the bias added once);
 a BatchNorm between them normalises each of the rank's channels exactly as one process does
-(statistics are per channel), so it is only sliced.
+(statistics are per channel), so it is only sliced. Transposed convolutions (``ConvTranspose1d`` / ``2d`` / ``3d``,
+a decoder's upsampling) too, on their weight's other dims: it is ``[C_in, C_out, *kernel]``, so a column one cuts
+dim 1 and a row one dim 0.
 
 Each is an instance of the layer type it replaces (``nn.Linear``, ``nn.Conv2d``, ``nn.LayerNorm``, ...), as torch's
 own tensor parallelism keeps the module: code that classifies modules by type -- the usual
@@ -251,8 +253,108 @@ class RowParallelConv3d(_RowConv, nn.Conv3d):
     """A row Conv3d: this rank's input channels in, the summed output on every rank."""
 
 
-COLUMN_CONV = {nn.Conv1d: ColumnParallelConv1d, nn.Conv2d: ColumnParallelConv2d, nn.Conv3d: ColumnParallelConv3d}
-ROW_CONV = {nn.Conv1d: RowParallelConv1d, nn.Conv2d: RowParallelConv2d, nn.Conv3d: RowParallelConv3d}
+class _SplitConvTranspose:
+    """What the column and row transposed convolutions (ConvTranspose1d / 2d / 3d: a decoder's, a generator's
+    upsampling) share: the full layer's geometry, and torch's ``conv_transpose`` over this rank's piece. A
+    transposed convolution's weight is ``[C_in, C_out, *kernel]`` -- the transpose of a convolution's -- so a column
+    layer cuts dim 1 and a row layer dim 0. ``output_size`` (which picks the output padding) is the caller's, as in
+    one process."""
+
+    def _init_split(self, full: nn.modules.conv._ConvTransposeNd, group: Group,
+                    random: Optional[SplitRegionRandom]) -> None:
+        nn.Module.__init__(self)  # type: ignore[arg-type]
+        if full.groups != 1:
+            raise ValueError(f"a grouped {type(full).__name__} (groups={full.groups}) cannot be split by channels here")
+        self.group, self.random = group, random
+        self.stride, self.padding, self.dilation = full.stride, full.padding, full.dilation
+        self.kernel_size, self.groups, self.padding_mode = full.kernel_size, 1, full.padding_mode
+        self.transposed, self.output_padding = True, full.output_padding
+
+    def _conv(self, x: torch.Tensor, bias: Optional[torch.Tensor], output_size: Optional[list[int]]) -> torch.Tensor:
+        n = len(self.kernel_size)
+        padding = self._output_padding(x, output_size, self.stride, self.padding,  # type: ignore[attr-defined]
+                                       self.kernel_size, n, self.dilation)
+        return _CONV_TRANSPOSE[n](x, self.weight, bias, self.stride, self.padding,  # type: ignore[attr-defined]
+                                  padding, 1, self.dilation)
+
+
+_CONV_TRANSPOSE = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
+
+
+class _ColumnConvTranspose(_SplitConvTranspose):
+    """Output channels split across the group (weight dim 1); input replicated; output channels stay sharded."""
+
+    split_dims = {"weight": 1, "bias": 0}
+
+    def __init__(self, full: nn.modules.conv._ConvTransposeNd, group: Group, sizes: Optional[Sequence[int]] = None,
+                 random: Optional[SplitRegionRandom] = None) -> None:
+        self._init_split(full, group, random)
+        self.sizes = list(sizes or even_split_sizes(full.out_channels, group.size))
+        self.in_channels, self.out_channels = full.in_channels, self.sizes[group.index]
+        self.weight = _slice(full.weight, 1, self.sizes, group.index)
+        self.bias = _slice(full.bias, 0, self.sizes, group.index)
+
+    def forward(self, x: torch.Tensor, output_size: Optional[list[int]] = None) -> torch.Tensor:
+        y = self._conv(copy_to_tp(x, self.group), self.bias, output_size)
+        _enter(self.random)
+        return y
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_channels}, out={self.out_channels} of {sum(self.sizes)} channels, tp={self.group.size}"
+
+
+class _RowConvTranspose(_SplitConvTranspose):
+    """Input channels split (weight dim 0); partial outputs summed by an all-reduce; the bias added once."""
+
+    split_dims = {"weight": 0}
+
+    def __init__(self, full: nn.modules.conv._ConvTransposeNd, group: Group, sizes: Optional[Sequence[int]] = None,
+                 random: Optional[SplitRegionRandom] = None) -> None:
+        self._init_split(full, group, random)
+        self.sizes = list(sizes or even_split_sizes(full.in_channels, group.size))
+        self.in_channels, self.out_channels = self.sizes[group.index], full.out_channels
+        self.weight = _slice(full.weight, 0, self.sizes, group.index)
+        self.bias = _replicate(full.bias)
+
+    def forward(self, x: torch.Tensor, output_size: Optional[list[int]] = None) -> torch.Tensor:
+        _leave(self.random)
+        y = reduce_from_tp(self._conv(x, None, output_size), self.group)
+        return y if self.bias is None else y + self.bias.view(-1, *([1] * (y.dim() - 2)))
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_channels} of {sum(self.sizes)}, out={self.out_channels} channels, tp={self.group.size}"
+
+
+class ColumnParallelConvTranspose1d(_ColumnConvTranspose, nn.ConvTranspose1d):
+    """A column ConvTranspose1d: [B, C_in, L] in, this rank's output channels [B, C_out_r, L'] out."""
+
+
+class ColumnParallelConvTranspose2d(_ColumnConvTranspose, nn.ConvTranspose2d):
+    """A column ConvTranspose2d: [B, C_in, H, W] in, this rank's output channels [B, C_out_r, H', W'] out."""
+
+
+class ColumnParallelConvTranspose3d(_ColumnConvTranspose, nn.ConvTranspose3d):
+    """A column ConvTranspose3d: [B, C_in, D, H, W] in, this rank's output channels out."""
+
+
+class RowParallelConvTranspose1d(_RowConvTranspose, nn.ConvTranspose1d):
+    """A row ConvTranspose1d: this rank's input channels in, the summed [B, C_out, L'] out on every rank."""
+
+
+class RowParallelConvTranspose2d(_RowConvTranspose, nn.ConvTranspose2d):
+    """A row ConvTranspose2d: this rank's input channels in, the summed [B, C_out, H', W'] out on every rank."""
+
+
+class RowParallelConvTranspose3d(_RowConvTranspose, nn.ConvTranspose3d):
+    """A row ConvTranspose3d: this rank's input channels in, the summed output on every rank."""
+
+
+COLUMN_CONV = {nn.Conv1d: ColumnParallelConv1d, nn.Conv2d: ColumnParallelConv2d, nn.Conv3d: ColumnParallelConv3d,
+               nn.ConvTranspose1d: ColumnParallelConvTranspose1d, nn.ConvTranspose2d: ColumnParallelConvTranspose2d,
+               nn.ConvTranspose3d: ColumnParallelConvTranspose3d}
+ROW_CONV = {nn.Conv1d: RowParallelConv1d, nn.Conv2d: RowParallelConv2d, nn.Conv3d: RowParallelConv3d,
+            nn.ConvTranspose1d: RowParallelConvTranspose1d, nn.ConvTranspose2d: RowParallelConvTranspose2d,
+            nn.ConvTranspose3d: RowParallelConvTranspose3d}
 
 
 class ShardedLayerNorm(nn.LayerNorm):

@@ -84,6 +84,7 @@ HF_STYLES = {"colwise": "column", "rowwise": "row", "colwise_rep": "column_gathe
 ELEMENTWISE = (nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.LeakyReLU, nn.ELU, nn.Identity, nn.Softplus,
                nn.Mish, nn.Hardswish, nn.Hardtanh, nn.ReLU6, nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d)
 _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+_TCONVS = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)  # a decoder's upsampling
 # what may run on split features between a column and a row layer of each kind
 _BETWEEN = {
     nn.Linear: (nn.LayerNorm, nn.BatchNorm1d, nn.SyncBatchNorm, *ELEMENTWISE),
@@ -94,9 +95,10 @@ _BETWEEN = {
     nn.Conv3d: (nn.BatchNorm3d, nn.SyncBatchNorm, nn.GroupNorm, nn.InstanceNorm3d, *ELEMENTWISE,
                 nn.MaxPool3d, nn.AvgPool3d, nn.AdaptiveAvgPool3d, nn.AdaptiveMaxPool3d),
 }
+_BETWEEN.update({t: _BETWEEN[c] for c, t in zip(_CONVS, _TCONVS)})  # the same norms and pools after a transposed one
 # norms between a column and a row layer, run on the rank's features (LayerNorm: distributed; the others sliced)
 _NORMS = (nn.LayerNorm, nn.modules.batchnorm._NormBase, nn.GroupNorm)
-_SPLITTABLE = (nn.Linear, *_CONVS)
+_SPLITTABLE = (nn.Linear, *_CONVS, *_TCONVS)
 _SPLIT_LAYERS = {("column", nn.Linear): ColumnParallelLinear, ("row", nn.Linear): RowParallelLinear,
                  ("row", nn.Embedding): RowParallelEmbedding,
                  **{("column", k): c for k, c in COLUMN_CONV.items()}, **{("row", k): c for k, c in ROW_CONV.items()}}
@@ -232,6 +234,9 @@ def derive_plan(seq: nn.Sequential, tp: int, prefix: str = "", tied: frozenset[i
             pending = None
             continue
         kind = _kind(m)
+        if kind in _TCONVS and _odd_conv(m):  # never a pair's layer, nor between a pair's
+            pending = None
+            continue
         if kind in _CONVS and _odd_conv(m):  # never a pair's layer; a grouped one may run between a pair's
             between = pending is not None and pending[1] is kind and i not in shared and not (
                 computed_weight(m) or own_behaviour(m))
@@ -298,7 +303,8 @@ def split_sizes(name: str, layer: nn.Module, lp: LayerPlan, tp: int, parent: Opt
                          "(only an nn.Embedding, whose input is its ids, takes one). Plan the pair ColwiseParallel() "
                          "-> RowwiseParallel(), or leave the layer replicated")
     if not isinstance(layer, _SPLITTABLE):
-        raise ValueError(f"'{name}' is a {type(layer).__name__}; only nn.Linear and nn.Conv1d / Conv2d / Conv3d can "
+        raise ValueError(f"'{name}' is a {type(layer).__name__}; only nn.Linear, nn.Conv1d / Conv2d / Conv3d and "
+                         f"nn.ConvTranspose1d / 2d / 3d can "
                          f"be '{lp.style}' (and an nn.Embedding 'row')")
     if lp.style == "column_gathered" and not isinstance(layer, nn.Linear):
         raise ValueError(f"'{name}' is a {type(layer).__name__}; only nn.Linear can be 'column_gathered'")
@@ -380,10 +386,10 @@ def check_plan(module: nn.Module, plan: Mapping[str, LayerPlan], tp: int) -> dic
                              "Leave the layer replicated.")
         odd = _odd_conv(mods[name])
         if odd:
+            between = ("" if isinstance(mods[name], _TCONVS) else " (a grouped one with as many output as input "
+                       "channels runs split between a column and a row layer, on whole groups)")
             raise ValueError(f"'{name}' ({lp.style}) is a {type(mods[name]).__name__} with {odd}: a column or row "
-                             "layer splits a plain convolution's channels. Leave it replicated (a grouped one with as "
-                             "many output as input channels runs split between a column and a row layer, on whole "
-                             "groups)")
+                             f"layer splits a plain convolution's channels. Leave it replicated{between}")
         how = computed_weight(mods[name]) if isinstance(mods[name], (*_SPLITTABLE, nn.Embedding)) else None
         if how:
             raise ValueError(f"'{name}' ({lp.style}) computes its weight from other parameters ({how}): the "
@@ -433,11 +439,11 @@ def _features(m: nn.Module) -> Optional[tuple[int, tuple[type, ...]]]:
     if isinstance(m, nn.LayerNorm) and len(m.normalized_shape) == 1:
         return m.normalized_shape[0], (nn.Linear,)
     if isinstance(m, nn.GroupNorm):
-        return m.num_channels, _CONVS
+        return m.num_channels, (*_CONVS, *_TCONVS)
     if isinstance(m, _CONVS) and m.groups > 1:
         return m.in_channels, (_kind(m),)  # type: ignore[return-value]
     if isinstance(m, nn.modules.batchnorm._NormBase):
-        return m.num_features, tuple(k for k, fit in _BETWEEN.items() if isinstance(m, fit)) or _CONVS
+        return m.num_features, tuple(k for k, fit in _BETWEEN.items() if isinstance(m, fit)) or (*_CONVS, *_TCONVS)
     return None
 
 
@@ -545,7 +551,7 @@ def apply_plan(module: nn.Module, splits: Mapping[str, LayerSplit], group: Group
             continue
         # the user's forward hooks see whole tensors, as in one process (an embedding's ids and rows are whole)
         if sp.role != "column_gathered" and not isinstance(layer, nn.Embedding):
-            dim = 1 if isinstance(layer, (*_CONVS, nn.modules.batchnorm._NormBase, nn.GroupNorm)) else -1
+            dim = 1 if isinstance(layer, (*_CONVS, *_TCONVS, nn.modules.batchnorm._NormBase, nn.GroupNorm)) else -1
             whole_tensors_for_hooks(layer, group, sp.sizes, dim, inputs_split=sp.role != "column",
                                     output_split=sp.role != "row")  # (before a copy of the layer takes them)
         if sp.role == "between":
@@ -639,7 +645,7 @@ def _numel(m: nn.Module) -> int:
 
 
 def _plain(m: nn.Module) -> Optional[type]:
-    return next((t for t in (nn.Linear, *_CONVS, nn.LayerNorm, nn.Embedding) if isinstance(m, t)), None)
+    return next((t for t in (*_SPLITTABLE, nn.LayerNorm, nn.Embedding) if isinstance(m, t)), None)
 
 
 def own_behaviour(m: nn.Module) -> str:
@@ -658,7 +664,7 @@ def own_behaviour(m: nn.Module) -> str:
 
 def _odd_conv(m: nn.Module) -> str:
     """Why a convolution cannot be a column or row layer ('' if it can): groups, or a padding other than zeros."""
-    if not isinstance(m, _CONVS):
+    if not isinstance(m, (*_CONVS, *_TCONVS)):
         return ""
     if m.groups != 1:
         return f"groups={m.groups}"
@@ -671,7 +677,7 @@ def _fits(m: nn.Module, column: nn.Module, tp: int) -> bool:
 
 
 def _kind(m: nn.Module) -> Optional[type]:
-    return next((k for k in (nn.Linear, *_CONVS) if isinstance(m, k)), None)
+    return next((k for k in _SPLITTABLE if isinstance(m, k)), None)
 
 
 def _qual(prefix: str, name: str) -> str:
