@@ -757,14 +757,17 @@ class PaddedEncoder(MNISTClassifier):
         self.log("val_nested", float(self.nested), sync_dist=True)
 
 
-@pytest.mark.parametrize("name", ["tp2", "tp2-gathered", "dp2xtp2", "fsdp"])
+@pytest.mark.parametrize("name", ["tp2", "tp2-gathered", "tp2-heads", "dp2xtp2", "fsdp"])
 def test_padded_sequences_through_torchs_transformer_encoder_equal_one_process(name):
     """Trained, then validated on torch's nested-tensor path (each sample its own length); "gathered": the
-    feed-forward's first layer all-gathers its output, the second runs whole."""
+    feed-forward's first layer all-gathers its output, the second runs whole; "heads": the attention split by its
+    heads too (each sample of the nested tensor attended on its own)."""
     gathered = {"enc.layers.*.linear1": "column_gathered"}
+    heads = {**PaddedEncoder.tp_plan, "enc.layers.*.self_attn": "heads"}
     strategy, devices, dp = {
         **layouts("fsdp"), "tp2": (lambda: SHMTensorParallel(start_method="fork", tensor_parallel_size=2), 2, 1),
         "tp2-gathered": (lambda: SHMTensorParallel(start_method="fork", tensor_parallel_size=2, plan=gathered), 2, 1),
+        "tp2-heads": (lambda: SHMTensorParallel(start_method="fork", tensor_parallel_size=2, plan=heads), 2, 1),
         "dp2xtp2": (lambda: SHMModelParallel(start_method="fork", data_parallel_size=2, tensor_parallel_size=2),
                     4, 2)}[name]
     metrics = _trained_and_validated_as_one_process(PaddedEncoder, strategy(), devices, dp, GLOBAL_BATCH * 2)
@@ -1013,3 +1016,96 @@ def test_transposed_convolutions_split_by_tensor_parallelism_equal_one_process(m
     }[name]
     metrics = _trained_and_validated_as_one_process(model_cls, strategy(), devices, dp, GLOBAL_BATCH * 2, **kw)
     assert metrics["upsampled_channels"] == channels
+
+
+# ---------------------------------------------------------------------- torch's attention split by its heads
+class _Tokens28(torch.nn.Module):
+    """The image's 28 rows as tokens: [B, 28, 28], or [28, B, 28] for layers without ``batch_first``."""
+
+    def __init__(self, batch_first: bool) -> None:
+        super().__init__()
+        self.batch_first = batch_first
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.flatten(1, 2)
+        return x if self.batch_first else x.transpose(0, 1)
+
+
+class _MeanOverRows(torch.nn.Module):
+    def __init__(self, batch_first: bool) -> None:
+        super().__init__()
+        self.dim = 1 if batch_first else 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.mean(self.dim)
+
+
+class HeadSplitEncoder(MNISTClassifier):
+    """Two ``nn.TransformerEncoderLayer`` of 4 heads, each attention split by its heads, the feed-forward pair by
+    features."""
+
+    tp_plan = {"net.*.self_attn": "heads", "net.*.linear1": "column", "net.*.linear2": "row"}
+
+    def __init__(self, batch_first: bool = True, **kw):
+        super().__init__(**kw)
+        nn = torch.nn
+        layer = functools.partial(nn.TransformerEncoderLayer, 32, 4, 64, dropout=0.0, batch_first=batch_first)
+        self.net = nn.Sequential(_Tokens28(batch_first), nn.Linear(28, 32), layer(), layer(),
+                                 _MeanOverRows(batch_first), nn.Linear(32, 10))
+
+    def on_train_start(self) -> None:  # the heads this rank computes (rank 0: a pipeline's first stage)
+        if isinstance(self.net[2], torch.nn.TransformerEncoderLayer):
+            self.log("heads", float(self.net[2].self_attn.num_heads))
+
+
+class SequenceFirstHeadSplitEncoder(HeadSplitEncoder):
+    def __init__(self, **kw):
+        super().__init__(batch_first=False, **kw)
+
+
+class AttentionCalledByTheModule(MNISTClassifier):
+    """An ``nn.MultiheadAttention`` the forward calls itself, asking for the weights (averaged over the heads, and
+    per head) with a key padding mask and a 3-D float mask that differs per head; the weights enter the loss."""
+
+    tp_plan = {"attn": "heads"}
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.proj = torch.nn.Linear(28, 32)
+        self.attn = torch.nn.MultiheadAttention(32, 4, batch_first=True)
+        self.net = torch.nn.Sequential(torch.nn.Linear(32, 10))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x.flatten(1, 2))
+        B, L, _ = h.shape
+        padding = torch.arange(L) >= L - 3  # the last 3 rows
+        c = x.flatten(1, 2)[..., :1]
+        per_head = torch.sin(c @ c.transpose(1, 2)).repeat_interleave(4, dim=0) * torch.arange(1, 5).repeat(B).view(
+            -1, 1, 1)  # [B * 4 heads, L, L]
+        out, averaged = self.attn(h, h, h, key_padding_mask=padding.expand(B, L), attn_mask=per_head)
+        out2, each = self.attn(h, h, h, average_attn_weights=False)
+        return self.net(out.mean(1) + out2.mean(1)) * (1 + averaged[:, 0, :10]) + each[:, 1, 0, :10]  # [B, 10]
+
+    def on_train_start(self) -> None:
+        self.log("heads", float(self.attn.num_heads))
+
+
+@pytest.mark.parametrize("model_cls, name, heads", [
+    (HeadSplitEncoder, "tp2", 2), (HeadSplitEncoder, "tp3-uneven", 2), (HeadSplitEncoder, "dp2xtp2-shard", 2),
+    (HeadSplitEncoder, "tp2xpp2", 2), (SequenceFirstHeadSplitEncoder, "tp2", 2),
+    (AttentionCalledByTheModule, "tp2", 2), (AttentionCalledByTheModule, "tp3-uneven", 2),
+    (AttentionCalledByTheModule, "dp2xtp2-shard", 2)])
+def test_torch_attention_split_by_its_heads_equals_one_process(model_cls, name, heads):
+    """``"heads"`` splits an ``nn.MultiheadAttention``: each rank its heads' rows of the fused q, k, v weight and
+    their columns of the output projection, whose partial outputs are summed (4 heads at tp3: 2, 1, 1). Until
+    2026-12-07 its fused ``in_proj_weight`` stayed whole on every rank."""
+    strategy, devices, dp = {
+        "tp2": (lambda: SHMTensorParallel(start_method="fork", tensor_parallel_size=2), 2, 1),
+        "tp3-uneven": (lambda: SHMTensorParallel(start_method="fork", tensor_parallel_size=3), 3, 1),
+        "dp2xtp2-shard": (lambda: SHMModelParallel(start_method="fork", data_parallel_size=2, tensor_parallel_size=2,
+                                                   data_parallel="shard"), 4, 2),
+        "tp2xpp2": (lambda: SHMModelParallel(start_method="fork", tensor_parallel_size=2, pipeline_parallel_size=2,
+                                             microbatches=2), 4, 1),
+    }[name]
+    metrics = _trained_and_validated_as_one_process(model_cls, strategy(), devices, dp, GLOBAL_BATCH * 2)
+    assert metrics["heads"] == heads

@@ -24,29 +24,40 @@ from lightning_shm.runtime import Group
 
 @dataclass(frozen=True)
 class Split:
-    """A tensor cut along ``dim`` over ``group``: member i holds ``sizes[i]`` consecutive indices."""
+    """A tensor cut along ``dim`` over ``group``: member i holds ``sizes[i]`` consecutive indices -- of each of
+    ``blocks`` equal blocks the dim is made of, when it has several: an attention's fused ``in_proj_weight``
+    ``[3E, E]`` is q, k and v stacked, and a rank holding heads h holds their rows of each (``[3 E_r, E]``)."""
 
     group: Group
     dim: int
     sizes: tuple[int, ...]
+    blocks: int = 1
 
     def __post_init__(self) -> None:
         if len(self.sizes) != self.group.size or min(self.sizes) < 0:
             raise ValueError(f"a split over {self.group.size} ranks needs {self.group.size} sizes >= 0, "
                              f"got {list(self.sizes)}")
+        if self.blocks < 1:
+            raise ValueError(f"blocks must be >= 1, got {self.blocks}")
 
     def cut(self, full: torch.Tensor) -> torch.Tensor:
         """This member's piece of ``full`` (a copy: it must not alias a checkpoint's tensor)."""
         i = self.group.index
-        return full.narrow(self.dim, sum(self.sizes[:i]), self.sizes[i]).clone()
+        blocked = full.unflatten(self.dim, (self.blocks, sum(self.sizes)))
+        return blocked.narrow(self.dim + 1, sum(self.sizes[:i]), self.sizes[i]).flatten(self.dim, self.dim + 1).clone()
 
     def gather(self, piece: torch.Tensor) -> torch.Tensor:
-        """Every member's piece, concatenated along ``dim`` (collective over ``group``)."""
+        """Every member's piece, concatenated along ``dim`` (within each block; collective over ``group``)."""
         moved = piece.detach().movedim(self.dim, 0).contiguous()
         rest = tuple(moved.shape[1:])
         parts = self.group.all_gather_v(moved.reshape(-1))
-        full = torch.cat([p.view(s, *rest) for p, s in zip(parts, self.sizes)], dim=0)
-        return full.movedim(0, self.dim).contiguous()
+        full = torch.cat([p.view(self.blocks, s, *rest) for p, s in zip(parts, self.sizes)], dim=1)
+        return full.flatten(0, 1).movedim(0, self.dim).contiguous()
+
+    @property
+    def whole(self) -> int:
+        """The full size of ``dim``."""
+        return self.blocks * sum(self.sizes)
 
 
 @dataclass(frozen=True)
@@ -80,7 +91,7 @@ class Placement:
     def full_shape(self, piece_shape: torch.Size) -> torch.Size:
         shape = list(piece_shape)
         for s in reversed(self.splits):  # the outermost split knows the full size
-            shape[s.dim] = sum(s.sizes)
+            shape[s.dim] = s.whole
         return torch.Size(shape)
 
 

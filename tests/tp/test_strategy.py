@@ -78,13 +78,15 @@ def test_derived_plan_pairs_linears_column_row_gathers_before_small_ones_and_rep
     assert _styles(derive_plan(mixed, 2)) == {}
     wrong_norm = nn.Sequential(nn.Conv1d(1, 8, 3), nn.BatchNorm2d(8), nn.Conv1d(8, 4, 1))
     assert _styles(derive_plan(wrong_norm, 2)) == {}
-    # torch's encoder layer: its feed-forward pair, the attention whole; a Linear on each side stays unpaired
+    # torch's encoder layer: its feed-forward pair and its attention's heads (whole with fewer heads than tp ranks);
+    # a Linear on each side stays unpaired
     encoder = nn.Sequential(nn.Linear(28, 16), nn.TransformerEncoderLayer(16, 4, 32), nn.Linear(16, 10))
-    assert _styles(derive_plan(encoder, 2)) == {"1.linear1": "column", "1.linear2": "row"}
-    # a stack of them (nn.TransformerEncoder): each block's pair
+    assert _styles(derive_plan(encoder, 2)) == {"1.linear1": "column", "1.linear2": "row", "1.self_attn": "heads"}
+    assert _styles(derive_plan(encoder, 8)) == {"1.linear1": "column", "1.linear2": "row"}
+    # a stack of them (nn.TransformerEncoder): each block's
     encoder[1] = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 4, 32), 2, enable_nested_tensor=False)
-    assert _styles(derive_plan(encoder, 2)) == {f"1.layers.{j}.{n}": s for j in (0, 1)
-                                                for n, s in (("linear1", "column"), ("linear2", "row"))}
+    assert _styles(derive_plan(encoder, 2)) == {f"1.layers.{j}.{n}": s for j in (0, 1) for n, s in (
+        ("linear1", "column"), ("linear2", "row"), ("self_attn", "heads"))}
     # applied twice (one block's parameters at two places), it stays whole: split, the two would stop sharing
     twice = nn.Sequential(nn.Linear(28, 16), encoder[1], encoder[1], nn.Linear(16, 10))
     assert _styles(derive_plan(twice, 2)) == {}
@@ -476,6 +478,12 @@ class _GroupNormBlock(nn.Module):
         ((nn.ConvTranspose2d(1, 8, 1), nn.ConvTranspose2d(8, 2, 1, groups=2)), {"net.0": "column", "net.1": "row"},
          r"'net.1' \(row\) is a ConvTranspose2d with groups=2: a column or row layer splits a plain convolution's "
          r"channels. Leave it replicated$"),
+        ((nn.Linear(4, 8),), {"net.0": "heads"}, r"'net.0' is a Linear; only an nn.MultiheadAttention can be 'heads'"),
+        ((nn.MultiheadAttention(8, 4),), {"net.0": "column"},
+         r"'net.0' is an nn.MultiheadAttention planned 'column': it splits by its heads -- plan it 'heads'"),
+        ((nn.MultiheadAttention(8, 4, kdim=6, vdim=6),), {"net.0": "heads"},
+         r"'net.0' \(heads\) is an nn.MultiheadAttention with kdim=6 / vdim=6 \(separate q, k and v weights\)"),
+        ((nn.MultiheadAttention(8, 2),), {"net.0": "heads"}, r"'net.0' \(heads\) has 2 heads, fewer than tp=4"),
         ((_TiedHead(),), {"net.0.embed": "row"},
          r"'net.0.embed' \(row\) holds 'net.0.embed.weight', which is also 'net.0.head.weight'"),
         ((_TiedHead(),), {"net.0.embed": "row", "net.0.head": "row"},  # the head's row cuts the other dimension

@@ -7,8 +7,8 @@ a whole one (as Hugging Face models declare their ``tp_plan``), ``layer*`` or ``
     {"net.*.attn.q": "column", "net.*.attn.k": "column", "net.*.attn.v": "column",
      "net.*.attn.o": "row", "net.*.mlp.fc1": "column", "net.*.mlp.fc2": "row"}
 
-* ``"column"``: ``Linear`` / ``Conv1d`` / ``Conv2d`` / ``Conv3d`` output features (channels) split; input
-  replicated.
+* ``"column"``: ``Linear`` / ``Conv1d`` / ``Conv2d`` / ``Conv3d`` (or ``ConvTranspose1d`` / ``2d`` / ``3d``) output
+  features (channels) split; input replicated.
 * ``"column_gathered"``: a ``Linear`` split like ``"column"`` whose outputs are all-gathered, so
   everything after it runs replicated on the whole features (Megatron's ``gather_output``; Hugging
   Face's ``"colwise_rep"``). One collective forward, none backward, no row layer needed.
@@ -16,6 +16,8 @@ a whole one (as Hugging Face models declare their ``tp_plan``), ``layer*`` or ``
   ``nn.Embedding``: its vocabulary split (the table's rows; Megatron's vocab-parallel embedding), ids in, whole
   rows out -- no column layer before it.
 * ``"replicate"``: every rank holds the whole layer (the default for anything not planned).
+* ``"heads"``: torch's ``nn.MultiheadAttention`` split by its heads, input and output whole
+  (:mod:`~lightning_shm.parallel.tp.attention`).
 * ``"between"``: a norm (LayerNorm, BatchNorm, InstanceNorm, GroupNorm) or a grouped convolution that a block's own
   ``forward`` runs on a column layer's output before the row layer -- a ResNet block's ``bn1`` between ``conv1``
   and ``conv2``. It runs on the rank's features, as between a pair inside a Sequential (found there without
@@ -61,6 +63,7 @@ from lightning_shm.parallel.sequential import (
     parameter_holders,
     shared_spans,
 )
+from lightning_shm.parallel.tp.attention import HeadParallelMultiheadAttention, heads_unsupported
 from lightning_shm.parallel.tp.hooks import whole_tensors_for_hooks
 from lightning_shm.parallel.tp.layers import (
     COLUMN_CONV,
@@ -79,7 +82,7 @@ from lightning_shm.parallel.tp.layers import (
 from lightning_shm.parallel.tp.rng import SplitRegionRandom
 from lightning_shm.runtime import Group
 
-STYLES = ("column", "row", "replicate", "column_gathered", "between")
+STYLES = ("column", "row", "replicate", "column_gathered", "between", "heads")
 HF_STYLES = {"colwise": "column", "rowwise": "row", "colwise_rep": "column_gathered"}  # Hugging Face's tp_plan words
 ELEMENTWISE = (nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.LeakyReLU, nn.ELU, nn.Identity, nn.Softplus,
                nn.Mish, nn.Hardswish, nn.Hardtanh, nn.ReLU6, nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d)
@@ -202,9 +205,9 @@ def derive_plan(seq: nn.Sequential, tp: int, prefix: str = "", tied: frozenset[i
     """Pair the Sequential's Linear (Conv1d / Conv2d / Conv3d) children column -> row, each with one of its kind;
     a leftover stays replicated. A child that is torch's ``nn.TransformerEncoderLayer`` -- or an
     ``nn.TransformerEncoder`` stack of them -- gets each block's feed-forward pair split (``linear1`` column,
-    ``linear2`` row); the attention's fused ``in_proj_weight`` stays whole. A child holding a parameter of
-    ``tied`` (ids the model also holds outside ``seq``: tied to another module, or the child kept under a second
-    name) or another child's stays whole: split, they would stop sharing.
+    ``linear2`` row) and its attention by heads (``"heads"``, when it has at least tp of them). A child holding a
+    parameter of ``tied`` (ids the model also holds outside ``seq``: tied to another module, or the child kept under
+    a second name) or another child's stays whole: split, they would stop sharing.
 
     Except when the second Linear of a pair holds at most ``1/tp`` of the first's weights: then the
     first is ``"column_gathered"``, and it and every later Linear that small stay replicated (a
@@ -231,6 +234,9 @@ def derive_plan(seq: nn.Sequential, tp: int, prefix: str = "", tied: frozenset[i
             for b, block in blocks if i not in shared else []:
                 if all(type(getattr(block, a, None)) is nn.Linear for a in ("linear1", "linear2")):
                     plan[f"{b}.linear1"], plan[f"{b}.linear2"] = LayerPlan("column"), LayerPlan("row")
+                attn = getattr(block, "self_attn", None)
+                if type(attn) is nn.MultiheadAttention and not heads_unsupported(attn) and attn.num_heads >= tp:
+                    plan[f"{b}.self_attn"] = LayerPlan("heads")
             pending = None
             continue
         kind = _kind(m)
@@ -297,6 +303,8 @@ def split_sizes(name: str, layer: nn.Module, lp: LayerPlan, tp: int, parent: Opt
     vocabulary rows."""
     if isinstance(layer, nn.Embedding):
         return _vocabulary_sizes(name, layer, lp, tp)
+    if isinstance(layer, nn.MultiheadAttention) or lp.style == "heads":
+        return _head_sizes(name, layer, lp, tp)
     if lp.whole_input:
         raise ValueError(f"'{name}' ({type(layer).__name__}) is planned RowwiseParallel(input_layouts=Replicate()): "
                          "a row layer here takes the split output of a column layer before it, not a whole input "
@@ -328,6 +336,25 @@ def split_sizes(name: str, layer: nn.Module, lp: LayerPlan, tp: int, parent: Opt
     if n < tp:
         raise ValueError(f"{lp.style} layer '{name}' has {n} {what}, fewer than tp={tp}")
     return even_split_sizes(n, tp)
+
+
+def _head_sizes(name: str, layer: nn.Module, lp: LayerPlan, tp: int) -> list[int]:
+    """Features per rank of an ``nn.MultiheadAttention`` split by whole heads
+    (:class:`~lightning_shm.parallel.tp.attention.HeadParallelMultiheadAttention`)."""
+    if not isinstance(layer, nn.MultiheadAttention):
+        raise ValueError(f"'{name}' is a {type(layer).__name__}; only an nn.MultiheadAttention can be 'heads' (an "
+                         "attention of your own splits its q, k and v projections 'column' and its output 'row', "
+                         "on whole heads: head_dim)")
+    if lp.style != "heads":
+        raise ValueError(f"'{name}' is an nn.MultiheadAttention planned '{lp.style}': it splits by its heads -- plan "
+                         "it 'heads'")
+    why = heads_unsupported(layer)
+    if why:
+        raise ValueError(f"'{name}' (heads) is an nn.MultiheadAttention with {why}: not split here. Leave it "
+                         "replicated")
+    if layer.num_heads < tp:
+        raise ValueError(f"'{name}' (heads) has {layer.num_heads} heads, fewer than tp={tp}: every rank needs a head")
+    return [h * layer.head_dim for h in even_split_sizes(layer.num_heads, tp)]
 
 
 def _vocabulary_sizes(name: str, layer: nn.Embedding, lp: LayerPlan, tp: int) -> list[int]:
@@ -550,11 +577,13 @@ def apply_plan(module: nn.Module, splits: Mapping[str, LayerSplit], group: Group
         if layer is None:
             continue
         # the user's forward hooks see whole tensors, as in one process (an embedding's ids and rows are whole)
-        if sp.role != "column_gathered" and not isinstance(layer, nn.Embedding):
+        if sp.role not in ("column_gathered", "heads") and not isinstance(layer, nn.Embedding):
             dim = 1 if isinstance(layer, (*_CONVS, *_TCONVS, nn.modules.batchnorm._NormBase, nn.GroupNorm)) else -1
             whole_tensors_for_hooks(layer, group, sp.sizes, dim, inputs_split=sp.role != "column",
                                     output_split=sp.role != "row")  # (before a copy of the layer takes them)
-        if sp.role == "between":
+        if sp.role == "heads":
+            new = HeadParallelMultiheadAttention(layer, group, sp.sizes, random=random)
+        elif sp.role == "between":
             new = (ShardedLayerNorm(layer, group, sp.sizes) if isinstance(layer, nn.LayerNorm)
                    else sliced_groupnorm(layer, group, sp.sizes) if isinstance(layer, nn.GroupNorm)
                    else sliced_grouped_conv(layer, group, sp.sizes) if isinstance(layer, _CONVS)
@@ -571,6 +600,9 @@ def apply_plan(module: nn.Module, splits: Mapping[str, LayerSplit], group: Group
                 setattr(new, entry, pieces.setdefault(id(full), piece))
         carry_over_module(layer, new)  # the user's hooks on the layer run on its tensor-parallel version
         replaced[name] = new
+        if sp.role == "heads":  # its output projection: a row layer of its own (placements, ties)
+            replaced[f"{name}.out_proj"] = new.out_proj
+            new.out_proj.weight = pieces.setdefault(id(layer.out_proj.weight), new.out_proj.weight)
     _say_when_split_features_reach(local, splits)
     for name, new in replaced.items():
         parent, _, attr = name.rpartition(".")

@@ -34,9 +34,11 @@ class TensorParallelState:
         """Split entries: their split; every other parameter: held whole by each of the tp ranks."""
         out: dict[str, Placement] = {}
         for qname, mod in self.parallel.items():
+            blocks = getattr(mod, "split_blocks", {})  # a fused q, k, v weight: the rank's rows of each
             for entry, dim in mod.split_dims.items():
                 if getattr(mod, entry, None) is not None:
-                    out[f"{qname}.{entry}"] = Placement((Split(self.group, dim, tuple(mod.sizes)),))
+                    out[f"{qname}.{entry}"] = Placement((Split(self.group, dim, tuple(mod.sizes),
+                                                               blocks.get(entry, 1)),))
         for name, _ in self.module.named_parameters():
             out.setdefault(name, Placement(copies=self.group.size))
         return out
