@@ -928,17 +928,23 @@ class LlamaClassifier(MNISTClassifier):
             self.log("wq_features", float(self.net[2].attention.wq.out_features))
 
 
+# tensor parallelism alone, beside sharded data parallelism, and in front of a pipeline: name -> (strategy, devices,
+# data-parallel ranks)
+TP_RUNS = {
+    "tp2": (lambda: SHMTensorParallel(start_method="fork", tensor_parallel_size=2), 2, 1),
+    "tp3-uneven": (lambda: SHMTensorParallel(start_method="fork", tensor_parallel_size=3), 3, 1),
+    "dp2xtp2-shard": (lambda: SHMModelParallel(start_method="fork", data_parallel_size=2, tensor_parallel_size=2,
+                                               data_parallel="shard"), 4, 2),
+    "tp2xpp2": (lambda: SHMModelParallel(start_method="fork", tensor_parallel_size=2, pipeline_parallel_size=2,
+                                         microbatches=2), 4, 1),
+}
+
+
 @pytest.mark.parametrize("name", ["tp2", "dp2xtp2-shard", "tp2xpp2"])
 def test_llama_blocks_planned_as_torchs_tutorial_equal_one_process(name):
     """RMSNorm, rotary embeddings from a complex buffer, SwiGLU (two column layers into one row layer), causal
     attention, split with the plan torch's tutorial writes for Llama."""
-    strategy, devices, dp = {
-        "tp2": (lambda: SHMTensorParallel(start_method="fork", tensor_parallel_size=2), 2, 1),
-        "dp2xtp2-shard": (lambda: SHMModelParallel(start_method="fork", data_parallel_size=2, tensor_parallel_size=2,
-                                                   data_parallel="shard"), 4, 2),
-        "tp2xpp2": (lambda: SHMModelParallel(start_method="fork", tensor_parallel_size=2, pipeline_parallel_size=2,
-                                             microbatches=2), 4, 1),
-    }[name]
+    strategy, devices, dp = TP_RUNS[name]
     metrics = _trained_and_validated_as_one_process(LlamaClassifier, strategy(), devices, dp, GLOBAL_BATCH * 2)
     assert metrics["wq_features"] == 16  # of 32: split
 
@@ -1099,13 +1105,6 @@ def test_torch_attention_split_by_its_heads_equals_one_process(model_cls, name, 
     """``"heads"`` splits an ``nn.MultiheadAttention``: each rank its heads' rows of the fused q, k, v weight and
     their columns of the output projection, whose partial outputs are summed (4 heads at tp3: 2, 1, 1). Until
     2026-12-07 its fused ``in_proj_weight`` stayed whole on every rank."""
-    strategy, devices, dp = {
-        "tp2": (lambda: SHMTensorParallel(start_method="fork", tensor_parallel_size=2), 2, 1),
-        "tp3-uneven": (lambda: SHMTensorParallel(start_method="fork", tensor_parallel_size=3), 3, 1),
-        "dp2xtp2-shard": (lambda: SHMModelParallel(start_method="fork", data_parallel_size=2, tensor_parallel_size=2,
-                                                   data_parallel="shard"), 4, 2),
-        "tp2xpp2": (lambda: SHMModelParallel(start_method="fork", tensor_parallel_size=2, pipeline_parallel_size=2,
-                                             microbatches=2), 4, 1),
-    }[name]
+    strategy, devices, dp = TP_RUNS[name]
     metrics = _trained_and_validated_as_one_process(model_cls, strategy(), devices, dp, GLOBAL_BATCH * 2)
     assert metrics["heads"] == heads

@@ -167,7 +167,10 @@ class RowParallelEmbedding(nn.Embedding):
 
 class _SplitConv:
     """What the column and row convolutions of every dimension (Conv1d, Conv2d, Conv3d) share: the full layer's
-    geometry, and its forward (torch's own ``_conv_forward``) over this rank's piece of the weight."""
+    geometry, and its forward (torch's own ``_conv_forward``) over this rank's piece of the weight, whose output and
+    input channels are dims ``out_dim`` and ``in_dim`` (``[C_out, C_in, *kernel]``)."""
+
+    out_dim, in_dim = 0, 1
 
     def _init_split(self, full: nn.modules.conv._ConvNd, group: Group, random: Optional[SplitRegionRandom]) -> None:
         nn.Module.__init__(self)  # type: ignore[arg-type]
@@ -179,27 +182,47 @@ class _SplitConv:
         self.group, self.random = group, random
         self.stride, self.padding, self.dilation = full.stride, full.padding, full.dilation
         self.kernel_size, self.groups, self.padding_mode = full.kernel_size, 1, full.padding_mode
-        self.transposed, self.output_padding = False, full.output_padding
+        self.transposed, self.output_padding = full.transposed, full.output_padding
 
-    def _conv(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    def _conv(self, x: torch.Tensor, bias: Optional[torch.Tensor], output_size: Optional[list[int]]) -> torch.Tensor:
         return self._conv_forward(x, self.weight, bias)  # type: ignore[attr-defined]
+
+
+class _Transposed(_SplitConv):
+    """A transposed convolution (ConvTranspose1d / 2d / 3d, a decoder's upsampling): its weight is
+    ``[C_in, C_out, *kernel]``, the transpose of a convolution's, and ``output_size`` (the caller's, as in one
+    process) picks its output padding."""
+
+    out_dim, in_dim = 1, 0
+
+    def _conv(self, x: torch.Tensor, bias: Optional[torch.Tensor], output_size: Optional[list[int]]) -> torch.Tensor:
+        n = len(self.kernel_size)
+        padding = self._output_padding(x, output_size, self.stride, self.padding,  # type: ignore[attr-defined]
+                                       self.kernel_size, n, self.dilation)
+        return _CONV_TRANSPOSE[n](x, self.weight, bias, self.stride, self.padding,  # type: ignore[attr-defined]
+                                  padding, 1, self.dilation)
+
+
+_CONV_TRANSPOSE = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
 
 
 class _ColumnConv(_SplitConv):
     """Output channels split across the group; input replicated; output channels stay sharded."""
 
-    split_dims = {"weight": 0, "bias": 0}
+    def __init_subclass__(cls, **kw: object) -> None:
+        super().__init_subclass__(**kw)
+        cls.split_dims = {"weight": cls.out_dim, "bias": 0}
 
     def __init__(self, full: nn.modules.conv._ConvNd, group: Group, sizes: Optional[Sequence[int]] = None,
                  random: Optional[SplitRegionRandom] = None) -> None:
         self._init_split(full, group, random)
         self.sizes = list(sizes or even_split_sizes(full.out_channels, group.size))
         self.in_channels, self.out_channels = full.in_channels, self.sizes[group.index]
-        self.weight = _slice(full.weight, 0, self.sizes, group.index)
+        self.weight = _slice(full.weight, self.out_dim, self.sizes, group.index)
         self.bias = _slice(full.bias, 0, self.sizes, group.index)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self._conv(copy_to_tp(x, self.group), self.bias)
+    def forward(self, x: torch.Tensor, output_size: Optional[list[int]] = None) -> torch.Tensor:
+        y = self._conv(copy_to_tp(x, self.group), self.bias, output_size)
         _enter(self.random)
         return y
 
@@ -210,19 +233,21 @@ class _ColumnConv(_SplitConv):
 class _RowConv(_SplitConv):
     """Input channels split; partial outputs summed by an all-reduce; the (replicated) bias added once."""
 
-    split_dims = {"weight": 1}
+    def __init_subclass__(cls, **kw: object) -> None:
+        super().__init_subclass__(**kw)
+        cls.split_dims = {"weight": cls.in_dim}
 
     def __init__(self, full: nn.modules.conv._ConvNd, group: Group, sizes: Optional[Sequence[int]] = None,
                  random: Optional[SplitRegionRandom] = None) -> None:
         self._init_split(full, group, random)
         self.sizes = list(sizes or even_split_sizes(full.in_channels, group.size))
         self.in_channels, self.out_channels = self.sizes[group.index], full.out_channels
-        self.weight = _slice(full.weight, 1, self.sizes, group.index)
+        self.weight = _slice(full.weight, self.in_dim, self.sizes, group.index)
         self.bias = _replicate(full.bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, output_size: Optional[list[int]] = None) -> torch.Tensor:
         _leave(self.random)
-        y = reduce_from_tp(self._conv(x, None), self.group)
+        y = reduce_from_tp(self._conv(x, None, output_size), self.group)
         return y if self.bias is None else y + self.bias.view(-1, *([1] * (y.dim() - 2)))
 
     def extra_repr(self) -> str:
@@ -253,99 +278,27 @@ class RowParallelConv3d(_RowConv, nn.Conv3d):
     """A row Conv3d: this rank's input channels in, the summed output on every rank."""
 
 
-class _SplitConvTranspose:
-    """What the column and row transposed convolutions (ConvTranspose1d / 2d / 3d: a decoder's, a generator's
-    upsampling) share: the full layer's geometry, and torch's ``conv_transpose`` over this rank's piece. A
-    transposed convolution's weight is ``[C_in, C_out, *kernel]`` -- the transpose of a convolution's -- so a column
-    layer cuts dim 1 and a row layer dim 0. ``output_size`` (which picks the output padding) is the caller's, as in
-    one process."""
-
-    def _init_split(self, full: nn.modules.conv._ConvTransposeNd, group: Group,
-                    random: Optional[SplitRegionRandom]) -> None:
-        nn.Module.__init__(self)  # type: ignore[arg-type]
-        if full.groups != 1:
-            raise ValueError(f"a grouped {type(full).__name__} (groups={full.groups}) cannot be split by channels here")
-        self.group, self.random = group, random
-        self.stride, self.padding, self.dilation = full.stride, full.padding, full.dilation
-        self.kernel_size, self.groups, self.padding_mode = full.kernel_size, 1, full.padding_mode
-        self.transposed, self.output_padding = True, full.output_padding
-
-    def _conv(self, x: torch.Tensor, bias: Optional[torch.Tensor], output_size: Optional[list[int]]) -> torch.Tensor:
-        n = len(self.kernel_size)
-        padding = self._output_padding(x, output_size, self.stride, self.padding,  # type: ignore[attr-defined]
-                                       self.kernel_size, n, self.dilation)
-        return _CONV_TRANSPOSE[n](x, self.weight, bias, self.stride, self.padding,  # type: ignore[attr-defined]
-                                  padding, 1, self.dilation)
-
-
-_CONV_TRANSPOSE = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
-
-
-class _ColumnConvTranspose(_SplitConvTranspose):
-    """Output channels split across the group (weight dim 1); input replicated; output channels stay sharded."""
-
-    split_dims = {"weight": 1, "bias": 0}
-
-    def __init__(self, full: nn.modules.conv._ConvTransposeNd, group: Group, sizes: Optional[Sequence[int]] = None,
-                 random: Optional[SplitRegionRandom] = None) -> None:
-        self._init_split(full, group, random)
-        self.sizes = list(sizes or even_split_sizes(full.out_channels, group.size))
-        self.in_channels, self.out_channels = full.in_channels, self.sizes[group.index]
-        self.weight = _slice(full.weight, 1, self.sizes, group.index)
-        self.bias = _slice(full.bias, 0, self.sizes, group.index)
-
-    def forward(self, x: torch.Tensor, output_size: Optional[list[int]] = None) -> torch.Tensor:
-        y = self._conv(copy_to_tp(x, self.group), self.bias, output_size)
-        _enter(self.random)
-        return y
-
-    def extra_repr(self) -> str:
-        return f"in={self.in_channels}, out={self.out_channels} of {sum(self.sizes)} channels, tp={self.group.size}"
-
-
-class _RowConvTranspose(_SplitConvTranspose):
-    """Input channels split (weight dim 0); partial outputs summed by an all-reduce; the bias added once."""
-
-    split_dims = {"weight": 0}
-
-    def __init__(self, full: nn.modules.conv._ConvTransposeNd, group: Group, sizes: Optional[Sequence[int]] = None,
-                 random: Optional[SplitRegionRandom] = None) -> None:
-        self._init_split(full, group, random)
-        self.sizes = list(sizes or even_split_sizes(full.in_channels, group.size))
-        self.in_channels, self.out_channels = self.sizes[group.index], full.out_channels
-        self.weight = _slice(full.weight, 0, self.sizes, group.index)
-        self.bias = _replicate(full.bias)
-
-    def forward(self, x: torch.Tensor, output_size: Optional[list[int]] = None) -> torch.Tensor:
-        _leave(self.random)
-        y = reduce_from_tp(self._conv(x, None, output_size), self.group)
-        return y if self.bias is None else y + self.bias.view(-1, *([1] * (y.dim() - 2)))
-
-    def extra_repr(self) -> str:
-        return f"in={self.in_channels} of {sum(self.sizes)}, out={self.out_channels} channels, tp={self.group.size}"
-
-
-class ColumnParallelConvTranspose1d(_ColumnConvTranspose, nn.ConvTranspose1d):
+class ColumnParallelConvTranspose1d(_ColumnConv, _Transposed, nn.ConvTranspose1d):
     """A column ConvTranspose1d: [B, C_in, L] in, this rank's output channels [B, C_out_r, L'] out."""
 
 
-class ColumnParallelConvTranspose2d(_ColumnConvTranspose, nn.ConvTranspose2d):
+class ColumnParallelConvTranspose2d(_ColumnConv, _Transposed, nn.ConvTranspose2d):
     """A column ConvTranspose2d: [B, C_in, H, W] in, this rank's output channels [B, C_out_r, H', W'] out."""
 
 
-class ColumnParallelConvTranspose3d(_ColumnConvTranspose, nn.ConvTranspose3d):
+class ColumnParallelConvTranspose3d(_ColumnConv, _Transposed, nn.ConvTranspose3d):
     """A column ConvTranspose3d: [B, C_in, D, H, W] in, this rank's output channels out."""
 
 
-class RowParallelConvTranspose1d(_RowConvTranspose, nn.ConvTranspose1d):
+class RowParallelConvTranspose1d(_RowConv, _Transposed, nn.ConvTranspose1d):
     """A row ConvTranspose1d: this rank's input channels in, the summed [B, C_out, L'] out on every rank."""
 
 
-class RowParallelConvTranspose2d(_RowConvTranspose, nn.ConvTranspose2d):
+class RowParallelConvTranspose2d(_RowConv, _Transposed, nn.ConvTranspose2d):
     """A row ConvTranspose2d: this rank's input channels in, the summed [B, C_out, H', W'] out on every rank."""
 
 
-class RowParallelConvTranspose3d(_RowConvTranspose, nn.ConvTranspose3d):
+class RowParallelConvTranspose3d(_RowConv, _Transposed, nn.ConvTranspose3d):
     """A row ConvTranspose3d: this rank's input channels in, the summed output on every rank."""
 
 
