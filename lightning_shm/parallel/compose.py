@@ -240,9 +240,9 @@ def _nothing_to_split(module: nn.Module, config: ParallelConfig, tp: int) -> str
              if computed else "")
     return (f"tensor_parallel_size={tp} but the plan splits no layer of {type(module).__name__}: the plan derived "
             f"for its nn.Sequential pairs nn.Linear / nn.Conv1d-3d / nn.ConvTranspose1d-3d children (and splits the "
-            f"feed-forward layers of nn.TransformerEncoderLayer / nn.TransformerEncoder children) and found none to "
-            f"split{hint}. Pass "
-            "plan={...}, give the model a tp_plan, or use tensor_parallel_size=1.")
+            f"feed-forward layers and attention heads of nn.TransformerEncoderLayer / nn.TransformerEncoder "
+            f"children) and found none to split{hint}. Pass plan={{...}}, give the model a tp_plan, or use "
+            "tensor_parallel_size=1.")
 
 
 def _tp_plan(module: nn.Module, config: ParallelConfig, tp: int) -> dict[str, LayerPlan]:

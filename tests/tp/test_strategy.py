@@ -17,7 +17,7 @@ from lightning_shm import SHMDDPStrategy, SHMModelParallel, SHMTensorParallel
 from lightning_shm.models import MNISTClassifier, build_mlp
 from lightning_shm.parallel.tp import TensorParallelState, check_plan, derive_plan, plan_for
 from lightning_shm.parallel.tp.loading import gather_rows, is_group_batch
-from lightning_shm.parallel.tp.plan import parse_plan
+from lightning_shm.parallel.tp.plan import parse_plan, resolve_plan
 from lightning_shm.runtime import launch
 from tests.helpers import (
     GLOBAL_BATCH,
@@ -263,6 +263,8 @@ def test_torchs_tutorial_plan_for_an_embedding_and_its_tied_output_layer_trains_
         (TiedTokenClassifier, {"net.1": embedding, "net.3": ColwiseParallel(output_layouts=Replicate())},
          {"net.1": "row", "net.3": "column_gathered"})]:
         assert _styles(parse_plan(pickle.loads(pickle.dumps(torch_plan)))) == words
+        both = {"net.1": "row", "net.[1]": embedding}  # the words and torch's style, matching one embedding: agreed
+        assert _styles(resolve_plan(model_cls(), both)) == {"net.1": "row"}
         got = train_mnist(tp(2, plan=torch_plan), 2, "adam", batch=GLOBAL_BATCH, model_cls=model_cls)
         want = train_mnist(tp(2, plan=words), 2, "adam", batch=GLOBAL_BATCH, model_cls=model_cls)
         torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -184,15 +184,17 @@ def _matches(pattern: list[str], name: str) -> bool:
 
 def resolve_plan(module: nn.Module, plan: Mapping[str, Any]) -> dict[str, LayerPlan]:
     """Expand the patterns of ``plan`` over ``module``'s submodules: ``{qualified name: LayerPlan}``."""
-    names = [n for n, _ in module.named_modules() if n]
+    mods = {n: m for n, m in module.named_modules() if n}
+    names = list(mods)
     out: dict[str, tuple[str, LayerPlan]] = {}
-    for pattern, lp in parse_plan(plan).items():
+    for pattern, given in parse_plan(plan).items():
         hits = [n for n in names if _matches(pattern.split("."), n)]
         if not hits:
             near = [n for n in names if n.count(".") == pattern.count(".")][:8]
             raise ValueError(f"plan pattern '{pattern}' matches no module of {type(module).__name__} "
                              f"(modules at that depth: {near})")
-        for n in hits:
+        for n in hits:  # an embedding's input is whole either way: RowwiseParallel() and its Replicate() form agree
+            lp = LayerPlan("row") if given.whole_input and isinstance(mods[n], nn.Embedding) else given
             if n in out and out[n][1] != lp:
                 raise ValueError(f"module '{n}' is matched by plan patterns '{out[n][0]}' ({out[n][1].style}) and "
                                  f"'{pattern}' ({lp.style})")
