@@ -236,8 +236,7 @@ def _run_in_worker(world: World, launcher: SHMLauncher, trainer: Optional["pl.Tr
             if not (isinstance(exc, (KeyboardInterrupt, SIGTERMException)) and strategy.stop_agreed):
                 note_loop_position(trainer, exc)
                 note_device_mesh(trainer.lightning_module, exc)
-                if trainer.lightning_module is not None:
-                    note_local_width(trainer.lightning_module, exc)
+                note_local_width(trainer.lightning_module, exc)
                 # a failure (a stop no rank agreed on included): handled here only where every rank failed
                 if strategy.num_nodes == 1:
                     on_exception_where_all_failed(trainer, world.world_group, exc)

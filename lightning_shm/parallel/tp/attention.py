@@ -20,7 +20,7 @@ otherwise. Dropout on the weights draws each rank's own mask (as between any col
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -168,7 +168,8 @@ def _rows_of_blocks(t: Optional[torch.Tensor], sizes: Sequence[int], index: int)
     return p
 
 
-def _transposed(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, fn=lambda t: t.transpose(1, 0)
+def _transposed(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                fn: Callable[[torch.Tensor], torch.Tensor] = lambda t: t.transpose(1, 0)
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``fn`` of each, keeping which of them are the same tensor (the projections take that as self-attention)."""
     q = fn(query)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 import traceback
+from typing import Optional
 
 from torch import nn
 
@@ -20,10 +21,10 @@ from lightning_shm.parallel.tp.layers import ColumnParallelLinear, _ColumnConv
 _RESHAPE = re.compile(r"shape '\[[^\]]*\]' is invalid for input of size \d+")  # view / reshape
 
 
-def note_local_width(root: nn.Module, exc: BaseException) -> None:
+def note_local_width(root: Optional[nn.Module], exc: BaseException) -> None:
     """If ``exc`` is torch's view / reshape size error raised in the forward of a module (under ``root``) holding
     column layers whose outputs stay split, add a note saying what this rank holds of them."""
-    if not isinstance(exc, RuntimeError) or not _RESHAPE.search(str(exc)):
+    if root is None or not isinstance(exc, RuntimeError) or not _RESHAPE.search(str(exc)):
         return
     names = {id(m): n for n, m in root.named_modules()}
     for frame, _ in reversed(list(traceback.walk_tb(exc.__traceback__))):  # the innermost module first

@@ -88,6 +88,7 @@ ELEMENTWISE = (nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.LeakyReLU, nn.
                nn.Mish, nn.Hardswish, nn.Hardtanh, nn.ReLU6, nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d)
 _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 _TCONVS = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)  # a decoder's upsampling
+_ANY_CONV = (*_CONVS, *_TCONVS)
 # what may run on split features between a column and a row layer of each kind
 _BETWEEN = {
     nn.Linear: (nn.LayerNorm, nn.BatchNorm1d, nn.SyncBatchNorm, *ELEMENTWISE),
@@ -457,9 +458,13 @@ def _split_dim(m: nn.Module, split: LayerSplit, entry: str) -> Optional[int]:
     """The dimension the tensor-parallel layer replacing ``m`` cuts its ``entry`` along (None: held whole)."""
     if split.role == "column_gathered":
         return ColumnParallelLinear.split_dims.get(entry)
-    kind = nn.Embedding if isinstance(m, nn.Embedding) else _kind(m)
-    layer = _SPLIT_LAYERS.get((split.role, kind))  # type: ignore[arg-type]
+    layer = _split_layer(split.role, m)
     return layer.split_dims.get(entry) if layer is not None else None
+
+
+def _split_layer(role: str, m: nn.Module) -> Optional[type]:
+    """The tensor-parallel class that replaces ``m`` planned ``role`` ("column" / "row"); None for none."""
+    return _SPLIT_LAYERS.get((role, nn.Embedding if isinstance(m, nn.Embedding) else _kind(m)))  # type: ignore
 
 
 def _features(m: nn.Module) -> Optional[tuple[int, tuple[type, ...]]]:
@@ -468,11 +473,11 @@ def _features(m: nn.Module) -> Optional[tuple[int, tuple[type, ...]]]:
     if isinstance(m, nn.LayerNorm) and len(m.normalized_shape) == 1:
         return m.normalized_shape[0], (nn.Linear,)
     if isinstance(m, nn.GroupNorm):
-        return m.num_channels, (*_CONVS, *_TCONVS)
+        return m.num_channels, _ANY_CONV
     if isinstance(m, _CONVS) and m.groups > 1:
         return m.in_channels, (_kind(m),)  # type: ignore[return-value]
     if isinstance(m, nn.modules.batchnorm._NormBase):
-        return m.num_features, tuple(k for k, fit in _BETWEEN.items() if isinstance(m, fit)) or (*_CONVS, *_TCONVS)
+        return m.num_features, tuple(k for k, fit in _BETWEEN.items() if isinstance(m, fit)) or _ANY_CONV
     return None
 
 
@@ -580,7 +585,7 @@ def apply_plan(module: nn.Module, splits: Mapping[str, LayerSplit], group: Group
             continue
         # the user's forward hooks see whole tensors, as in one process (an embedding's ids and rows are whole)
         if sp.role not in ("column_gathered", "heads") and not isinstance(layer, nn.Embedding):
-            dim = 1 if isinstance(layer, (*_CONVS, *_TCONVS, nn.modules.batchnorm._NormBase, nn.GroupNorm)) else -1
+            dim = 1 if isinstance(layer, (*_ANY_CONV, nn.modules.batchnorm._NormBase, nn.GroupNorm)) else -1
             whole_tensors_for_hooks(layer, group, sp.sizes, dim, inputs_split=sp.role != "column",
                                     output_split=sp.role != "row")  # (before a copy of the layer takes them)
         if sp.role == "heads":
@@ -594,8 +599,7 @@ def apply_plan(module: nn.Module, splits: Mapping[str, LayerSplit], group: Group
             if sp.role == "column_gathered":
                 new = ColumnParallelLinear(layer, group, sp.sizes, gather_output=True)
             else:
-                kind = nn.Embedding if isinstance(layer, nn.Embedding) else _kind(layer)
-                new = _SPLIT_LAYERS[(sp.role, kind)](layer, group, sp.sizes, random=random)
+                new = _split_layer(sp.role, layer)(layer, group, sp.sizes, random=random)  # type: ignore[misc]
         for entry in getattr(new, "split_dims", {}):
             full, piece = getattr(layer, entry, None), getattr(new, entry, None)
             if isinstance(full, nn.Parameter) and isinstance(piece, nn.Parameter):
@@ -698,7 +702,7 @@ def own_behaviour(m: nn.Module) -> str:
 
 def _odd_conv(m: nn.Module) -> str:
     """Why a convolution cannot be a column or row layer ('' if it can): groups, or a padding other than zeros."""
-    if not isinstance(m, (*_CONVS, *_TCONVS)):
+    if not isinstance(m, _ANY_CONV):
         return ""
     if m.groups != 1:
         return f"groups={m.groups}"
