@@ -969,23 +969,37 @@ class UpsamplingClassifier(MNISTClassifier):
 
 
 class _UpsampledTo(torch.nn.Module):
-    """Two ConvTranspose1d whose output lengths the forward gives: ``output_size`` picks the output padding."""
+    """Two ConvTranspose1d whose output lengths the forward gives (``output_size`` picks the output padding), a
+    GroupNorm of 6 groups between them in the block's own forward (planned "between")."""
 
     def __init__(self) -> None:
         super().__init__()
         self.up1 = torch.nn.ConvTranspose1d(28, 12, 3, stride=2)
+        self.norm = torch.nn.GroupNorm(6, 12)
         self.up2 = torch.nn.ConvTranspose1d(12, 4, 3, stride=2, padding=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, 28, 28] -> [B, 12, 58] -> [B, 4, 116]
-        return self.up2(torch.relu(self.up1(x, output_size=[58])), output_size=[116])  # 57 and 115 without it
+        h = torch.relu(self.norm(self.up1(x, output_size=[58])))  # 57 without it
+        return self.up2(h, output_size=[116])  # 115 without it
 
 
 class Upsampling1dClassifier(MNISTClassifier):
+    """A forward hook on the first transposed convolution sees its whole output, as in one process."""
+
     def __init__(self, **kw):
         super().__init__(**kw)
         nn = torch.nn
         self.net = nn.Sequential(nn.Flatten(1, 2), _UpsampledTo(), nn.Flatten(), nn.Linear(4 * 116, 10))
-        self.tp_plan = {"net.1.up1": "column", "net.1.up2": "row"}
+        self.tp_plan = {"net.1.up1": "column", "net.1.norm": "between", "net.1.up2": "row"}
+        self.net[1].up1.register_forward_hook(self._seen)
+
+    def _seen(self, module, args, output):
+        self.hooked_channels = output.shape[1]
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("hooked_channels", float(self.hooked_channels))
+        return loss
 
     def on_train_start(self) -> None:
         self.log("upsampled_channels", float(self.net[1].up1.out_channels))
@@ -1022,6 +1036,8 @@ def test_transposed_convolutions_split_by_tensor_parallelism_equal_one_process(m
     }[name]
     metrics = _trained_and_validated_as_one_process(model_cls, strategy(), devices, dp, GLOBAL_BATCH * 2, **kw)
     assert metrics["upsampled_channels"] == channels
+    if model_cls is Upsampling1dClassifier:
+        assert metrics["hooked_channels"] == 12  # whole
 
 
 # ---------------------------------------------------------------------- torch's attention split by its heads
