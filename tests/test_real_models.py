@@ -1087,7 +1087,8 @@ class SequenceFirstHeadSplitEncoder(HeadSplitEncoder):
 
 class AttentionCalledByTheModule(MNISTClassifier):
     """An ``nn.MultiheadAttention`` the forward calls itself, asking for the weights (averaged over the heads, and
-    per head) with a key padding mask and a 3-D float mask that differs per head; the weights enter the loss."""
+    per head) with a key padding mask and a 3-D float mask that differs per head (the weights enter the loss), with
+    the causal hint, and on unbatched samples."""
 
     tp_plan = {"attn": "heads"}
 
@@ -1106,7 +1107,11 @@ class AttentionCalledByTheModule(MNISTClassifier):
             -1, 1, 1)  # [B * 4 heads, L, L]
         out, averaged = self.attn(h, h, h, key_padding_mask=padding.expand(B, L), attn_mask=per_head)
         out2, each = self.attn(h, h, h, average_attn_weights=False)
-        return self.net(out.mean(1) + out2.mean(1)) * (1 + averaged[:, 0, :10]) + each[:, 1, 0, :10]  # [B, 10]
+        causal = torch.nn.Transformer.generate_square_subsequent_mask(L, dtype=h.dtype)
+        out3, _ = self.attn(h, h, h, attn_mask=causal, is_causal=True, need_weights=False)  # SDPA's causal path
+        out4 = torch.stack([self.attn(s, s, s)[0] for s in h[:, :8]])  # unbatched: each sample's [8, E] alone
+        pooled = out.mean(1) + out2.mean(1) + out3.mean(1) + out4[:, 0]
+        return self.net(pooled) * (1 + averaged[:, 0, :10]) + each[:, 1, 0, :10]  # [B, 10]
 
     def on_train_start(self) -> None:
         self.log("heads", float(self.attn.num_heads))
