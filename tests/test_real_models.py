@@ -717,9 +717,10 @@ class PooledByAttention(MNISTClassifier):
         return self.head(self.pool(self.query.expand(len(h), -1, -1), h, h, need_weights=False)[0][:, 0])
 
 
-@pytest.mark.parametrize("name", ["fsdp", "fsdp-copy", "dp2xpp2-shard"])
+@pytest.mark.parametrize("name", ["fsdp", "fsdp-copy", "dp2xpp2-shard", "tp2"])
 def test_attention_modules_outside_the_sequential_equal_one_process(name):
-    """Trained, then validated (the encoder layer's evaluation fast path reads every weight itself)."""
+    """Trained, then validated (the encoder layer's evaluation fast path reads every weight itself; under tp2 the
+    derived plan splits the encoder layer, so its fast path must not run on the pieces)."""
     strategy, devices, dp = layouts(name)[name]
     _trained_and_validated_as_one_process(PooledByAttention, strategy(), devices, dp, GLOBAL_BATCH * 3)
 
@@ -1129,3 +1130,63 @@ def test_torch_attention_split_by_its_heads_equals_one_process(model_cls, name, 
     strategy, devices, dp = TP_RUNS[name]
     metrics = _trained_and_validated_as_one_process(model_cls, strategy(), devices, dp, GLOBAL_BATCH * 2)
     assert metrics["heads"] == heads
+
+
+class TorchDecoder(MNISTClassifier):
+    """Six learned queries decode the image's rows through torch's ``nn.TransformerDecoder`` -- causal self-attention,
+    cross-attention to the rows past a memory padding mask -- run by the forward outside the Sequential, the head
+    after it. No plan: the derived one splits each decoder layer's feed-forward pair and both its attentions."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        nn = torch.nn
+        self.rows = nn.Linear(28, 32)
+        self.queries = nn.Parameter(torch.randn(6, 32) * 0.1)
+        self.decoder = nn.TransformerDecoder(nn.TransformerDecoderLayer(32, 4, 64, dropout=0.0, batch_first=True), 2)
+        self.net = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 10))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        memory = self.rows(x.flatten(1, 2))  # [B, 28 rows, 32]
+        B = memory.shape[0]
+        causal = torch.nn.Transformer.generate_square_subsequent_mask(6, dtype=memory.dtype)
+        out = self.decoder(self.queries.expand(B, -1, -1), memory, tgt_mask=causal, tgt_is_causal=True,
+                           memory_key_padding_mask=(torch.arange(28) >= 25).expand(B, 28))
+        return self.net(out.mean(1))
+
+    def on_train_start(self) -> None:
+        layer = self.decoder.layers[1]
+        self.log("heads", float(layer.multihead_attn.num_heads + layer.self_attn.num_heads))
+        self.log("features", float(layer.linear1.out_features))
+
+
+class TorchSeq2Seq(TorchDecoder):
+    """torch's ``nn.Transformer``: the rows encoded, the queries decoded from them."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        del self.decoder
+        self.transformer = torch.nn.Transformer(32, 4, 1, 1, 64, dropout=0.0, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        src = self.rows(x.flatten(1, 2))
+        return self.net(self.transformer(src, self.queries.expand(src.shape[0], -1, -1)).mean(1))
+
+    def on_train_start(self) -> None:
+        layer, encoder = self.transformer.decoder.layers[0], self.transformer.encoder.layers[0]
+        self.log("heads", float(layer.multihead_attn.num_heads + encoder.self_attn.num_heads))
+        self.log("features", float(layer.linear1.out_features))
+
+
+@pytest.mark.parametrize("model_cls, name, heads, features", [
+    (TorchDecoder, "tp2", 4, 32), (TorchDecoder, "tp3-uneven", 4, 22), (TorchDecoder, "dp2xtp2-shard", 4, 32),
+    (TorchDecoder, "tp2xpp2", 4, 32), (TorchSeq2Seq, "tp2", 4, 32)])
+def test_torchs_transformer_blocks_outside_the_sequential_split_by_the_derived_plan_equal_one_process(
+        model_cls, name, heads, features):
+    """torch's decoder layers and ``nn.Transformer`` held by the module, not the Sequential: each rank computes its
+    heads of every attention (4 at tp3: 2, 1, 1 -- rank 0's 2 + 2) and its features of every feed-forward pair
+    (64 at tp3: 22, 21, 21).
+    Until 2026-12-07 the derived plan split only blocks that were the Sequential's children: "the plan splits no
+    layer"."""
+    strategy, devices, dp = TP_RUNS[name]
+    metrics = _trained_and_validated_as_one_process(model_cls, strategy(), devices, dp, GLOBAL_BATCH * 2)
+    assert (metrics["heads"], metrics["features"]) == (heads, features)

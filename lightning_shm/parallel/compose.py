@@ -239,10 +239,10 @@ def _nothing_to_split(module: nn.Module, config: ParallelConfig, tp: int) -> str
     hint += (f" ({computed} compute their weights, e.g. weight_norm / spectral_norm: such a layer stays whole)"
              if computed else "")
     return (f"tensor_parallel_size={tp} but the plan splits no layer of {type(module).__name__}: the plan derived "
-            f"for its nn.Sequential pairs nn.Linear / nn.Conv1d-3d / nn.ConvTranspose1d-3d children (and splits the "
-            f"feed-forward layers and attention heads of nn.TransformerEncoderLayer / nn.TransformerEncoder "
-            f"children) and found none to split{hint}. Pass plan={{...}}, give the model a tp_plan, or use "
-            "tensor_parallel_size=1.")
+            f"for its nn.Sequential pairs nn.Linear / nn.Conv1d-3d / nn.ConvTranspose1d-3d children (and torch's "
+            f"nn.TransformerEncoderLayer / nn.TransformerDecoderLayer blocks anywhere in the model get their "
+            f"feed-forward layers and attention heads split) and found none to split{hint}. Pass plan={{...}}, give "
+            "the model a tp_plan, or use tensor_parallel_size=1.")
 
 
 def _tp_plan(module: nn.Module, config: ParallelConfig, tp: int) -> dict[str, LayerPlan]:

@@ -23,7 +23,8 @@ class SHMTensorParallel(SHMModelParallel):
         plan: ``{module path pattern: "column" | "row" | "column_gathered" | "replicate" | {"style": ...,
             "head_dim": ...}}`` (each path component matched shell-style: ``*``, ``layer*``); default: the
             module's ``tp_plan`` attribute, else derived for its Sequential (Linear / Conv1d-3d layers paired
-            column -> row; a Linear followed by one at most 1/tp its size gathered instead, see ``derive_plan``).
+            column -> row; a Linear followed by one at most 1/tp its size gathered instead, see ``derive_plan``)
+            and for torch's transformer blocks wherever they sit (``torch_blocks_plan``).
         sequential: attribute path of the ``nn.Sequential`` a plan is derived from (default: the first one).
         **kwargs: ``tp_batch`` (how the ranks of a tp group come to compute on the same batch) and the
             rest of :class:`~lightning_shm.strategies.model_parallel.SHMModelParallel`.

@@ -92,6 +92,55 @@ def test_derived_plan_pairs_linears_column_row_gathers_before_small_ones_and_rep
     assert _styles(derive_plan(twice, 2)) == {}
 
 
+class _Seq2Seq(nn.Module):
+    """torch's blocks outside any Sequential, as a sequence-to-sequence or decoder model holds them."""
+
+    def __init__(self, head: bool = True) -> None:
+        super().__init__()
+        self.tr = nn.Transformer(16, 4, 1, 1, 32, batch_first=True)
+        self.dec = nn.TransformerDecoder(nn.TransformerDecoderLayer(16, 4, 32, batch_first=True), 1)
+        if head:
+            self.net = nn.Sequential(nn.Linear(16, 10))
+
+
+class _OwnForward(nn.TransformerEncoderLayer):
+    def forward(self, src, *args, **kwargs):  # a forward of its own: the plan for torch's may not fit it
+        return super().forward(src, *args, **kwargs) * 2
+
+
+class _OwnInit(nn.TransformerDecoderLayer):
+    def __init__(self) -> None:  # torch's forward, its own arguments
+        super().__init__(16, 4, 32, batch_first=True, norm_first=True)
+
+
+def test_derived_plan_splits_torchs_transformer_blocks_wherever_they_sit():
+    """Their forward is torch's, so each block's output is whole on every rank whatever runs around it: each
+    encoder and decoder layer's feed-forward pair, its self-attention and a decoder's cross-attention by heads
+    (until 2026-12-07 only blocks that were children of the Sequential were split; a model holding them elsewhere
+    got "the plan splits no layer")."""
+    block = {"linear1": "column", "linear2": "row", "self_attn": "heads"}
+    cross = {**block, "multihead_attn": "heads"}
+    want = {**{f"tr.encoder.layers.0.{k}": v for k, v in block.items()},
+            **{f"tr.decoder.layers.0.{k}": v for k, v in cross.items()},
+            **{f"dec.layers.0.{k}": v for k, v in cross.items()}}
+    assert _styles(plan_for(_Seq2Seq(), None, 2)) == want
+    assert _styles(plan_for(_Seq2Seq(head=False), None, 2)) == want  # no Sequential at all: the blocks' plan
+    assert _styles(plan_for(_OwnInit(), None, 2)) == cross  # the module itself one
+    with pytest.raises(ValueError, match="has no top-level nn.Sequential"):  # nor blocks: refused as before
+        plan_for(nn.Module(), None, 2)
+    with pytest.raises(ValueError, match="has no submodule 'body'"):  # a Sequential named: it must be there
+        plan_for(_Seq2Seq(head=False), None, 2, "body")
+    # nested in a user's module inside the Sequential; a subclass with torch's forward is planned, one with its
+    # own forward stays whole
+    model = nn.Sequential(nn.Linear(28, 16), nn.ModuleDict({"own": _OwnForward(16, 4, 32), "init": _OwnInit()}))
+    assert _styles(plan_for(model, None, 2)) == {f"1.init.{k}": v for k, v in cross.items()}
+    # a block a module outside it also holds a parameter of stays whole: split, the two would stop sharing
+    tied = _Seq2Seq()
+    tied.probe = nn.Linear(16, 32)
+    tied.probe.weight = tied.dec.layers[0].linear1.weight
+    assert _styles(plan_for(tied, None, 2)) == {k: v for k, v in want.items() if not k.startswith("dec.")}
+
+
 @pytest.fixture(scope="module")
 def references():
     return {opt: train_mnist("auto", 1, opt, batch=GLOBAL_BATCH, ref=True) for opt in ("sgd", "adam")}

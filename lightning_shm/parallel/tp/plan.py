@@ -28,7 +28,8 @@ a whole one (as Hugging Face models declare their ``tp_plan``), ``layer*`` or ``
 Where the plan comes from, first found wins: the strategy's ``plan=``; else the module's ``tp_plan``
 attribute; else it is derived for the model's ``nn.Sequential`` (Linear layers paired column -> row,
 convolutions likewise -- each with one of its own dimensions --, a leftover replicated; a Linear whose
-successor is small is gathered instead, see :func:`derive_plan`).
+successor is small is gathered instead, see :func:`derive_plan`) and for torch's own transformer blocks wherever
+the model holds them (:func:`torch_blocks_plan`).
 
 Inside an ``nn.Sequential``, the children between a column layer and the row layer after it run on
 the split features: a LayerNorm becomes a distributed LayerNorm, a BatchNorm or InstanceNorm is sliced per
@@ -206,11 +207,10 @@ def resolve_plan(module: nn.Module, plan: Mapping[str, Any]) -> dict[str, LayerP
 def derive_plan(seq: nn.Sequential, tp: int, prefix: str = "", tied: frozenset[int] = frozenset()
                 ) -> dict[str, LayerPlan]:
     """Pair the Sequential's Linear (Conv1d / Conv2d / Conv3d) children column -> row, each with one of its kind;
-    a leftover stays replicated. A child that is torch's ``nn.TransformerEncoderLayer`` -- or an
-    ``nn.TransformerEncoder`` stack of them -- gets each block's feed-forward pair split (``linear1`` column,
-    ``linear2`` row) and its attention by heads (``"heads"``, when it has at least tp of them). A child holding a
-    parameter of ``tied`` (ids the model also holds outside ``seq``: tied to another module, or the child kept under
-    a second name) or another child's stays whole: split, they would stop sharing.
+    a leftover stays replicated. torch's own transformer blocks in it, at any depth, are split as
+    :func:`torch_blocks_plan` says. A child holding a parameter of ``tied`` (ids the model also holds outside
+    ``seq``: tied to another module, or the child kept under a second name) or another child's stays whole: split,
+    they would stop sharing.
 
     Except when the second Linear of a pair holds at most ``1/tp`` of the first's weights: then the
     first is ``"column_gathered"``, and it and every later Linear that small stay replicated (a
@@ -232,16 +232,6 @@ def derive_plan(seq: nn.Sequential, tp: int, prefix: str = "", tied: frozenset[i
     shared |= {i for i, (_, m) in enumerate(layers) if any(id(p) in tied for p in m.parameters())}
     for i, (name, m) in enumerate(layers):
         q = _qual(prefix, name)
-        blocks = _encoder_blocks(q, m)
-        if blocks is not None:  # torch's own blocks: each one's feed-forward pair, the attention whole
-            for b, block in blocks if i not in shared else []:
-                if all(type(getattr(block, a, None)) is nn.Linear for a in ("linear1", "linear2")):
-                    plan[f"{b}.linear1"], plan[f"{b}.linear2"] = LayerPlan("column"), LayerPlan("row")
-                attn = getattr(block, "self_attn", None)
-                if type(attn) is nn.MultiheadAttention and not heads_unsupported(attn) and attn.num_heads >= tp:
-                    plan[f"{b}.self_attn"] = LayerPlan("heads")
-            pending = None
-            continue
         kind = _kind(m)
         if kind in _TCONVS and _odd_conv(m):  # never a pair's layer, nor between a pair's
             pending = None
@@ -271,34 +261,71 @@ def derive_plan(seq: nn.Sequential, tp: int, prefix: str = "", tied: frozenset[i
         elif kind is not None:
             pending = (q, kind, m)
         elif pending is not None and not (isinstance(m, _BETWEEN[pending[1]]) and _fits(m, pending[2], tp)):
-            pending = None  # cannot carry split features across this module
+            pending = None  # cannot carry split features across this module (a transformer block among them)
+    plan.update(torch_blocks_plan(seq, tp, prefix, tied))
     return plan
 
 
-def _encoder_blocks(q: str, m: nn.Module) -> Optional[list[tuple[str, nn.Module]]]:
-    """The encoder blocks of torch's ``nn.TransformerEncoderLayer`` ``m`` (itself) or ``nn.TransformerEncoder``
-    ``m`` (its ``layers``), by qualified name; None for any other module."""
-    if isinstance(m, nn.TransformerEncoderLayer):
-        return [(q, m)]
-    if isinstance(m, nn.TransformerEncoder):
-        return [(f"{q}.layers.{j}", b) for j, b in enumerate(m.layers) if isinstance(b, nn.TransformerEncoderLayer)]
-    return None
+# torch's transformer blocks and the methods their forward runs: a subclass that keeps them is planned as they are
+_TORCH_BLOCKS = {nn.TransformerEncoderLayer: ("forward", "_sa_block", "_ff_block"),
+                 nn.TransformerDecoderLayer: ("forward", "_sa_block", "_mha_block", "_ff_block")}
+
+
+def torch_blocks_plan(root: nn.Module, tp: int, prefix: str = "", tied: frozenset[int] = frozenset()
+                      ) -> dict[str, LayerPlan]:
+    """The plan for each of torch's own transformer blocks under ``root``, wherever it sits: an
+    ``nn.TransformerEncoderLayer`` or ``nn.TransformerDecoderLayer`` (alone, in torch's ``nn.TransformerEncoder`` /
+    ``nn.TransformerDecoder`` stacks or ``nn.Transformer``, in a user's module) whose class runs torch's forward.
+    Why anywhere, where a user's layers pair only inside a Sequential: such a block's forward is known -- its
+    feed-forward pair ``linear1`` -> activation -> dropout -> ``linear2`` runs inside it (column -> row) and each
+    attention (``self_attn``, a decoder's cross-attention ``multihead_attn``) takes whole inputs and gives a whole
+    output (``"heads"``, when it has at least tp heads) -- so the block's output is whole on every rank, whatever
+    runs around it. A block with a parameter in ``tied`` or also held by a module outside it (the block placed
+    twice, a layer of it tied elsewhere) stays whole: split, the holders would stop sharing."""
+    holders: dict[int, list[str]] = {}  # parameter id -> the paths of the modules holding it
+    for n, m in root.named_modules(remove_duplicate=False):
+        for p in m.parameters(recurse=False):
+            holders.setdefault(id(p), []).append(n)
+    plan: dict[str, LayerPlan] = {}
+    for n, block in root.named_modules():  # a module placed twice: at its first path
+        base = next((b for b in _TORCH_BLOCKS if isinstance(block, b)), None)
+        if base is None or any(getattr(type(block), f) is not getattr(base, f) for f in _TORCH_BLOCKS[base]):
+            continue
+        inside = f"{n}." if n else ""
+        if any(id(p) in tied or any(h != n and not h.startswith(inside) for h in holders[id(p)])
+               for p in block.parameters()):
+            continue
+        q = _qual(prefix, n)
+        if all(type(getattr(block, a, None)) is nn.Linear for a in ("linear1", "linear2")):
+            plan[_qual(q, "linear1")], plan[_qual(q, "linear2")] = LayerPlan("column"), LayerPlan("row")
+        for a in ("self_attn", "multihead_attn"):
+            attn = getattr(block, a, None)
+            if type(attn) is nn.MultiheadAttention and not heads_unsupported(attn) and attn.num_heads >= tp:
+                plan[_qual(q, a)] = LayerPlan("heads")
+    return plan
 
 
 def plan_for(module: nn.Module, plan: Optional[Mapping[str, Any]], tp: int, sequential: Optional[str] = None
              ) -> dict[str, LayerPlan]:
-    """The resolved plan: the given one, else the module's ``tp_plan``, else derived for its Sequential."""
+    """The resolved plan: the given one, else the module's ``tp_plan``, else derived: for its Sequential, and for
+    torch's transformer blocks wherever they sit (a model without a Sequential may have only those)."""
     if plan is not None:
         return resolve_plan(module, plan)
     own = getattr(module, "tp_plan", None)
     if isinstance(own, Mapping):
         return resolve_plan(module, own)
-    prefix, seq = find_sequential(module, sequential)
+    blocks = torch_blocks_plan(module, tp)
+    try:
+        prefix, seq = find_sequential(module, sequential)
+    except ValueError:
+        if sequential is None and blocks:
+            return blocks
+        raise
     # a layer whose parameters the module also holds under another name stays whole (check_plan refuses it split)
     plan = derive_plan(seq, tp, prefix, frozenset(held_outside(module, seq)))
     for name, copy in copies_of(module, prefix):  # an EMA teacher is split alike, so the two pair piece with piece
         plan.update(derive_plan(copy, tp, name, frozenset(held_outside(module, copy))))
-    return plan
+    return {**plan, **blocks}
 
 
 def split_sizes(name: str, layer: nn.Module, lp: LayerPlan, tp: int, parent: Optional[nn.Module]) -> list[int]:
