@@ -1190,3 +1190,90 @@ def test_torchs_transformer_blocks_outside_the_sequential_split_by_the_derived_p
     strategy, devices, dp = TP_RUNS[name]
     metrics = _trained_and_validated_as_one_process(model_cls, strategy(), devices, dp, GLOBAL_BATCH * 2)
     assert (metrics["heads"], metrics["features"]) == (heads, features)
+
+
+# ---------------------------------------------------------------------- fused projections: one Linear, several parts
+class _FusedAttention(torch.nn.Module):
+    """timm's ViT attention: q, k and v from one Linear, cut apart by ``reshape(B, N, 3, -1, head_dim)``."""
+
+    def __init__(self, dim: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.head_dim = dim // heads
+        self.qkv, self.proj = torch.nn.Linear(dim, 3 * dim), torch.nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, N, _ = x.shape
+        q, k, v = self.qkv(x).reshape(B, N, 3, -1, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, heads, N, head_dim]
+        return self.proj(out.transpose(1, 2).flatten(2))
+
+
+class _FusedSwiGLU(torch.nn.Module):
+    """Llama's feed-forward with its gate and up projections as one Linear, cut apart by ``.chunk(2, -1)``."""
+
+    def __init__(self, dim: int = 32, hidden: int = 48) -> None:
+        super().__init__()
+        self.w13, self.w2 = torch.nn.Linear(dim, 2 * hidden), torch.nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w13(x).chunk(2, -1)
+        return self.w2(torch.nn.functional.silu(gate) * up)
+
+
+class _FusedBlock(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        nn = torch.nn
+        self.norm1, self.attn, self.norm2, self.mlp = nn.LayerNorm(32), _FusedAttention(), nn.LayerNorm(32), \
+            _FusedSwiGLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class FusedProjections(MNISTClassifier):
+    """Two blocks whose attention and feed-forward each project with one fused Linear, planned with its blocks. A
+    forward hook on the first fused q, k, v layer reads its v part, which scales the logits."""
+
+    tp_plan = {"net.*.attn.qkv": {"style": "column", "blocks": 3}, "net.*.attn.proj": "row",
+               "net.*.mlp.w13": {"style": "column", "blocks": 2}, "net.*.mlp.w2": "row"}
+    hooked = True
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        nn = torch.nn
+        self.net = nn.Sequential(_Tokens28(True), nn.Linear(28, 32), _FusedBlock(), _FusedBlock(),
+                                 _MeanOverRows(True), nn.Linear(32, 10))
+        if self.hooked:
+            self.net[2].attn.qkv.register_forward_hook(self._v_part)
+
+    def _v_part(self, module, args, out) -> None:
+        self.v_energy = out[..., 64:].pow(2).mean((1, 2))  # [B, N, 96]: q, k, v of 32 features each -> [B]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.net(x)
+        return logits * (1 + self.v_energy[:, None]) if self.hooked else logits
+
+    def on_train_start(self) -> None:  # rank 0's parts (a later pipeline stage holds a placeholder)
+        if isinstance(self.net[2], _FusedBlock):
+            self.log("qkv_features", float(self.net[2].attn.qkv.out_features))
+            self.log("w13_features", float(self.net[2].mlp.w13.out_features))
+
+
+class FusedProjectionsPipelined(FusedProjections):
+    hooked = False  # the hook's layer and the step reading what it kept sit on two stages
+
+
+@pytest.mark.parametrize("model_cls, name, qkv, w13", [
+    (FusedProjections, "tp2", 48, 48), (FusedProjections, "tp3-uneven", 48, 32),
+    (FusedProjections, "dp2xtp2-shard", 48, 48), (FusedProjectionsPipelined, "tp2xpp2", 48, 48)])
+def test_fused_projections_split_by_their_blocks_equal_one_process(model_cls, name, qkv, w13):
+    """A fused q, k, v Linear planned ``{"style": "column", "blocks": 3}``: each rank holds its heads' rows of q, of
+    k and of v (4 heads at tp3: 2, 1, 1 -> rank 0's 3 x 16 features); a fused gate and up Linear with blocks 2
+    (48 hidden at tp3: 16 of each). A hook on the layer sees its whole output, q, k and v in place. Until
+    2026-12-07 such a layer planned ``"column"`` gave rank 0 all of q and half of k, and the model trained
+    otherwise than in one process without an error; planned so now, it is refused, naming the blocks."""
+    strategy, devices, dp = TP_RUNS[name]
+    metrics = _trained_and_validated_as_one_process(model_cls, strategy(), devices, dp, GLOBAL_BATCH * 2)
+    assert (metrics["qkv_features"], metrics["w13_features"]) == (qkv, w13)

@@ -17,7 +17,7 @@ from lightning_shm import SHMDDPStrategy, SHMModelParallel, SHMTensorParallel
 from lightning_shm.models import MNISTClassifier, build_mlp
 from lightning_shm.parallel.tp import TensorParallelState, check_plan, derive_plan, plan_for
 from lightning_shm.parallel.tp.loading import gather_rows, is_group_batch
-from lightning_shm.parallel.tp.plan import parse_plan, resolve_plan
+from lightning_shm.parallel.tp.plan import LayerSplit, parse_plan, resolve_plan
 from lightning_shm.runtime import launch
 from tests.helpers import (
     GLOBAL_BATCH,
@@ -378,6 +378,51 @@ def test_a_head_count_stored_at_construction_gets_a_note_on_what_the_rank_holds(
     assert ("view(B, T, -1, self.head_dim)" in notes) == (strategy == "tp2"), notes
 
 
+class _NanoGPTAttention(nn.Module):
+    """nanoGPT's: q, k and v from one Linear, cut at the width stored at construction."""
+
+    def __init__(self, n_embd: int) -> None:
+        super().__init__()
+        self.n_embd, self.n_head = n_embd, 4
+        self.c_attn, self.c_proj = nn.Linear(16, 48), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        out = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(out.transpose(1, 2).reshape(B, T, C))
+
+
+class _NanoGPTClassifier(MNISTClassifier):
+    tp_plan = {"net.2.c_attn": {"style": "column", "blocks": 3}, "net.2.c_proj": "row"}
+
+    def __init__(self, n_embd: int = 16, **kw):
+        super().__init__(**kw)
+        self.net = nn.Sequential(nn.Flatten(1, 2), nn.Linear(28, 16), _NanoGPTAttention(n_embd), _LastRow(),
+                                 nn.Linear(16, 10))
+
+
+@pytest.mark.parametrize("strategy, n_embd, error, match", [
+    ("tp2", 16, ValueError, r"not enough values to unpack \(expected 3, got 2\)"),
+    ("shm_ddp", 12, ValueError, r"too many values to unpack \(expected 3"),
+    ("tp2", 0, RuntimeError, "split_size can only be 0 if dimension size is 0")])
+def test_a_fused_projection_cut_at_a_stored_width_gets_a_note_on_what_the_rank_holds(strategy, n_embd, error, match):
+    """nanoGPT's ``self.c_attn(x).split(self.n_embd, dim=2)`` on a rank holding half of q, k and v gives two pieces:
+    Python says only "not enough values to unpack (expected 3, got 2)". The note names the module, the rank's share
+    of each part and the fix. Under shm_ddp the same kind of error (a wrong n_embd: four pieces) is the user's own,
+    and so is another error in the same module under tp: no note."""
+    with pytest.raises(error, match=match) as info:
+        trainer(strategy=tp(2) if strategy == "tp2" else SHMDDPStrategy(start_method="fork"), devices=2,
+                max_steps=1).fit(_NanoGPTClassifier(n_embd), loader(mnist_like(8), 4))
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    said = ("'net.2' (_NanoGPTAttention) holds column layers split by tensor parallelism; this rank computes part of "
+            "their outputs (c_attn 3 x 8 of 3 x 16 features). A forward that cuts a fused projection's output at a "
+            "width fixed at construction")
+    assert (said in notes) == (n_embd == 16), notes
+    assert (".chunk(3, dim=2)" in notes) == (n_embd == 16), notes
+
+
 class _PortedFromModelParallel(MNISTClassifier):
     """Lightning's ModelParallelStrategy recipe: the module parallelizes itself with the mesh it is given."""
 
@@ -468,6 +513,14 @@ class _TiedHead(nn.Module):
         self.head.weight = self.embed.weight
 
 
+class _FusedQKV(nn.Module):
+    """q, k and v projected by one Linear (nanoGPT's c_attn, timm's qkv), the heads' output by another."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.proj = nn.Linear(8, 24), nn.Linear(8, 8)
+
+
 class _GroupNormBlock(nn.Module):
     """conv1 -> GroupNorm(2, 8) -> conv2 in its own forward (the plan must say where the norm runs)."""
 
@@ -540,11 +593,48 @@ class _GroupNormBlock(nn.Module):
         ((_TiedHead(),), {"net.0.embed": "row", "net.0.head": "row"},  # the head's row cuts the other dimension
          r"'net.0.embed' \(row\) holds 'net.0.embed.weight', which is also 'net.0.head.weight'.*or plan the other "
          r"holder to cut the tensor alike"),
+        ((_FusedQKV(),), {"net.0.qkv": "column", "net.0.proj": "row"},
+         r"column layer 'net.0.qkv' gives 24 output features, 3 x the 8 that row layer 'net.0.proj' beside it takes: "
+         r"if its module's forward cuts the output into 3 parts.*plan it \{'style': 'column', 'blocks': 3\}"),
+        ((_FusedQKV(),), {"net.0.qkv": {"style": "column", "blocks": 5}, "net.0.proj": "row"},
+         r"column layer 'net.0.qkv' has 24 output features, not 5 equal blocks"),
+        ((_FusedQKV(),), {"net.0.qkv": {"style": "column", "blocks": 3, "head_dim": 4}, "net.0.proj": "row"},
+         r"column layer 'net.0.qkv' has 2 heads of 4 \(8 output features in each of 3 blocks\), fewer than tp=4"),
+        ((nn.Linear(4, 24), nn.Linear(24, 2)), {"net.0": {"style": "column", "blocks": 3}, "net.1": "row"},
+         r"column layer 'net.0' is planned with blocks=3, for an output the module's forward cuts into parts; in an "
+         r"nn.Sequential the next layer takes it whole"),
+        ((nn.Conv2d(1, 24, 1), nn.Conv2d(24, 2, 1)), {"net.0": {"style": "column", "blocks": 3}, "net.1": "row"},
+         r"'net.0' is a Conv2d planned with blocks=3; only an nn.Linear \(a fused projection\) takes blocks"),
+        ((nn.Linear(4, 8),), {"net.0": {"style": "column_gathered", "blocks": 2}},
+         r"plan entry 'net.0': blocks apply to a 'column' layer .*got style 'column_gathered'"),
     ],
 )
 def test_bad_plans_fail_before_launch(layers, plan, match):
     with pytest.raises(ValueError, match=match):
         trainer(strategy=tp(4, plan=plan), devices=4, max_epochs=1).fit(Seq(*layers), DataLoader(torch.randn(8, 4)))
+
+
+class _FlatBlock(nn.Module):
+    """Attention and feed-forward projections side by side in one block, as minimal GPTs write them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(8, 8) for _ in range(4))
+        self.fc1, self.fc2 = nn.Linear(8, 32), nn.Linear(32, 8)
+
+
+def test_a_column_layer_matching_a_row_layer_beside_it_or_saying_its_blocks_needs_none():
+    """The fused-projection check asks for blocks only where no row layer beside a column one takes its width: fc1's
+    32 features are 4 x o's 8, but fc2 takes 32. ``blocks: 1`` says a wider output is one part."""
+    flat = Seq(_FlatBlock())
+    plan = {"net.0.[qkv]": "column", "net.0.o": "row", "net.0.fc1": "column", "net.0.fc2": "row"}
+    splits = check_plan(flat, resolve_plan(flat, plan), 2)
+    assert (splits["net.0.fc1"].sizes, splits["net.0.fc1"].blocks) == ((16, 16), 1)
+    fused = Seq(_FusedQKV())
+    plan = {"net.0.qkv": {"style": "column", "blocks": 1}, "net.0.proj": "row"}
+    assert check_plan(fused, resolve_plan(fused, plan), 2)["net.0.qkv"].sizes == (12, 12)
+    plan["net.0.qkv"] = {"style": "column", "blocks": 3}
+    assert check_plan(fused, resolve_plan(fused, plan), 2)["net.0.qkv"] == LayerSplit("column", (4, 4), 3)
 
 
 def test_devices_not_divisible_by_tp_size():

@@ -26,8 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_shm.parallel.replaced import carry_over
-from lightning_shm.parallel.tp.layers import RowParallelLinear, _enter, _leave
+from lightning_shm.parallel.tp.layers import RowParallelLinear, _enter, _leave, _slice
 from lightning_shm.parallel.tp.mappings import copy_to_tp, gather_from_tp, reduce_from_tp
 from lightning_shm.parallel.tp.rng import SplitRegionRandom
 from lightning_shm.runtime import Group
@@ -60,8 +59,8 @@ class HeadParallelMultiheadAttention(nn.MultiheadAttention):
         self.head_dim, self.full_num_heads = full.head_dim, full.num_heads
         self.num_heads = self.sizes[group.index] // full.head_dim  # this rank's
         self.first_head = sum(self.sizes[:group.index]) // full.head_dim
-        self.in_proj_weight = _rows_of_blocks(full.in_proj_weight, self.sizes, group.index)
-        self.in_proj_bias = _rows_of_blocks(full.in_proj_bias, self.sizes, group.index)
+        self.in_proj_weight = _slice(full.in_proj_weight, 0, self.sizes, group.index, blocks=3)  # q, k, v
+        self.in_proj_bias = _slice(full.in_proj_bias, 0, self.sizes, group.index, blocks=3)
         for name in ("q_proj_weight", "k_proj_weight", "v_proj_weight"):
             self.register_parameter(name, None)
         self.bias_k = self.bias_v = None
@@ -155,17 +154,6 @@ class HeadParallelMultiheadAttention(nn.MultiheadAttention):
     def extra_repr(self) -> str:
         return (f"heads {self.first_head}..{self.first_head + self.num_heads - 1} of {self.full_num_heads}, "
                 f"embed_dim={self.embed_dim}, tp={self.group.size}")
-
-
-def _rows_of_blocks(t: Optional[torch.Tensor], sizes: Sequence[int], index: int) -> Optional[nn.Parameter]:
-    """Rank ``index``'s rows of each of the 3 stacked blocks of ``t`` (q, k, v), as one parameter."""
-    if t is None:
-        return None
-    lo = sum(sizes[:index])
-    piece = t.detach().unflatten(0, (3, sum(sizes)))[:, lo:lo + sizes[index]].flatten(0, 1).clone()
-    p = nn.Parameter(piece, requires_grad=t.requires_grad)
-    carry_over(t, p)
-    return p
 
 
 def _transposed(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -8,7 +8,8 @@ So each hook is wrapped where it sits in the layer's hook dict (a handle the mod
 it): the split tensors are all-gathered along the split dimension before the hook sees them, and a
 tensor the hook returns in their place is cut back to this rank's slice::
 
-    column layer     hook(m, args, out)     out      [B, H_r] -> [B, H]   (its input is whole already)
+    column layer     hook(m, args, out)     out      [B, H_r] -> [B, H]   (its input is whole already; of a
+                                                     fused one, [B, 3 H_r] -> [B, 3 H]: q, k and v each gathered)
     row layer        pre-hook(m, args)      args[0]  [B, H_r] -> [B, H]   hook(m, args, out): args[0] too
     norm between     both                   args[0] and out
     (conv layers, BatchNorm, InstanceNorm, GroupNorm: the channel dimension, 1; Linear and LayerNorm: the last)
@@ -32,22 +33,27 @@ from lightning_shm.runtime import Group
 
 
 class _Slices:
-    """This rank's slice of a split dimension and its gather."""
+    """This rank's slice of a split dimension and its gather; ``blocks``: the dimension is that many equal parts,
+    the rank's slice of each side by side (a fused q, k, v projection's output)."""
 
-    def __init__(self, group: Group, sizes: Sequence[int], dim: int) -> None:
-        self.group, self.sizes, self.dim = group, tuple(sizes), dim
+    def __init__(self, group: Group, sizes: Sequence[int], dim: int, blocks: int = 1) -> None:
+        self.group, self.sizes, self.dim, self.blocks = group, tuple(sizes), dim, blocks
         self.lo, self.n = sum(sizes[:group.index]), sizes[group.index]
 
     def _sized(self, t: Any, n: int) -> bool:
-        return isinstance(t, torch.Tensor) and -t.dim() <= self.dim < t.dim() and t.shape[self.dim] == n
+        return isinstance(t, torch.Tensor) and -t.dim() <= self.dim < t.dim() and t.shape[self.dim] == self.blocks * n
 
     def whole(self, t: Any) -> Any:
         if not self._sized(t, self.n):
             return t
-        return gather_from_tp(t.movedim(self.dim, -1), self.group, self.sizes).movedim(-1, self.dim)
+        parts = t.movedim(self.dim, -1).unflatten(-1, (self.blocks, self.n))  # [..., blocks, n]
+        return gather_from_tp(parts, self.group, self.sizes).flatten(-2).movedim(-1, self.dim)
 
     def mine(self, t: Any) -> Any:
-        return t.narrow(self.dim, self.lo, self.n) if self._sized(t, sum(self.sizes)) else t
+        if not self._sized(t, sum(self.sizes)):
+            return t
+        parts = t.movedim(self.dim, -1).unflatten(-1, (self.blocks, sum(self.sizes)))
+        return parts.narrow(-1, self.lo, self.n).flatten(-2).movedim(-1, self.dim)
 
     def first_whole(self, args: tuple) -> tuple:
         return (self.whole(args[0]),) + tuple(args[1:]) if args else args
@@ -85,10 +91,11 @@ def _hook(hook: Callable, inputs: _Slices | None, output: _Slices | None) -> Cal
 
 
 def whole_tensors_for_hooks(layer: nn.Module, group: Group, sizes: Sequence[int], dim: int, inputs_split: bool,
-                            output_split: bool) -> None:
+                            output_split: bool, blocks: int = 1) -> None:
     """Wrap ``layer``'s forward (pre-)hooks, in place in its hook dicts, so that they see whole tensors where the
-    layer's input (``inputs_split``) or output (``output_split``) is this rank's slice along ``dim``."""
-    s = _Slices(group, sizes, dim)
+    layer's input (``inputs_split``) or output (``output_split``) is this rank's slice along ``dim`` (of each of
+    ``blocks`` parts)."""
+    s = _Slices(group, sizes, dim, blocks)
     if inputs_split:
         for key, hook in list(layer._forward_pre_hooks.items()):
             layer._forward_pre_hooks[key] = _pre_hook(hook, s, key in layer._forward_pre_hooks_with_kwargs)

@@ -47,11 +47,15 @@ from lightning_shm.parallel.tp.rng import SplitRegionRandom
 from lightning_shm.runtime import Group, even_split
 
 
-def _slice(t: Optional[torch.Tensor], dim: int, sizes: Sequence[int], index: int) -> Optional[nn.Parameter]:
+def _slice(t: Optional[torch.Tensor], dim: int, sizes: Sequence[int], index: int, blocks: int = 1
+           ) -> Optional[nn.Parameter]:
+    """Rank ``index``'s slice of ``t`` along ``dim``, as a parameter of its own. ``blocks``: ``dim`` is that many
+    equal parts stacked (a fused q, k, v projection's rows): the rank's slice of each, side by side."""
     if t is None:
         return None
     lo = sum(sizes[:index])
-    p = nn.Parameter(t.detach().narrow(dim, lo, sizes[index]).clone(), requires_grad=t.requires_grad)
+    piece = t.detach().unflatten(dim, (blocks, sum(sizes))).narrow(dim + 1, lo, sizes[index]).flatten(dim, dim + 1)
+    p = nn.Parameter(piece.clone(), requires_grad=t.requires_grad)
     carry_over(t, p)
     return p
 
@@ -75,19 +79,32 @@ def on_rows(x: torch.Tensor, forward: Callable[[torch.Tensor], torch.Tensor]) ->
 class ColumnParallelLinear(nn.Linear):
     """Output features split across the group; input replicated. Output stays sharded, or with
     ``gather_output`` is all-gathered so the layers after it run replicated (plan style
-    ``"column_gathered"``): ``y_r [B, H_r]`` --all-gather--> ``y [B, H]`` on every rank."""
+    ``"column_gathered"``): ``y_r [B, H_r]`` --all-gather--> ``y [B, H]`` on every rank.
+
+    ``blocks``: the output is that many equal parts the module's forward cuts apart -- a fused q, k, v projection
+    (``.chunk(3, -1)``, ``reshape(B, T, 3, -1, head_dim)``), a fused gate and up projection (``.chunk(2, -1)``) --
+    and the rank holds its slice of each (``sizes`` per part; tp=2, ``Linear(E, 3E)``)::
+
+        W [3E, E]: rank 0 rows q 0..E/2, k E..3E/2, v 2E..5E/2      out: y_r [B, 3 E/2] = [q_r | k_r | v_r]
+
+    so the forward cuts this rank's q, k and v (its heads) where it would cut the whole ones. A contiguous slice
+    would give rank 0 all of q and half of k."""
 
     split_dims = {"weight": 0, "bias": 0}
+    split_blocks: dict[str, int] = {}
 
     def __init__(self, full: nn.Linear, group: Group, sizes: Optional[Sequence[int]] = None,
-                 gather_output: bool = False, random: Optional[SplitRegionRandom] = None) -> None:
+                 gather_output: bool = False, random: Optional[SplitRegionRandom] = None, blocks: int = 1) -> None:
         nn.Module.__init__(self)  # not nn.Linear's: it would allocate the whole weight
         self.group, self.gather_output, self.random = group, gather_output, random
         self.in_features, self.full_out_features = full.in_features, full.out_features
-        self.sizes = list(sizes or even_split_sizes(full.out_features, group.size))
-        self.out_features = self.sizes[group.index]
-        self.weight = _slice(full.weight, 0, self.sizes, group.index)
-        self.bias = _slice(full.bias, 0, self.sizes, group.index)
+        self.sizes = list(sizes or even_split_sizes(full.out_features // blocks, group.size))
+        self.blocks = blocks
+        if blocks > 1:
+            self.split_blocks = {"weight": blocks, "bias": blocks}
+        self.out_features = blocks * self.sizes[group.index]
+        self.weight = _slice(full.weight, 0, self.sizes, group.index, blocks)
+        self.bias = _slice(full.bias, 0, self.sizes, group.index, blocks)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_nested:
@@ -100,7 +117,8 @@ class ColumnParallelLinear(nn.Linear):
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features} of {self.full_out_features}, tp={self.group.size}"
-                + (", output gathered" if self.gather_output else ""))
+                + (", output gathered" if self.gather_output else "")
+                + (f", a slice of each of {self.blocks} blocks" if self.blocks > 1 else ""))
 
 
 class RowParallelLinear(nn.Linear):

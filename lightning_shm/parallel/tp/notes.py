@@ -6,6 +6,10 @@ written as torch's Llama is -- ``xq.view(B, T, self.n_heads, self.head_dim)`` wi
 4, 8]' is invalid for input of size 10752". torch's own tutorial divides ``n_heads`` by the tp size in its
 parallelize function; here the plan is applied for the user, so the note names the module whose forward raised,
 its column layers and this rank's widths, and the fix (derive the count from the width the rank holds).
+
+nanoGPT cuts its fused q, k, v projection at the width it stored, ``self.c_attn(x).split(self.n_embd, dim=2)``: on a
+rank holding a third of each part that gives two pieces, and Python says only "not enough values to unpack
+(expected 3, got 2)". The note then says to cut the output into its parts (``.chunk(3, dim=2)``).
 """
 
 from __future__ import annotations
@@ -19,12 +23,15 @@ from torch import nn
 from lightning_shm.parallel.tp.layers import ColumnParallelLinear, _ColumnConv
 
 _RESHAPE = re.compile(r"shape '\[[^\]]*\]' is invalid for input of size \d+")  # view / reshape
+_UNPACK = re.compile(r"(not enough|too many) values to unpack")  # q, k, v = y.split(stored width)
 
 
 def note_local_width(root: Optional[nn.Module], exc: BaseException) -> None:
-    """If ``exc`` is torch's view / reshape size error raised in the forward of a module (under ``root``) holding
-    column layers whose outputs stay split, add a note saying what this rank holds of them."""
-    if root is None or not isinstance(exc, RuntimeError) or not _RESHAPE.search(str(exc)):
+    """If ``exc`` is torch's view / reshape size error, or Python's unpacking one, raised in the forward of a module
+    (under ``root``) holding column layers whose outputs stay split, add a note saying what this rank holds of them."""
+    reshaped = isinstance(exc, RuntimeError) and _RESHAPE.search(str(exc))
+    unpacked = isinstance(exc, ValueError) and _UNPACK.search(str(exc))
+    if root is None or not (reshaped or unpacked):
         return
     names = {id(m): n for n, m in root.named_modules()}
     for frame, _ in reversed(list(traceback.walk_tb(exc.__traceback__))):  # the innermost module first
@@ -35,10 +42,22 @@ def note_local_width(root: Optional[nn.Module], exc: BaseException) -> None:
                    if isinstance(c, (ColumnParallelLinear, _ColumnConv)) and not getattr(c, "gather_output", False)]
         if not columns:
             continue
-        held = ", ".join(f"{n} {c.sizes[c.group.index]} of {sum(c.sizes)}" for n, c in columns)
-        exc.add_note(f"'{names[id(module)]}' ({type(module).__name__}) holds column layers split by tensor "
-                     f"parallelism; this rank computes part of their outputs ({held} features). A forward that "
-                     "reshapes them with a count fixed at construction -- view(B, T, self.n_heads, self.head_dim) -- "
-                     "asks for every head on each rank: derive it from the width the rank holds, view(B, T, -1, "
-                     "self.head_dim).")
+        held = ", ".join(f"{n} {_width(c)}" for n, c in columns)
+        said = f"'{names[id(module)]}' ({type(module).__name__}) holds column layers split by tensor parallelism; " \
+               f"this rank computes part of their outputs ({held} features). "
+        if reshaped:
+            said += ("A forward that reshapes them with a count fixed at construction -- view(B, T, self.n_heads, "
+                     "self.head_dim) -- asks for every head on each rank: derive it from the width the rank holds, "
+                     "view(B, T, -1, self.head_dim).")
+        else:
+            said += ("A forward that cuts a fused projection's output at a width fixed at construction -- q, k, v = "
+                     "self.c_attn(x).split(self.n_embd, dim=2) -- cuts the whole width, which no rank holds: cut it "
+                     "into its parts, .chunk(3, dim=2), and plan the layer {'style': 'column', 'blocks': 3}.")
+        exc.add_note(said)
         return
+
+
+def _width(c: nn.Module) -> str:
+    """What this rank holds of column layer ``c``'s output features (of each part, for a fused one)."""
+    mine, whole, k = c.sizes[c.group.index], sum(c.sizes), getattr(c, "blocks", 1)
+    return f"{mine} of {whole}" if k == 1 else f"{k} x {mine} of {k} x {whole}"

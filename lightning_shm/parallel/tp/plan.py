@@ -24,6 +24,10 @@ a whole one (as Hugging Face models declare their ``tp_plan``), ``layer*`` or ``
   being planned); its column layer is the sibling column layer with as many output features.
 * ``{"style": "column", "head_dim": 16}``: split on whole attention heads (multiples of 16). Without
   it, a layer whose parent module has an int ``head_dim`` attribute is split on that.
+* ``{"style": "column", "blocks": 3}``: a Linear whose output the module's forward cuts into 3 equal parts -- a
+  fused q, k, v projection (nanoGPT's ``c_attn``, timm's ``qkv``), a fused gate and up projection (``blocks: 2``):
+  each rank holds its slice of each part (on whole heads with a ``head_dim``). A column Linear with k times the
+  output features of every row layer beside it must say its blocks (``1`` if its output is one part after all).
 
 Where the plan comes from, first found wins: the strategy's ``plan=``; else the module's ``tp_plan``
 attribute; else it is derived for the model's ``nn.Sequential`` (Linear layers paired column -> row,
@@ -118,6 +122,7 @@ class LayerPlan:
     style: str
     head_dim: Optional[int] = None
     whole_input: bool = False
+    blocks: Optional[int] = None  # a fused column layer's parts (None: not said, 1)
 
     def __post_init__(self) -> None:
         if self.style not in STYLES:
@@ -126,11 +131,16 @@ class LayerPlan:
             raise ValueError(f"whole_input applies to a 'row' layer, got style {self.style!r}")
         if self.head_dim is not None and (not isinstance(self.head_dim, int) or self.head_dim < 1):
             raise ValueError(f"head_dim must be a positive int, got {self.head_dim!r}")
+        if self.blocks is not None and (not isinstance(self.blocks, int) or self.blocks < 1):
+            raise ValueError(f"blocks must be a positive int, got {self.blocks!r}")
+        if (self.blocks or 1) > 1 and self.style != "column":
+            raise ValueError(f"blocks apply to a 'column' layer (its output cut into parts by the module's forward), "
+                             f"got style {self.style!r}")
 
 
 def parse_plan(plan: Mapping[str, Any]) -> dict[str, LayerPlan]:
-    """``{pattern: "column" | {"style": ..., "head_dim": ...} | ColwiseParallel() | ...}`` -> ``{pattern:
-    LayerPlan}``."""
+    """``{pattern: "column" | {"style": ..., "head_dim": ..., "blocks": ...} | ColwiseParallel() | ...}`` ->
+    ``{pattern: LayerPlan}``."""
     out = {}
     for pattern, value in plan.items():
         try:
@@ -138,12 +148,13 @@ def parse_plan(plan: Mapping[str, Any]) -> dict[str, LayerPlan]:
                 out[pattern] = value
             elif isinstance(value, str):
                 out[pattern] = LayerPlan(HF_STYLES.get(value, value))
-            elif isinstance(value, Mapping) and set(value) <= {"style", "head_dim"} and "style" in value:
-                out[pattern] = LayerPlan(HF_STYLES.get(value["style"], value["style"]), value.get("head_dim"))
+            elif isinstance(value, Mapping) and set(value) <= {"style", "head_dim", "blocks"} and "style" in value:
+                out[pattern] = LayerPlan(HF_STYLES.get(value["style"], value["style"]), value.get("head_dim"),
+                                         blocks=value.get("blocks"))
             elif (torch_plan := _torch_style(value)) is not None:
                 out[pattern] = torch_plan
             else:
-                raise ValueError(f"expected a style or {{'style': ..., 'head_dim': ...}}, got {value!r}")
+                raise ValueError(f"expected a style or {{'style': ..., 'head_dim': ..., 'blocks': ...}}, got {value!r}")
         except ValueError as e:
             raise ValueError(f"plan entry '{pattern}': {e}") from None
     return out
@@ -346,9 +357,17 @@ def split_sizes(name: str, layer: nn.Module, lp: LayerPlan, tp: int, parent: Opt
                          f"be '{lp.style}' (and an nn.Embedding 'row')")
     if lp.style == "column_gathered" and not isinstance(layer, nn.Linear):
         raise ValueError(f"'{name}' is a {type(layer).__name__}; only nn.Linear can be 'column_gathered'")
+    blocks = lp.blocks or 1
+    if blocks > 1 and not isinstance(layer, nn.Linear):
+        raise ValueError(f"'{name}' is a {type(layer).__name__} planned with blocks={blocks}; only an nn.Linear "
+                         "(a fused projection) takes blocks")
     if lp.style in ("column", "column_gathered"):
         n = layer.out_features if isinstance(layer, nn.Linear) else layer.out_channels
         what = "output features" if isinstance(layer, nn.Linear) else "output channels"
+        if n % blocks:
+            raise ValueError(f"column layer '{name}' has {n} {what}, not {blocks} equal blocks")
+        n //= blocks
+        what += f" in each of {blocks} blocks" if blocks > 1 else ""
     else:
         n = layer.in_features if isinstance(layer, nn.Linear) else layer.in_channels
         what = "input features" if isinstance(layer, nn.Linear) else "input channels"
@@ -412,6 +431,7 @@ class LayerSplit:
 
     role: str
     sizes: tuple[int, ...]
+    blocks: int = 1  # a fused column layer: sizes of each of its parts
 
 
 def check_plan(module: nn.Module, plan: Mapping[str, LayerPlan], tp: int) -> dict[str, LayerSplit]:
@@ -453,9 +473,10 @@ def check_plan(module: nn.Module, plan: Mapping[str, LayerPlan], tp: int) -> dic
                              "computation (a norm over the whole weight) cannot run on a piece of it. Leave the "
                              "layer replicated.")
         parent = mods.get(name.rpartition(".")[0]) if "." in name else module
-        out[name] = LayerSplit(lp.style, tuple(split_sizes(name, mods[name], lp, tp, parent)))
+        out[name] = LayerSplit(lp.style, tuple(split_sizes(name, mods[name], lp, tp, parent)), lp.blocks or 1)
     for pname, others in ties.items():
         _check_tie(pname, others, mods, out)
+    _check_fused(mods, plan, out)
     for name in [n for n, lp in plan.items() if lp.style == "between"]:
         out[name] = _between(name, mods, out)
     for prefix, seq in [(n, m) for n, m in module.named_modules() if isinstance(m, nn.Sequential)]:
@@ -473,12 +494,39 @@ def _check_tie(pname: str, others: Sequence[str], mods: Mapping[str, nn.Module],
     for other in others:
         oname, oentry = other.rsplit(".", 1)
         dims = [_split_dim(mods[n], splits[n], e) if n in splits else None for n, e in ((name, entry), (oname, oentry))]
-        if dims[0] is None or dims[0] != dims[1] or splits[name].sizes != splits[oname].sizes:
+        if dims[0] is None or dims[0] != dims[1] or splits[name].sizes != splits[oname].sizes:  # equal: blocks too
             raise ValueError(f"'{name}' ({splits[name].role}) holds '{pname}', which is also '{other}': splitting "
                              "the layer gives each rank a piece of its own, and the other holder would keep training "
                              "the whole tensor apart from it. Leave the layer replicated, untie the weights, or plan "
                              "the other holder to cut the tensor alike (an embedding 'row' and its tied output layer "
                              "'column_gathered')")
+
+
+def _check_fused(mods: Mapping[str, nn.Module], plan: Mapping[str, LayerPlan], splits: Mapping[str, LayerSplit]
+                 ) -> None:
+    """A column Linear planned without blocks whose output features are k >= 2 times the input features of a row
+    Linear beside it (a child of the same module) and equal to no such row layer's: its module's forward most
+    likely cuts its output into k parts (a fused q, k, v projection beside its output projection: 3E against E).
+    A contiguous slice would give rank 0 all of q and half of k, silently -- with ``reshape(B, T, 3, -1,
+    head_dim)`` the shapes still fit. So it must say its blocks."""
+    for name, sp in splits.items():
+        col = mods[name]
+        if sp.role != "column" or plan[name].blocks is not None or not isinstance(col, nn.Linear):
+            continue
+        parent = name.rpartition(".")[0]
+        rows = {r: mods[r].in_features for r, rp in splits.items() if rp.role == "row" and r.rpartition(".")[0] ==
+                parent and isinstance(mods[r], nn.Linear)}
+        n = col.out_features
+        fused = {r: n // f for r, f in rows.items() if n % f == 0 and n // f >= 2}
+        if fused and n not in rows.values():
+            r, k = next(iter(fused.items()))
+            raise ValueError(f"column layer '{name}' gives {n} output features, {k} x the {rows[r]} that row layer "
+                             f"'{r}' beside it takes: if its module's forward cuts the output into {k} parts (a fused "
+                             f"q, k, v projection: .chunk({k}, -1), reshape(B, T, {k}, -1, head_dim); a fused gate "
+                             f"and up projection), plan it {{'style': 'column', 'blocks': {k}}} so that each rank "
+                             "holds its slice of each part -- a contiguous slice would give rank 0 the first part "
+                             f"and some of the second. If its output is one part, plan {{'style': 'column', "
+                             "'blocks': 1}")
 
 
 def _split_dim(m: nn.Module, split: LayerSplit, entry: str) -> Optional[int]:
@@ -557,6 +605,10 @@ def _check_sequential(seq: nn.Sequential, prefix: str, splits: Mapping[str, Laye
         if role == "column":
             if region is not None:
                 raise ValueError(f"column layer '{q}' starts before column layer '{region[0]}' met its row layer")
+            if splits[q].blocks > 1:
+                raise ValueError(f"column layer '{q}' is planned with blocks={splits[q].blocks}, for an output the "
+                                 "module's forward cuts into parts; in an nn.Sequential the next layer takes it whole. "
+                                 "Plan it without blocks")
             region = (q, _kind(m))  # type: ignore[assignment]
         elif role == "row" and isinstance(m, nn.Embedding):  # takes ids, gives whole rows: no pair
             if region is not None:
@@ -614,7 +666,7 @@ def apply_plan(module: nn.Module, splits: Mapping[str, LayerSplit], group: Group
         if sp.role not in ("column_gathered", "heads") and not isinstance(layer, nn.Embedding):
             dim = 1 if isinstance(layer, (*_ANY_CONV, nn.modules.batchnorm._NormBase, nn.GroupNorm)) else -1
             whole_tensors_for_hooks(layer, group, sp.sizes, dim, inputs_split=sp.role != "column",
-                                    output_split=sp.role != "row")  # (before a copy of the layer takes them)
+                                    output_split=sp.role != "row", blocks=sp.blocks)  # (before a copy takes them)
         if sp.role == "heads":
             new = HeadParallelMultiheadAttention(layer, group, sp.sizes, random=random)
         elif sp.role == "between":
@@ -625,6 +677,8 @@ def apply_plan(module: nn.Module, splits: Mapping[str, LayerSplit], group: Group
         else:
             if sp.role == "column_gathered":
                 new = ColumnParallelLinear(layer, group, sp.sizes, gather_output=True)
+            elif sp.blocks > 1:
+                new = ColumnParallelLinear(layer, group, sp.sizes, random=random, blocks=sp.blocks)
             else:
                 new = _split_layer(sp.role, layer)(layer, group, sp.sizes, random=random)  # type: ignore[misc]
         for entry in getattr(new, "split_dims", {}):
