@@ -503,7 +503,11 @@ class SHMModelParallel(SHMStrategyBase):
                 "over the ranks -- one set outside backward (p.grad = ...: DP-SGD's clipped per-sample gradients, "
                 "gradients combined from torch.autograd.grad) or changed on one rank -- and from here each rank "
                 "trains its own model (as under Lightning's ddp, which saves rank 0's). Average such a gradient over "
-                "the ranks before the step: p.grad = self.trainer.strategy.reduce(p.grad, reduce_op='mean').")
+                "the ranks before the step: p.grad = self.trainer.strategy.reduce(p.grad, reduce_op='mean')."
+                + (" Under tensor parallelism a module with whole parameters that the forward runs on the rank's "
+                   "heads -- qk-norm's LayerNorm(head_dim) on q and k after their column layers -- does so too: each "
+                   "rank's gradient comes from its heads only. Plan it 'on_heads'." if self.topology().tp > 1
+                   else ""))
 
     def _step_checking_reads(self, *args: Any, **kwargs: Any) -> Any:
         """The first training step, whose loss's graph shows what it reads: parameters this rank holds pieces of,

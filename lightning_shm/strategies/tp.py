@@ -20,8 +20,9 @@ class SHMTensorParallel(SHMModelParallel):
 
     Args:
         tensor_parallel_size: ranks that split each planned layer; must divide ``devices``.
-        plan: ``{module path pattern: "column" | "row" | "column_gathered" | "replicate" | {"style": ...,
-            "head_dim": ...}}`` (each path component matched shell-style: ``*``, ``layer*``); default: the
+        plan: ``{module path pattern: "column" | "row" | "column_gathered" | "replicate" | "between" | "heads" |
+            "on_heads" | {"style": ..., "head_dim": ..., "blocks": ...}}`` (each path component matched shell-style:
+            ``*``, ``layer*``; the styles: :mod:`lightning_shm.parallel.tp.plan`); default: the
             module's ``tp_plan`` attribute, else derived for its Sequential (Linear / Conv1d-3d layers paired
             column -> row; a Linear followed by one at most 1/tp its size gathered instead, see ``derive_plan``)
             and for torch's transformer blocks wherever they sit (``torch_blocks_plan``).

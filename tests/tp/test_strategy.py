@@ -605,6 +605,9 @@ class _GroupNormBlock(nn.Module):
          r"nn.Sequential the next layer takes it whole"),
         ((nn.Conv2d(1, 24, 1), nn.Conv2d(24, 2, 1)), {"net.0": {"style": "column", "blocks": 3}, "net.1": "row"},
          r"'net.0' is a Conv2d planned with blocks=3; only an nn.Linear \(a fused projection\) takes blocks"),
+        ((nn.Linear(4, 8), nn.ReLU()), {"net.1": "on_heads"},
+         r"'net.1' \(ReLU\) is planned 'on_heads', which sums its parameters' gradients over the tp ranks, but it "
+         r"holds no trainable parameter of its own"),
         ((nn.Linear(4, 8),), {"net.0": {"style": "column_gathered", "blocks": 2}},
          r"plan entry 'net.0': blocks apply to a 'column' layer .*got style 'column_gathered'"),
     ],

@@ -24,6 +24,10 @@ a whole one (as Hugging Face models declare their ``tp_plan``), ``layer*`` or ``
   being planned); its column layer is the sibling column layer with as many output features.
 * ``{"style": "column", "head_dim": 16}``: split on whole attention heads (multiples of 16). Without
   it, a layer whose parent module has an int ``head_dim`` attribute is split on that.
+* ``"on_heads"``: a module with whole parameters that the forward runs on the rank's heads (split features):
+  qk-norm's ``LayerNorm(head_dim)`` / ``RMSNorm(head_dim)`` on q and k after the column layers (Qwen3, OLMo 2,
+  timm's ``qk_norm``). Each rank's gradient then comes from its heads only; it is summed over the tp group
+  (the gradient's hook), so every rank steps the whole one, as one process.
 * ``{"style": "column", "blocks": 3}``: a Linear whose output the module's forward cuts into 3 equal parts -- a
   fused q, k, v projection (nanoGPT's ``c_attn``, timm's ``qkv``), a fused gate and up projection (``blocks: 2``):
   each rank holds its slice of each part (on whole heads with a ``head_dim``). A column Linear with k times the
@@ -50,12 +54,14 @@ starts.
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import Any, Mapping, Optional, Sequence
 
+import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
@@ -87,7 +93,7 @@ from lightning_shm.parallel.tp.layers import (
 from lightning_shm.parallel.tp.rng import SplitRegionRandom
 from lightning_shm.runtime import Group
 
-STYLES = ("column", "row", "replicate", "column_gathered", "between", "heads")
+STYLES = ("column", "row", "replicate", "column_gathered", "between", "heads", "on_heads")
 HF_STYLES = {"colwise": "column", "rowwise": "row", "colwise_rep": "column_gathered"}  # Hugging Face's tp_plan words
 ELEMENTWISE = (nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.LeakyReLU, nn.ELU, nn.Identity, nn.Softplus,
                nn.Mish, nn.Hardswish, nn.Hardtanh, nn.ReLU6, nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d)
@@ -446,6 +452,13 @@ def check_plan(module: nn.Module, plan: Mapping[str, LayerPlan], tp: int) -> dic
     for name, lp in plan.items():
         if lp.style in ("replicate", "between"):  # "between": once the column layers' sizes are known
             continue
+        if lp.style == "on_heads":
+            if not any(p.requires_grad for p in mods[name].parameters(recurse=False)):
+                raise ValueError(f"'{name}' ({type(mods[name]).__name__}) is planned 'on_heads', which sums its "
+                                 "parameters' gradients over the tp ranks, but it holds no trainable parameter of its "
+                                 "own: leave it out of the plan")
+            out[name] = LayerSplit("on_heads", ())
+            continue
         for pname, p in mods[name].named_parameters(prefix=name):
             others = [h for h, _ in holders[id(p)] if h != pname and not h.startswith(f"{name}.")]
             if others:
@@ -662,6 +675,10 @@ def apply_plan(module: nn.Module, splits: Mapping[str, LayerSplit], group: Group
         layer = local.get(name)
         if layer is None:
             continue
+        if sp.role == "on_heads":  # kept whole: each rank's gradient, from its heads, summed over the group
+            for p in layer.parameters(recurse=False):
+                p.register_hook(functools.partial(_summed_over_tp, group))
+            continue
         # the user's forward hooks see whole tensors, as in one process (an embedding's ids and rows are whole)
         if sp.role not in ("column_gathered", "heads") and not isinstance(layer, nn.Embedding):
             dim = 1 if isinstance(layer, (*_ANY_CONV, nn.modules.batchnorm._NormBase, nn.GroupNorm)) else -1
@@ -705,6 +722,12 @@ def apply_plan(module: nn.Module, splits: Mapping[str, LayerSplit], group: Group
 
 def _no_fast_path(module: nn.Module, args: Any) -> None:
     return None
+
+
+def _summed_over_tp(group: Group, grad: torch.Tensor) -> torch.Tensor:
+    """An "on_heads" parameter's gradient from this rank's heads, summed with the other tp ranks' (a hook on the
+    parameter: it runs wherever its gradient is taken, a pipeline's and FSDP's included)."""
+    return group.all_reduce(grad.contiguous().clone(), "sum")
 
 
 def _say_when_split_features_reach(local: Mapping[str, nn.Module], splits: Mapping[str, LayerSplit]) -> None:
