@@ -59,8 +59,8 @@ class HeadParallelMultiheadAttention(nn.MultiheadAttention):
         self.head_dim, self.full_num_heads = full.head_dim, full.num_heads
         self.num_heads = self.sizes[group.index] // full.head_dim  # this rank's
         self.first_head = sum(self.sizes[:group.index]) // full.head_dim
-        self.in_proj_weight = _slice(full.in_proj_weight, 0, self.sizes, group.index, blocks=3)  # q, k, v
-        self.in_proj_bias = _slice(full.in_proj_bias, 0, self.sizes, group.index, blocks=3)
+        self.in_proj_weight = _slice(full.in_proj_weight, 0, self.sizes, group, blocks=3)  # q, k, v
+        self.in_proj_bias = _slice(full.in_proj_bias, 0, self.sizes, group, blocks=3)
         for name in ("q_proj_weight", "k_proj_weight", "v_proj_weight"):
             self.register_parameter(name, None)
         self.bias_k = self.bias_v = None

@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_shm.parallel.placement import Split
 from lightning_shm.parallel.replaced import carry_over
 from lightning_shm.parallel.tp.layernorm import distributed_layer_norm
 from lightning_shm.parallel.tp.mappings import copy_to_tp, gather_from_tp, reduce_from_tp
@@ -47,15 +48,14 @@ from lightning_shm.parallel.tp.rng import SplitRegionRandom
 from lightning_shm.runtime import Group, even_split
 
 
-def _slice(t: Optional[torch.Tensor], dim: int, sizes: Sequence[int], index: int, blocks: int = 1
+def _slice(t: Optional[torch.Tensor], dim: int, sizes: Sequence[int], group: Group, blocks: int = 1
            ) -> Optional[nn.Parameter]:
-    """Rank ``index``'s slice of ``t`` along ``dim``, as a parameter of its own. ``blocks``: ``dim`` is that many
-    equal parts stacked (a fused q, k, v projection's rows): the rank's slice of each, side by side."""
+    """This rank's slice of ``t`` along ``dim``, as a parameter of its own -- cut as a checkpoint's whole tensor is
+    cut for it (:class:`~lightning_shm.parallel.placement.Split`). ``blocks``: ``dim`` is that many equal parts
+    stacked (a fused q, k, v projection's rows): the rank's slice of each, side by side."""
     if t is None:
         return None
-    lo = sum(sizes[:index])
-    piece = t.detach().unflatten(dim, (blocks, sum(sizes))).narrow(dim + 1, lo, sizes[index]).flatten(dim, dim + 1)
-    p = nn.Parameter(piece.clone(), requires_grad=t.requires_grad)
+    p = nn.Parameter(Split(group, dim, tuple(sizes), blocks).cut(t.detach()), requires_grad=t.requires_grad)
     carry_over(t, p)
     return p
 
@@ -103,8 +103,8 @@ class ColumnParallelLinear(nn.Linear):
         if blocks > 1:
             self.split_blocks = {"weight": blocks, "bias": blocks}
         self.out_features = blocks * self.sizes[group.index]
-        self.weight = _slice(full.weight, 0, self.sizes, group.index, blocks)
-        self.bias = _slice(full.bias, 0, self.sizes, group.index, blocks)
+        self.weight = _slice(full.weight, 0, self.sizes, group, blocks)
+        self.bias = _slice(full.bias, 0, self.sizes, group, blocks)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_nested:
@@ -133,7 +133,7 @@ class RowParallelLinear(nn.Linear):
         self.full_in_features, self.out_features = full.in_features, full.out_features
         self.sizes = list(sizes or even_split_sizes(full.in_features, group.size))
         self.in_features = self.sizes[group.index]
-        self.weight = _slice(full.weight, 1, self.sizes, group.index)
+        self.weight = _slice(full.weight, 1, self.sizes, group)
         self.bias = _replicate(full.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -170,7 +170,7 @@ class RowParallelEmbedding(nn.Embedding):
         self.padding_idx = pad - self.first if pad is not None and 0 <= pad - self.first < self.num_embeddings else None
         self.max_norm, self.norm_type = full.max_norm, full.norm_type  # None: the plan refuses a max_norm
         self.scale_grad_by_freq, self.sparse = full.scale_grad_by_freq, full.sparse  # False: refused too
-        self.weight = _slice(full.weight, 0, self.sizes, group.index)
+        self.weight = _slice(full.weight, 0, self.sizes, group)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         local = ids - self.first
@@ -236,8 +236,8 @@ class _ColumnConv(_SplitConv):
         self._init_split(full, group, random)
         self.sizes = list(sizes or even_split_sizes(full.out_channels, group.size))
         self.in_channels, self.out_channels = full.in_channels, self.sizes[group.index]
-        self.weight = _slice(full.weight, self.out_dim, self.sizes, group.index)
-        self.bias = _slice(full.bias, 0, self.sizes, group.index)
+        self.weight = _slice(full.weight, self.out_dim, self.sizes, group)
+        self.bias = _slice(full.bias, 0, self.sizes, group)
 
     def forward(self, x: torch.Tensor, output_size: Optional[list[int]] = None) -> torch.Tensor:
         y = self._conv(copy_to_tp(x, self.group), self.bias, output_size)
@@ -260,7 +260,7 @@ class _RowConv(_SplitConv):
         self._init_split(full, group, random)
         self.sizes = list(sizes or even_split_sizes(full.in_channels, group.size))
         self.in_channels, self.out_channels = self.sizes[group.index], full.out_channels
-        self.weight = _slice(full.weight, self.in_dim, self.sizes, group.index)
+        self.weight = _slice(full.weight, self.in_dim, self.sizes, group)
         self.bias = _replicate(full.bias)
 
     def forward(self, x: torch.Tensor, output_size: Optional[list[int]] = None) -> torch.Tensor:
@@ -342,8 +342,8 @@ class ShardedLayerNorm(nn.LayerNorm):
                              f"{sum(sizes)} outputs")
         self.group, self.sizes, self.eps = group, list(sizes), full.eps
         self.normalized_shape, self.elementwise_affine = (self.sizes[group.index],), True
-        self.weight = _slice(full.weight, 0, self.sizes, group.index)
-        self.bias = _slice(full.bias, 0, self.sizes, group.index)
+        self.weight = _slice(full.weight, 0, self.sizes, group)
+        self.bias = _slice(full.bias, 0, self.sizes, group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return distributed_layer_norm(x, self.weight, self.bias, self.eps, self.group, self.sizes)
@@ -359,13 +359,12 @@ def sliced_batchnorm(full: nn.modules.batchnorm._NormBase, group: Group, sizes: 
     if full.num_features != sum(sizes):
         raise ValueError(f"{type(full).__name__}({full.num_features}) follows a column layer with {sum(sizes)} "
                          "output channels")
-    lo, n = sum(sizes[:group.index]), sizes[group.index]
     dp = getattr(full, "group", None)
     bn = _channel_slice(full, group, sizes, {id(dp): dp} if dp is not None else None)
-    bn.num_features = n
+    bn.num_features = sizes[group.index]
     for name in ("running_mean", "running_var"):
         if getattr(full, name) is not None:
-            setattr(bn, name, getattr(full, name).detach().narrow(0, lo, n).clone())
+            setattr(bn, name, Split(group, 0, tuple(sizes)).cut(getattr(full, name).detach()))
     bn.split_dims = {**bn.split_dims, "running_mean": 0, "running_var": 0}
     return bn
 
@@ -376,7 +375,7 @@ def _channel_slice(full: nn.Module, group: Group, sizes: Sequence[int], memo: Op
     part = copy.deepcopy(full, memo)
     for name in ("weight", "bias"):
         if getattr(full, name) is not None:
-            setattr(part, name, _slice(getattr(full, name), 0, sizes, group.index))
+            setattr(part, name, _slice(getattr(full, name), 0, sizes, group))
     part.split_dims = {"weight": 0, "bias": 0}
     part.sizes = list(sizes)
     return part
