@@ -1326,3 +1326,75 @@ def test_norms_on_the_ranks_heads_left_unplanned_part_the_ranks_and_the_strategy
                         GLOBAL_BATCH)
     assert float(t.callback_metrics["parted"]) == 1.0
     assert float((flat_params(got) - flat_params(ref)).abs().max()) > 1e-4
+
+
+# ---------------------------------------------------------------------- grouped-query attention: fewer kv heads
+class _GroupedQueryAttention(torch.nn.Module):
+    """Llama 3's / Qwen2's attention as Hugging Face writes it: 12 q heads, ``kv_heads`` k and v heads, q head ``h``
+    attending with kv head ``h // (12 / kv_heads)``. ``repeat``: k and v repeated by the stored
+    ``num_key_value_groups`` (Hugging Face's ``repeat_kv``), by q's heads over k's (``"ratio"``), or paired by
+    torch's SDPA (``"sdpa"``: ``enable_gqa=True``)."""
+
+    def __init__(self, dim: int, kv_heads: int, repeat: str, heads: int = 12, head_dim: int = 4) -> None:
+        super().__init__()
+        self.head_dim, self.num_key_value_groups, self.repeat = head_dim, heads // kv_heads, repeat
+        self.q_proj = torch.nn.Linear(dim, heads * head_dim, bias=False)
+        self.k_proj, self.v_proj = (torch.nn.Linear(dim, kv_heads * head_dim) for _ in range(2))
+        self.o_proj = torch.nn.Linear(heads * head_dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = (p(x).view(B, T, -1, self.head_dim).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+        if self.repeat != "sdpa":
+            n_rep = self.num_key_value_groups if self.repeat == "stored" else q.shape[1] // k.shape[1]
+            k, v = (t.repeat_interleave(n_rep, dim=1) for t in (k, v))
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                               enable_gqa=self.repeat == "sdpa")
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+
+
+class _GQABlock(torch.nn.Module):
+    def __init__(self, kv_heads: int, repeat: str) -> None:
+        super().__init__()
+        self.norm, self.attn = torch.nn.RMSNorm(24), _GroupedQueryAttention(24, kv_heads, repeat)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.attn(self.norm(x))
+
+
+class GroupedQueryAttention(MNISTClassifier):
+    """Hugging Face's stored repeat with 4 kv heads, torch's ``enable_gqa`` with 3, one kv head (multi-query
+    attention, Falcon's, Gemma 2B's) repeated by q's heads over k's, and 2 kv heads with ``enable_gqa``, planned as
+    Hugging Face plans Llama (q, k, v ``"colwise"``, o ``"rowwise"``)."""
+
+    tp_plan = {"net.*.attn.[qkv]_proj": "colwise", "net.*.attn.o_proj": "rowwise"}
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        nn = torch.nn
+        self.net = nn.Sequential(_Tokens28(True), nn.Linear(28, 24), _GQABlock(4, "stored"), _GQABlock(3, "sdpa"),
+                                 _GQABlock(1, "ratio"), _GQABlock(2, "sdpa"), _MeanOverRows(True), nn.Linear(24, 10))
+
+    def on_train_start(self) -> None:  # rank 0's heads (a pipeline's later stage holds a placeholder)
+        for i in (2, 3, 4, 5):
+            if isinstance(self.net[i], _GQABlock):
+                attn = self.net[i].attn
+                self.log(f"heads{i}", float(attn.q_proj.out_features // 4 * 100 + attn.k_proj.out_features // 4))
+
+
+@pytest.mark.parametrize("name, heads", [("tp2", (602, 802, 601, 601)), ("tp3-uneven", (602, 401, 401, 301)),
+                                         ("dp2xtp2-shard", (602, 802, 601, 601)), ("tp2xpp2", (602, 802, 601, 601))])
+def test_grouped_query_attention_splits_by_kv_groups_equal_one_process(name, heads):
+    """A rank holds whole kv groups: kv heads split evenly, q heads (and o's input) 12 / kv times as many -- 3 kv heads
+    at tp2 as 2 + 1 with q as 8 + 4 (logged as 100 x q heads + kv heads of rank 0). Fewer kv heads than ranks: each
+    rank computes its group's kv head, which other ranks compute too, and some of the group's q heads -- the one kv
+    head of multi-query attention on every rank, q as 6 + 6 at tp2 (its k and v weights whole on every rank, their
+    gradients summed over the ranks); 2 kv heads at tp3, kv head 0 on ranks 0 and 1 with q as 3 + 3, kv head 1 on
+    rank 2 with 6. Until 2026-12-07 q was split on its own (6 + 6 with 3 kv heads): with
+    ``enable_gqa`` rank 0's q heads 0-5 attended with its kv heads 0-1 three by three, where one process pairs them
+    four by four -- otherwise than one process without an error (4.0e-2 after 2 steps); with the stored repeat the
+    shapes failed; with one kv head the plan was refused."""
+    strategy, devices, dp = TP_RUNS[name]
+    metrics = _trained_and_validated_as_one_process(GroupedQueryAttention, strategy(), devices, dp, GLOBAL_BATCH * 2)
+    logged = {i: int(metrics[f"heads{i}"]) for i in (2, 3, 4, 5) if f"heads{i}" in metrics}
+    assert logged and logged == {i: heads[i - 2] for i in logged}

@@ -423,6 +423,56 @@ def test_a_fused_projection_cut_at_a_stored_width_gets_a_note_on_what_the_rank_h
     assert (".chunk(3, dim=2)" in notes) == (n_embd == 16), notes
 
 
+class _StoredRepeatAttention(nn.Module):
+    """Hugging Face's grouped-query attention: k and v repeated by a count stored at construction."""
+
+    def __init__(self, kv: int) -> None:
+        super().__init__()
+        self.head_dim, self.num_key_value_groups = 4, 4 // kv
+        self.q_proj, self.k_proj, self.v_proj = nn.Linear(16, 16), nn.Linear(16, 4 * kv), nn.Linear(16, 4 * kv)
+        self.o_proj = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = (p(x).view(B, T, -1, 4).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+        k, v = (t.repeat_interleave(self.num_key_value_groups, dim=1) for t in (k, v))
+        out = nn.functional.scaled_dot_product_attention(q, k, v)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+
+
+class _StoredRepeatClassifier(MNISTClassifier):
+    tp_plan = {"net.2.[qkv]_proj": "column", "net.2.o_proj": "row"}
+
+    def __init__(self, kv: int, **kw):
+        super().__init__(**kw)
+        self.net = nn.Sequential(nn.Flatten(1, 2), nn.Linear(28, 16), _StoredRepeatAttention(kv), _LastRow(),
+                                 nn.Linear(16, 10))
+
+
+@pytest.mark.parametrize("strategy, kv", [("tp2", 1), ("tp2", 2), ("shm_ddp", 1)])
+def test_a_stored_kv_repeat_with_fewer_kv_heads_than_ranks_gets_a_note_on_the_heads_the_rank_holds(strategy, kv):
+    """Multi-query attention at tp2: each rank computes the one kv head and 2 of the 4 q heads; Hugging Face's
+    ``repeat_kv(k, self.num_key_value_groups)`` makes 4 kv heads of it, and torch says only that the sizes 2 and 4
+    must match. The note names the module, the rank's heads and the fix. A model repeating by a wrong count (the
+    user's own error: 8 kv heads against 4 q heads under shm_ddp, 4 against 2 under tp2 with 2 kv heads, one on each
+    rank) gets none."""
+    model = _StoredRepeatClassifier(kv)
+    own = strategy == "shm_ddp" or kv == 2
+    if own:
+        model.net[2].num_key_value_groups *= 2
+    with pytest.raises(RuntimeError, match=r"size of tensor a \(\d\) must match the size of tensor b \(\d\)") as info:
+        trainer(strategy=tp(2) if strategy == "tp2" else SHMDDPStrategy(start_method="fork"), devices=2,
+                max_steps=1).fit(model, loader(mnist_like(8), 4))
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    said = ("'net.2' (_StoredRepeatAttention) is grouped-query attention with fewer kv heads than tp ranks: this rank "
+            "computes one kv head (k_proj, v_proj), which other ranks compute too, and some of its group's q heads "
+            "(features on this rank: q_proj 8 of 16, k_proj 4 of 4, v_proj 4 of 4). A forward that repeats k and v "
+            "by a count fixed at construction")
+    assert (said in notes) != own, notes
+    assert ("repeat by q.shape[1] // k.shape[1], or let scaled_dot_product_attention pair the heads (enable_gqa=True)"
+            in notes) != own, notes
+
+
 class _PortedFromModelParallel(MNISTClassifier):
     """Lightning's ModelParallelStrategy recipe: the module parallelizes itself with the mesh it is given."""
 
@@ -638,6 +688,76 @@ def test_a_column_layer_matching_a_row_layer_beside_it_or_saying_its_blocks_need
     assert check_plan(fused, resolve_plan(fused, plan), 2)["net.0.qkv"].sizes == (12, 12)
     plan["net.0.qkv"] = {"style": "column", "blocks": 3}
     assert check_plan(fused, resolve_plan(fused, plan), 2)["net.0.qkv"] == LayerSplit("column", (4, 4), 3)
+
+
+class _GQA(nn.Module):
+    """Grouped-query attention's projections: ``heads`` q heads and ``kv`` k / v heads of 2 features."""
+
+    def __init__(self, heads: int, kv: int) -> None:
+        super().__init__()
+        self.head_dim = 2
+        self.q, self.k, self.v = nn.Linear(8, 2 * heads), nn.Linear(8, 2 * kv), nn.Linear(8, 2 * kv)
+        self.o = nn.Linear(2 * heads, 8)
+
+
+@pytest.mark.parametrize("heads, kv, tp, q, k", [
+    (12, 3, 2, (16, 8), (4, 2)),  # kv 2 + 1 heads, q 4 x as many: 8 + 4
+    (12, 4, 3, (12, 6, 6), (4, 2, 2)),  # kv 2 + 1 + 1, q 6 + 3 + 3
+    (8, 2, 2, (8, 8), (2, 2)),  # tp divides the kv heads: the even split, as without groups
+    (6, 4, 2, (6, 6), (4, 4)),  # 4 does not divide 6: not grouped-query attention, each split on its own
+])
+def test_grouped_query_attention_is_split_by_whole_kv_groups(heads, kv, tp, q, k):
+    """Each rank's q heads are the ones that attend with the kv heads it holds; o takes q's split."""
+    m = Seq(_GQA(heads, kv))
+    splits = check_plan(m, resolve_plan(m, {"net.0.[qkv]": "column", "net.0.o": "row"}), tp)
+    assert (splits["net.0.q"].sizes, splits["net.0.k"].sizes) == (q, k)
+    assert splits["net.0.v"].sizes == k and splits["net.0.o"].sizes == q
+
+
+@pytest.mark.parametrize("heads, kv, tp, q, starts", [
+    (14, 2, 4, (8, 6, 8, 6), (0, 0, 2, 2)),  # Qwen2.5-0.5B's 14 / 2 at tp4: each kv head on 2 ranks, 7 q heads as 4 + 3
+    (12, 3, 4, (4, 4, 8, 8), (0, 0, 2, 4)),  # 3 kv heads on 4 ranks: kv head 0 on two of them
+    (8, 1, 3, (6, 6, 4), (0, 0, 0)),  # multi-query attention: its one kv head on every rank
+])
+def test_fewer_kv_heads_than_ranks_each_rank_computes_its_groups_kv_head(heads, kv, tp, q, starts):
+    """A kv head serves the ranks holding its group's q heads: they each compute it (its rows of the whole weight)."""
+    m = Seq(_GQA(heads, kv))
+    splits = check_plan(m, resolve_plan(m, {"net.0.[qkv]": "column", "net.0.o": "row"}), tp)
+    assert splits["net.0.q"].sizes == q and splits["net.0.o"].sizes == q
+    assert splits["net.0.k"] == splits["net.0.v"] == LayerSplit("kv_heads", (2,) * tp, starts=starts)
+
+
+class _FlatHeads(_GQA):
+    """q, k, v and o of 2 heads beside a feed-forward pair 4 times as wide, in one module: not grouped-query."""
+
+    def __init__(self) -> None:
+        super().__init__(2, 2)
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 8)
+
+
+def test_attention_of_one_head_count_beside_a_wider_feed_forward_is_not_taken_for_grouped_query_attention():
+    m = Seq(_FlatHeads())
+    plan = {"net.0.[qkv]": "column", "net.0.o": "row", "net.0.fc1": "column", "net.0.fc2": "row"}
+    assert check_plan(m, resolve_plan(m, plan), 2)["net.0.fc1"].sizes == (8, 8)
+    with pytest.raises(ValueError, match=r"column layer 'net.0.q' has 2 heads of 2 \(4 output features\), fewer than "
+                       r"tp=4: every rank needs a whole head"):
+        check_plan(m, resolve_plan(m, plan), 4)
+
+
+def test_fewer_kv_heads_than_ranks_needs_a_q_head_on_each_rank_a_column_layer_and_no_forward_hook():
+    m = Seq(_GQA(4, 2))
+    with pytest.raises(ValueError, match=r"column layer 'net.0.q' has 4 heads of 2 beside layers with 2 \(kv heads of "
+                       r"grouped-query attention\) at tp=8: each kv head is shared by 4 ranks, .* 2 heads per kv head, "
+                       r"fewer than the 4 ranks sharing one. Use a tp size of at most 4"):
+        check_plan(m, resolve_plan(m, {"net.0.[qkv]": "column", "net.0.o": "row"}), 8)
+    plan = {"net.0.[qv]": "column", "net.0.k": "column_gathered", "net.0.o": "row"}
+    with pytest.raises(ValueError, match=r"column_gathered layer 'net.0.k' .* has its kv heads, whose layer must be "
+                       r"'column'. Use a tp size of at most 2"):
+        check_plan(m, resolve_plan(m, plan), 4)
+    m.net[0].k.register_forward_hook(lambda *a: None)
+    with pytest.raises(ValueError, match=r"'net.0.k' computes a kv head that several tp ranks compute alike .* "
+                       r"and it has forward hooks: they would see this rank's kv head"):
+        check_plan(m, resolve_plan(m, {"net.0.[qkv]": "column", "net.0.o": "row"}), 4)
 
 
 def test_devices_not_divisible_by_tp_size():

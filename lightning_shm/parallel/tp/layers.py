@@ -121,6 +121,40 @@ class ColumnParallelLinear(nn.Linear):
                 + (f", a slice of each of {self.blocks} blocks" if self.blocks > 1 else ""))
 
 
+class KVHeadsLinear(nn.Linear):
+    """Grouped-query attention's k or v projection with fewer kv heads than tp ranks (multi-query attention's one,
+    Qwen2's two at tp4): each kv head serves the ranks holding its group's q heads, so each rank computes the rows
+    of its kv head only -- a head several ranks compute alike, as Megatron and vLLM replicate kv heads. The layer
+    keeps the whole weight (replicated, whole in checkpoints); each rank's gradient has its head's rows only, from
+    its q heads, and a hook sums it over the tp ranks (:func:`~.plan.apply_plan`): every rank then steps the whole
+    weight with one process's gradient (tp=4, 2 kv heads of 8 features)::
+
+        W [16, E] on every rank        ranks 0, 1: rows 0..7 (kv head 0)   ranks 2, 3: rows 8..15 (kv head 1)
+        in: x [B, T, E] on every rank  out: y_r [B, T, 8]                  (backward: dx summed, as a column layer's)
+    """
+
+    split_dims: dict[str, int] = {}  # nothing cut: the weight is held whole by every tp rank
+
+    def __init__(self, full: nn.Linear, group: Group, start: int, n: int,
+                 random: Optional[SplitRegionRandom] = None) -> None:
+        nn.Module.__init__(self)
+        self.group, self.random, self.start = group, random, start
+        self.in_features, self.out_features, self.full_out_features = full.in_features, n, full.out_features
+        self.weight, self.bias = full.weight, full.bias  # the very parameters: nothing to copy or consolidate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_nested:
+            return on_rows(x, self.forward)
+        rows = slice(self.start, self.start + self.out_features)
+        y = F.linear(copy_to_tp(x, self.group), self.weight[rows], None if self.bias is None else self.bias[rows])
+        _enter(self.random)
+        return y
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features}, out={self.out_features} of {self.full_out_features} (rows {self.start}.."
+                f"{self.start + self.out_features - 1}, a kv head other ranks compute too), tp={self.group.size}")
+
+
 class RowParallelLinear(nn.Linear):
     """Input features split across the group; partial outputs summed by an all-reduce; bias replicated."""
 

@@ -10,6 +10,12 @@ its column layers and this rank's widths, and the fix (derive the count from the
 nanoGPT cuts its fused q, k, v projection at the width it stored, ``self.c_attn(x).split(self.n_embd, dim=2)``: on a
 rank holding a third of each part that gives two pieces, and Python says only "not enough values to unpack
 (expected 3, got 2)". The note then says to cut the output into its parts (``.chunk(3, dim=2)``).
+
+Grouped-query attention with fewer kv heads than tp ranks gives each rank one kv head and some of its group's q heads
+(:class:`~lightning_shm.parallel.tp.layers.KVHeadsLinear`). Hugging Face's ``repeat_kv(k, self.num_key_value_groups)``
+repeats it by the count of the whole group, and torch says only "The size of tensor a (2) must match the size of
+tensor b (4) at non-singleton dimension 1". The note then says to repeat by ``q.shape[1] // k.shape[1]`` or let
+torch's SDPA pair the heads (``enable_gqa=True``).
 """
 
 from __future__ import annotations
@@ -20,10 +26,11 @@ from typing import Optional
 
 from torch import nn
 
-from lightning_shm.parallel.tp.layers import ColumnParallelLinear, _ColumnConv
+from lightning_shm.parallel.tp.layers import ColumnParallelLinear, KVHeadsLinear, _ColumnConv
 
 _RESHAPE = re.compile(r"shape '\[[^\]]*\]' is invalid for input of size \d+")  # view / reshape
 _UNPACK = re.compile(r"(not enough|too many) values to unpack")  # q, k, v = y.split(stored width)
+_HEADS = re.compile(r"size of tensor a \(\d+\) must match the size of tensor b \(\d+\) at non-singleton dimension")
 
 
 def note_local_width(root: Optional[nn.Module], exc: BaseException) -> None:
@@ -31,7 +38,8 @@ def note_local_width(root: Optional[nn.Module], exc: BaseException) -> None:
     (under ``root``) holding column layers whose outputs stay split, add a note saying what this rank holds of them."""
     reshaped = isinstance(exc, RuntimeError) and _RESHAPE.search(str(exc))
     unpacked = isinstance(exc, ValueError) and _UNPACK.search(str(exc))
-    if root is None or not (reshaped or unpacked):
+    repeated = isinstance(exc, RuntimeError) and _HEADS.search(str(exc))
+    if root is None or not (reshaped or unpacked or repeated):
         return
     names = {id(m): n for n, m in root.named_modules()}
     for frame, _ in reversed(list(traceback.walk_tb(exc.__traceback__))):  # the innermost module first
@@ -39,10 +47,20 @@ def note_local_width(root: Optional[nn.Module], exc: BaseException) -> None:
         if not isinstance(module, nn.Module) or id(module) not in names:
             continue
         columns = [(n, c) for n, c in module.named_children()
-                   if isinstance(c, (ColumnParallelLinear, _ColumnConv)) and not getattr(c, "gather_output", False)]
-        if not columns:
+                   if isinstance(c, (ColumnParallelLinear, _ColumnConv, KVHeadsLinear))
+                   and not getattr(c, "gather_output", False)]
+        shared = [n for n, c in columns if isinstance(c, KVHeadsLinear)]
+        if not columns or (repeated and not shared):
             continue
         held = ", ".join(f"{n} {_width(c)}" for n, c in columns)
+        if repeated:
+            exc.add_note(f"'{names[id(module)]}' ({type(module).__name__}) is grouped-query attention with fewer kv "
+                         f"heads than tp ranks: this rank computes one kv head ({', '.join(shared)}), which other "
+                         f"ranks compute too, and some of its group's q heads (features on this rank: {held}). A "
+                         "forward that repeats k and v by a count fixed at construction -- repeat_kv(k, "
+                         "self.num_key_value_groups) -- repeats them for the whole group: repeat by q.shape[1] // "
+                         "k.shape[1], or let scaled_dot_product_attention pair the heads (enable_gqa=True).")
+            return
         said = f"'{names[id(module)]}' ({type(module).__name__}) holds column layers split by tensor parallelism; " \
                f"this rank computes part of their outputs ({held} features). "
         if reshaped:
@@ -59,5 +77,7 @@ def note_local_width(root: Optional[nn.Module], exc: BaseException) -> None:
 
 def _width(c: nn.Module) -> str:
     """What this rank holds of column layer ``c``'s output features (of each part, for a fused one)."""
+    if isinstance(c, KVHeadsLinear):
+        return f"{c.out_features} of {c.full_out_features}"
     mine, whole, k = c.sizes[c.group.index], sum(c.sizes), getattr(c, "blocks", 1)
     return f"{mine} of {whole}" if k == 1 else f"{k} x {mine} of {k} x {whole}"

@@ -23,7 +23,9 @@ a whole one (as Hugging Face models declare their ``tp_plan``), ``layer*`` or ``
   and ``conv2``. It runs on the rank's features, as between a pair inside a Sequential (found there without
   being planned); its column layer is the sibling column layer with as many output features.
 * ``{"style": "column", "head_dim": 16}``: split on whole attention heads (multiples of 16). Without
-  it, a layer whose parent module has an int ``head_dim`` attribute is split on that.
+  it, a layer whose parent module has an int ``head_dim`` attribute is split on that. Grouped-query attention (k
+  and v with fewer heads than q, a number dividing q's) is split by kv groups, a rank's q heads with the kv heads
+  they attend with; with fewer kv heads than ranks each rank computes its group's kv head (:func:`_kv_groups`).
 * ``"on_heads"``: a module with whole parameters that the forward runs on the rank's heads (split features):
   qk-norm's ``LayerNorm(head_dim)`` / ``RMSNorm(head_dim)`` on q and k after the column layers (Qwen3, OLMo 2,
   timm's ``qk_norm``). Each rank's gradient then comes from its heads only; it is summed over the tp group
@@ -80,6 +82,7 @@ from lightning_shm.parallel.tp.layers import (
     COLUMN_CONV,
     ROW_CONV,
     ColumnParallelLinear,
+    KVHeadsLinear,
     RowParallelEmbedding,
     RowParallelLinear,
     ShardedLayerNorm,
@@ -377,9 +380,7 @@ def split_sizes(name: str, layer: nn.Module, lp: LayerPlan, tp: int, parent: Opt
     else:
         n = layer.in_features if isinstance(layer, nn.Linear) else layer.in_channels
         what = "input features" if isinstance(layer, nn.Linear) else "input channels"
-    head_dim = lp.head_dim
-    if head_dim is None and isinstance(getattr(parent, "head_dim", None), int):
-        head_dim = parent.head_dim  # type: ignore[union-attr]
+    head_dim = _head_dim(lp, parent)
     if head_dim:
         if n % head_dim:
             raise ValueError(f"{lp.style} layer '{name}' has {n} {what}, not a multiple of head_dim={head_dim}")
@@ -391,6 +392,66 @@ def split_sizes(name: str, layer: nn.Module, lp: LayerPlan, tp: int, parent: Opt
     if n < tp:
         raise ValueError(f"{lp.style} layer '{name}' has {n} {what}, fewer than tp={tp}")
     return even_split_sizes(n, tp)
+
+
+def _head_dim(lp: LayerPlan, parent: Optional[nn.Module]) -> Optional[int]:
+    """The head size a column or row Linear splits on: the plan's, else its module's int ``head_dim``."""
+    if lp.head_dim is None and isinstance(getattr(parent, "head_dim", None), int):
+        return parent.head_dim  # type: ignore[union-attr]
+    return lp.head_dim
+
+
+def _kv_groups(mods: Mapping[str, nn.Module], plan: Mapping[str, LayerPlan], tp: int, root: nn.Module
+               ) -> dict[str, "LayerSplit"]:
+    """Grouped-query attention: q (and o) have ``H`` heads, k and v ``G``, and q head ``h`` attends with kv head
+    ``h // (H / G)``: the heads form G groups. A rank must hold the kv heads its q heads attend with. Split evenly
+    on their own they need not: H=12, G=3 at tp=2 gives q 6 + 6 heads and kv 2 + 1, and torch's SDPA with
+    ``enable_gqa=True`` pairs rank 0's q heads 0-5 with its kv heads 0-1 three by three (one process: four by four)
+    -- silently otherwise than one process; a stored ``n_rep`` fails on a shape. So the Linears one module holds
+    that split on heads of one size, ``H`` and ``G`` heads with G dividing H, are split by groups (each rank
+    ``H / G`` q heads per kv head, o's input as q's)::
+
+        G >= tp   whole groups per rank: kv heads G split evenly       H=12, G=3, tp=2: kv 2 + 1, q 8 + 4
+        G <  tp   the ranks shared out among the groups, each group's  H=14, G=2, tp=4: kv head 0 on ranks 0, 1,
+                  q heads among its ranks; each rank computes its      kv head 1 on ranks 2, 3; q 4 + 3 + 4 + 3
+                  group's kv head (:class:`KVHeadsLinear`)
+
+    Returns how each such layer is split (the same pieces as the even split where tp divides G); layers of other
+    modules are not here."""
+    groups: dict[tuple[str, int], dict[str, int]] = {}  # (module, head_dim) -> {layer: heads}
+    for name, lp in plan.items():
+        m, parent_name = mods[name], name.rpartition(".")[0]
+        parent = mods[parent_name] if parent_name else root
+        if lp.style not in ("column", "column_gathered", "row") or (lp.blocks or 1) > 1 or lp.whole_input \
+                or not isinstance(m, nn.Linear) or isinstance(parent, nn.Sequential):
+            continue
+        head_dim = _head_dim(lp, parent)
+        n = m.in_features if lp.style == "row" else m.out_features
+        if head_dim and n % head_dim == 0:
+            groups.setdefault((parent_name, head_dim), {})[name] = n // head_dim
+    out: dict[str, LayerSplit] = {}
+    for (_, head_dim), heads in groups.items():
+        kv = min(heads.values())
+        if kv == max(heads.values()) or any(h % kv or (h == kv and plan[n].style == "row") for n, h in heads.items()):
+            continue  # not grouped-query attention: q, k, v and o of one count (beside a wider MLP) take o's
+        ranks = even_split_sizes(tp, kv) if kv < tp else [0] * kv  # ranks sharing each kv head (none: G >= tp)
+        group_of = [g for g, r in enumerate(ranks) for _ in range(r)]  # each rank's kv head
+        for name, h in heads.items():
+            per, style = h // kv, plan[name].style  # this layer's heads per kv group
+            if kv >= tp:
+                out[name] = LayerSplit(style, tuple(per * g * head_dim for g in even_split_sizes(kv, tp)))
+            elif per == 1 and style == "column":
+                out[name] = LayerSplit("kv_heads", (head_dim,) * tp, starts=tuple(g * head_dim for g in group_of))
+            elif per < max(ranks):
+                what = ("its kv heads, whose layer must be 'column'" if per == 1 else
+                        f"{per} heads per kv head, fewer than the {max(ranks)} ranks sharing one")
+                raise ValueError(f"{style} layer '{name}' has {h} heads of {head_dim} beside layers with {kv} (kv "
+                                 f"heads of grouped-query attention) at tp={tp}: each kv head is shared by "
+                                 f"{max(ranks)} ranks, each holding some of its group's q heads, but '{name}' has "
+                                 f"{what}. Use a tp size of at most {kv * per if per > 1 else kv}")
+            else:
+                out[name] = LayerSplit(style, tuple(s * head_dim for r in ranks for s in even_split_sizes(per, r)))
+    return out
 
 
 def _head_sizes(name: str, layer: nn.Module, lp: LayerPlan, tp: int) -> list[int]:
@@ -438,6 +499,7 @@ class LayerSplit:
     role: str
     sizes: tuple[int, ...]
     blocks: int = 1  # a fused column layer: sizes of each of its parts
+    starts: tuple[int, ...] = ()  # "kv_heads": where each rank's rows begin (ranks sharing a kv head alike)
 
 
 def check_plan(module: nn.Module, plan: Mapping[str, LayerPlan], tp: int) -> dict[str, LayerSplit]:
@@ -449,6 +511,7 @@ def check_plan(module: nn.Module, plan: Mapping[str, LayerPlan], tp: int) -> dic
     holders = parameter_holders(module)
     out: dict[str, LayerSplit] = {}
     ties: dict[str, list[str]] = {}  # a split layer's tensor -> the other names it is held under
+    grouped = _kv_groups(mods, plan, tp, module)  # grouped-query attention's layers
     for name, lp in plan.items():
         if lp.style in ("replicate", "between"):  # "between": once the column layers' sizes are known
             continue
@@ -486,7 +549,13 @@ def check_plan(module: nn.Module, plan: Mapping[str, LayerPlan], tp: int) -> dic
                              "computation (a norm over the whole weight) cannot run on a piece of it. Leave the "
                              "layer replicated.")
         parent = mods.get(name.rpartition(".")[0]) if "." in name else module
-        out[name] = LayerSplit(lp.style, tuple(split_sizes(name, mods[name], lp, tp, parent)), lp.blocks or 1)
+        out[name] = grouped[name] if name in grouped else \
+            LayerSplit(lp.style, tuple(split_sizes(name, mods[name], lp, tp, parent)), lp.blocks or 1)
+        if out[name].role == "kv_heads" and mods[name]._forward_hooks:
+            raise ValueError(f"'{name}' computes a kv head that several tp ranks compute alike (grouped-query "
+                             f"attention with fewer kv heads than tp={tp}), and it has forward hooks: they would see "
+                             "this rank's kv head, and a loss they add would count once per rank computing it. Remove "
+                             "the hooks or use a tp size of at most its kv heads")
     for pname, others in ties.items():
         _check_tie(pname, others, mods, out)
     _check_fused(mods, plan, out)
@@ -675,17 +744,20 @@ def apply_plan(module: nn.Module, splits: Mapping[str, LayerSplit], group: Group
         layer = local.get(name)
         if layer is None:
             continue
-        if sp.role == "on_heads":  # kept whole: each rank's gradient, from its heads, summed over the group
+        if sp.role in ("on_heads", "kv_heads"):  # kept whole: each rank's gradient, from its heads, summed
             for p in layer.parameters(recurse=False):
                 p.register_hook(functools.partial(_summed_over_tp, group))
-            continue
+            if sp.role == "on_heads":
+                continue
         # the user's forward hooks see whole tensors, as in one process (an embedding's ids and rows are whole)
-        if sp.role not in ("column_gathered", "heads") and not isinstance(layer, nn.Embedding):
+        if sp.role not in ("column_gathered", "heads", "kv_heads") and not isinstance(layer, nn.Embedding):
             dim = 1 if isinstance(layer, (*_ANY_CONV, nn.modules.batchnorm._NormBase, nn.GroupNorm)) else -1
             whole_tensors_for_hooks(layer, group, sp.sizes, dim, inputs_split=sp.role != "column",
                                     output_split=sp.role != "row", blocks=sp.blocks)  # (before a copy takes them)
         if sp.role == "heads":
             new = HeadParallelMultiheadAttention(layer, group, sp.sizes, random=random)
+        elif sp.role == "kv_heads":
+            new = KVHeadsLinear(layer, group, sp.starts[group.index], sp.sizes[group.index], random=random)
         elif sp.role == "between":
             new = (ShardedLayerNorm(layer, group, sp.sizes) if isinstance(layer, nn.LayerNorm)
                    else sliced_groupnorm(layer, group, sp.sizes) if isinstance(layer, nn.GroupNorm)
@@ -725,8 +797,8 @@ def _no_fast_path(module: nn.Module, args: Any) -> None:
 
 
 def _summed_over_tp(group: Group, grad: torch.Tensor) -> torch.Tensor:
-    """An "on_heads" parameter's gradient from this rank's heads, summed with the other tp ranks' (a hook on the
-    parameter: it runs wherever its gradient is taken, a pipeline's and FSDP's included)."""
+    """An "on_heads" or "kv_heads" parameter's gradient from this rank's heads, summed with the other tp ranks' (a
+    hook on the parameter: it runs wherever its gradient is taken, a pipeline's and FSDP's included)."""
     return group.all_reduce(grad.contiguous().clone(), "sum")
 
 
