@@ -1398,3 +1398,64 @@ def test_grouped_query_attention_splits_by_kv_groups_equal_one_process(name, hea
     metrics = _trained_and_validated_as_one_process(GroupedQueryAttention, strategy(), devices, dp, GLOBAL_BATCH * 2)
     logged = {i: int(metrics[f"heads{i}"]) for i in (2, 3, 4, 5) if f"heads{i}" in metrics}
     assert logged and logged == {i: heads[i - 2] for i in logged}
+
+
+# ---------------------------------------------------------------------- tensors with an entry per head
+class _PerHeadAttention(torch.nn.Module):
+    """5 heads of 4 with a tensor holding an entry per head: gpt-oss's attention sinks (a learned logit per head the
+    softmax also normalises over, ``[H]``), ALiBi's slopes (a buffer ``[H]``: a distance penalty per head), or T5's
+    relative position bias (an ``nn.Embedding(buckets, H)``: a learned bias per distance and head)."""
+
+    def __init__(self, kind: str, heads: int = 5, head_dim: int = 4) -> None:
+        super().__init__()
+        self.kind, self.head_dim = kind, head_dim
+        self.q, self.k, self.v = (torch.nn.Linear(24, heads * head_dim) for _ in range(3))
+        self.o = torch.nn.Linear(heads * head_dim, 24)
+        if kind == "sinks":
+            self.sinks = torch.nn.Parameter(torch.randn(heads))
+        elif kind == "alibi":
+            self.register_buffer("slopes", 2.0 ** (-8.0 * torch.arange(1, heads + 1) / heads))
+        else:
+            self.relative_bias = torch.nn.Embedding(8, heads)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = (p(x).view(B, T, -1, self.head_dim).transpose(1, 2) for p in (self.q, self.k, self.v))
+        scores = q @ k.transpose(-1, -2) / self.head_dim ** 0.5  # [B, heads, T, T]: this rank's heads
+        distance = (torch.arange(T)[None, :] - torch.arange(T)[:, None]).abs()
+        if self.kind == "sinks":
+            sinks = self.sinks.reshape(1, -1, 1, 1).expand(B, -1, T, -1)
+            weights = torch.cat([scores, sinks], -1).softmax(-1)[..., :-1]
+        elif self.kind == "alibi":
+            weights = (scores - self.slopes[:, None, None] * distance).softmax(-1)
+        else:
+            weights = (scores + self.relative_bias(distance.clamp(max=7)).permute(2, 0, 1)).softmax(-1)
+        return self.o((weights @ v).transpose(1, 2).reshape(B, T, -1))
+
+
+class PerHeadTensors(MNISTClassifier):
+    """The three attentions, their per-head tensors planned ``"per_head"`` (T5's table on its dim of heads, 1)."""
+
+    tp_plan = {"net.[234].[qkv]": "column", "net.[234].o": "row", "net.2.sinks": "per_head",
+               "net.3.slopes": "per_head", "net.4.relative_bias.weight": {"style": "per_head", "dim": 1}}
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        nn = torch.nn
+        self.net = nn.Sequential(_Tokens28(True), nn.Linear(28, 24), _PerHeadAttention("sinks"),
+                                 _PerHeadAttention("alibi"), _PerHeadAttention("t5"), _MeanOverRows(True),
+                                 nn.Linear(24, 10))
+
+    def on_train_start(self) -> None:  # rank 0's entries (a pipeline's later stage holds a placeholder)
+        if isinstance(self.net[2], _PerHeadAttention):
+            self.log("sinks", float(self.net[2].sinks.numel()))
+
+
+@pytest.mark.parametrize("name, heads", [("tp2", 3), ("tp3-uneven", 2), ("dp2xtp2-shard", 2), ("tp2xpp2", 3)])
+def test_tensors_with_an_entry_per_head_planned_per_head_equal_one_process(name, heads):
+    """Each rank keeps its heads' entries (5 heads: 3 + 2 at tp2, 2 + 2 + 1 at tp3; sharded, rank 0 holds 2 of its
+    3 between steps), consolidated whole in checkpoints. Until 2026-12-07 there was no way to split them: whole,
+    they met the rank's heads with every head's entries and torch failed on a shape."""
+    strategy, devices, dp = TP_RUNS[name]
+    metrics = _trained_and_validated_as_one_process(PerHeadTensors, strategy(), devices, dp, GLOBAL_BATCH * 2)
+    assert metrics["sinks"] == heads

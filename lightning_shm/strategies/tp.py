@@ -21,7 +21,8 @@ class SHMTensorParallel(SHMModelParallel):
     Args:
         tensor_parallel_size: ranks that split each planned layer; must divide ``devices``.
         plan: ``{module path pattern: "column" | "row" | "column_gathered" | "replicate" | "between" | "heads" |
-            "on_heads" | {"style": ..., "head_dim": ..., "blocks": ...}}`` (each path component matched shell-style:
+            "on_heads" | {"style": ..., "head_dim": ..., "blocks": ...}}``, and ``{parameter or buffer path pattern:
+            "per_head" | {"style": "per_head", "dim": ...}}`` (each path component matched shell-style:
             ``*``, ``layer*``; the styles: :mod:`lightning_shm.parallel.tp.plan`); default: the
             module's ``tp_plan`` attribute, else derived for its Sequential (Linear / Conv1d-3d layers paired
             column -> row; a Linear followed by one at most 1/tp its size gathered instead, see ``derive_plan``)

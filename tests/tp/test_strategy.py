@@ -571,6 +571,17 @@ class _FusedQKV(nn.Module):
         self.qkv, self.proj = nn.Linear(8, 24), nn.Linear(8, 8)
 
 
+class _Sinks(nn.Module):
+    """Attention projections of 4 heads of 2 (k and v of ``kv``), a per-head parameter and a per-head table."""
+
+    def __init__(self, kv: int = 4) -> None:
+        super().__init__()
+        self.head_dim = 2
+        self.q, self.k, self.v, self.o = nn.Linear(4, 8), nn.Linear(4, 2 * kv), nn.Linear(4, 2 * kv), nn.Linear(8, 4)
+        self.sinks, self.kv_scale, self.table = nn.Parameter(torch.zeros(4)), nn.Parameter(torch.ones(kv)), \
+            nn.Embedding(3, 4)
+
+
 class _GroupNormBlock(nn.Module):
     """conv1 -> GroupNorm(2, 8) -> conv2 in its own forward (the plan must say where the norm runs)."""
 
@@ -660,6 +671,24 @@ class _GroupNormBlock(nn.Module):
          r"holds no trainable parameter of its own"),
         ((nn.Linear(4, 8),), {"net.0": {"style": "column_gathered", "blocks": 2}},
          r"plan entry 'net.0': blocks apply to a 'column' layer .*got style 'column_gathered'"),
+        ((_Sinks(),), {"net.0.sinks": "per_head"}, r"'net.0.sinks' \(per_head\) has 4 entries along dim 0 \(shape "
+         r"\[4\]\), but no column layer beside it has 4 heads to split them as: none is planned"),
+        ((_Sinks(),), {"net.0.[qkv]": "column", "net.0.o": "row", "net.0.table.weight": "per_head"},
+         r"'net.0.table.weight' \(per_head\) has 3 entries along dim 0 \(shape \[3, 4\]\), but no column layer "
+         r"beside it has 3 heads to split them as: 'net.0.q' 4 heads \(8 features\)"),
+        ((_Sinks(),), {"net.0.[qkv]": "column", "net.0.o": "row", "net.0.table.weight": {"style": "per_head",
+                                                                                         "dim": 2}},
+         r"'net.0.table.weight' \(per_head\) has shape \[3, 4\]: no dimension 2"),
+        ((_Sinks(),), {"net.0.table": "per_head"}, r"plan pattern 'net.0.table' matches no parameter or buffer of Seq "
+         r".*it names the module\(s\) \['net.0.table'\]: 'per_head' names a tensor, e.g. 'net.0.table.weight'"),
+        ((_Sinks(),), {"net.0.sinks": "column"}, r"plan pattern 'net.0.sinks' matches no module of Seq .*it names the "
+         r"tensor\(s\) \['net.0.sinks'\], which only 'per_head' takes"),
+        ((_Sinks(),), {"net.0.q": {"style": "column", "dim": 1}},
+         r"plan entry 'net.0.q': dim is the dimension of heads of a 'per_head' tensor \(an int\), got 1 with style "
+         r"'column'"),
+        ((_Sinks(kv=2),), {"net.0.[qkv]": "column", "net.0.o": "row", "net.0.kv_scale": "per_head"},
+         r"'net.0.kv_scale' \(per_head\) has 2 entries along dim 0, one per kv head of 'net.0.k', which several tp "
+         r"ranks compute alike"),
     ],
 )
 def test_bad_plans_fail_before_launch(layers, plan, match):

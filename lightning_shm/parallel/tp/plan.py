@@ -30,6 +30,10 @@ a whole one (as Hugging Face models declare their ``tp_plan``), ``layer*`` or ``
   qk-norm's ``LayerNorm(head_dim)`` / ``RMSNorm(head_dim)`` on q and k after the column layers (Qwen3, OLMo 2,
   timm's ``qk_norm``). Each rank's gradient then comes from its heads only; it is summed over the tp group
   (the gradient's hook), so every rank steps the whole one, as one process.
+* ``"per_head"`` on a parameter or buffer path (``{"style": "per_head", "dim": 1}`` for another dim than 0): a tensor
+  with an entry per attention head that the forward applies to the rank's heads -- gpt-oss's attention sinks
+  ``[H]``, ALiBi's slopes ``[H]``, T5's relative position bias ``nn.Embedding(buckets, H).weight`` (dim 1): cut as
+  the column layer of as many heads beside it splits its heads (:func:`_per_head`).
 * ``{"style": "column", "blocks": 3}``: a Linear whose output the module's forward cuts into 3 equal parts -- a
   fused q, k, v projection (nanoGPT's ``c_attn``, timm's ``qkv``), a fused gate and up projection (``blocks: 2``):
   each rank holds its slice of each part (on whole heads with a ``head_dim``). A column Linear with k times the
@@ -67,7 +71,8 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from lightning_shm.parallel.replaced import carry_over_module
+from lightning_shm.parallel.placement import Split
+from lightning_shm.parallel.replaced import carry_over, carry_over_module
 from lightning_shm.parallel.sequential import (
     copies_of,
     find_sequential,
@@ -96,7 +101,7 @@ from lightning_shm.parallel.tp.layers import (
 from lightning_shm.parallel.tp.rng import SplitRegionRandom
 from lightning_shm.runtime import Group
 
-STYLES = ("column", "row", "replicate", "column_gathered", "between", "heads", "on_heads")
+STYLES = ("column", "row", "replicate", "column_gathered", "between", "heads", "on_heads", "per_head")
 HF_STYLES = {"colwise": "column", "rowwise": "row", "colwise_rep": "column_gathered"}  # Hugging Face's tp_plan words
 ELEMENTWISE = (nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.LeakyReLU, nn.ELU, nn.Identity, nn.Softplus,
                nn.Mish, nn.Hardswish, nn.Hardtanh, nn.ReLU6, nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d)
@@ -132,6 +137,7 @@ class LayerPlan:
     head_dim: Optional[int] = None
     whole_input: bool = False
     blocks: Optional[int] = None  # a fused column layer's parts (None: not said, 1)
+    dim: Optional[int] = None  # a "per_head" tensor's dimension of heads (None: 0)
 
     def __post_init__(self) -> None:
         if self.style not in STYLES:
@@ -145,6 +151,12 @@ class LayerPlan:
         if (self.blocks or 1) > 1 and self.style != "column":
             raise ValueError(f"blocks apply to a 'column' layer (its output cut into parts by the module's forward), "
                              f"got style {self.style!r}")
+        if self.dim is not None and (self.style != "per_head" or not isinstance(self.dim, int)):
+            raise ValueError(f"dim is the dimension of heads of a 'per_head' tensor (an int), got {self.dim!r} with "
+                             f"style {self.style!r}")
+
+
+_KEYS = {"style", "head_dim", "blocks", "dim"}  # of a plan entry given as a dict
 
 
 def parse_plan(plan: Mapping[str, Any]) -> dict[str, LayerPlan]:
@@ -157,13 +169,14 @@ def parse_plan(plan: Mapping[str, Any]) -> dict[str, LayerPlan]:
                 out[pattern] = value
             elif isinstance(value, str):
                 out[pattern] = LayerPlan(HF_STYLES.get(value, value))
-            elif isinstance(value, Mapping) and set(value) <= {"style", "head_dim", "blocks"} and "style" in value:
+            elif isinstance(value, Mapping) and set(value) <= _KEYS and "style" in value:
                 out[pattern] = LayerPlan(HF_STYLES.get(value["style"], value["style"]), value.get("head_dim"),
-                                         blocks=value.get("blocks"))
+                                         blocks=value.get("blocks"), dim=value.get("dim"))
             elif (torch_plan := _torch_style(value)) is not None:
                 out[pattern] = torch_plan
             else:
-                raise ValueError(f"expected a style or {{'style': ..., 'head_dim': ..., 'blocks': ...}}, got {value!r}")
+                raise ValueError(f"expected a style or {{'style': ..., 'head_dim': ..., 'blocks': ..., 'dim': ...}}, "
+                                 f"got {value!r}")
         except ValueError as e:
             raise ValueError(f"plan entry '{pattern}': {e}") from None
     return out
@@ -205,16 +218,24 @@ def _matches(pattern: list[str], name: str) -> bool:
 
 
 def resolve_plan(module: nn.Module, plan: Mapping[str, Any]) -> dict[str, LayerPlan]:
-    """Expand the patterns of ``plan`` over ``module``'s submodules: ``{qualified name: LayerPlan}``."""
+    """Expand the patterns of ``plan`` over ``module``'s submodules -- a "per_head" one over its parameters and
+    buffers: ``{qualified name: LayerPlan}``."""
     mods = {n: m for n, m in module.named_modules() if n}
     names = list(mods)
+    tensors = [n for n, _ in module.named_parameters()] + [n for n, _ in module.named_buffers()]
     out: dict[str, tuple[str, LayerPlan]] = {}
     for pattern, given in parse_plan(plan).items():
-        hits = [n for n in names if _matches(pattern.split("."), n)]
+        within = tensors if given.style == "per_head" else names
+        hits = [n for n in within if _matches(pattern.split("."), n)]
         if not hits:
-            near = [n for n in names if n.count(".") == pattern.count(".")][:8]
-            raise ValueError(f"plan pattern '{pattern}' matches no module of {type(module).__name__} "
-                             f"(modules at that depth: {near})")
+            what = "parameter or buffer" if given.style == "per_head" else "module"
+            near = [n for n in within if n.count(".") == pattern.count(".")][:8]
+            held = [n for n in (names if given.style == "per_head" else tensors) if _matches(pattern.split("."), n)]
+            why = (f"; it names the module(s) {held[:4]}: 'per_head' names a tensor, e.g. '{held[0]}.weight'" if held
+                   and given.style == "per_head" else f"; it names the tensor(s) {held[:4]}, which only 'per_head' "
+                   "takes" if held else "")
+            raise ValueError(f"plan pattern '{pattern}' matches no {what} of {type(module).__name__} "
+                             f"({what}s at that depth: {near}){why}")
         for n in hits:  # an embedding's input is whole either way: RowwiseParallel() and its Replicate() form agree
             lp = LayerPlan("row") if given.whole_input and isinstance(mods[n], nn.Embedding) else given
             if n in out and out[n][1] != lp:
@@ -420,10 +441,11 @@ def _kv_groups(mods: Mapping[str, nn.Module], plan: Mapping[str, LayerPlan], tp:
     modules are not here."""
     groups: dict[tuple[str, int], dict[str, int]] = {}  # (module, head_dim) -> {layer: heads}
     for name, lp in plan.items():
+        if lp.style not in ("column", "column_gathered", "row") or (lp.blocks or 1) > 1 or lp.whole_input:
+            continue
         m, parent_name = mods[name], name.rpartition(".")[0]
         parent = mods[parent_name] if parent_name else root
-        if lp.style not in ("column", "column_gathered", "row") or (lp.blocks or 1) > 1 or lp.whole_input \
-                or not isinstance(m, nn.Linear) or isinstance(parent, nn.Sequential):
+        if not isinstance(m, nn.Linear) or isinstance(parent, nn.Sequential):
             continue
         head_dim = _head_dim(lp, parent)
         n = m.in_features if lp.style == "row" else m.out_features
@@ -500,6 +522,7 @@ class LayerSplit:
     sizes: tuple[int, ...]
     blocks: int = 1  # a fused column layer: sizes of each of its parts
     starts: tuple[int, ...] = ()  # "kv_heads": where each rank's rows begin (ranks sharing a kv head alike)
+    dim: int = 0  # "per_head": the tensor's dimension cut
 
 
 def check_plan(module: nn.Module, plan: Mapping[str, LayerPlan], tp: int) -> dict[str, LayerSplit]:
@@ -513,7 +536,7 @@ def check_plan(module: nn.Module, plan: Mapping[str, LayerPlan], tp: int) -> dic
     ties: dict[str, list[str]] = {}  # a split layer's tensor -> the other names it is held under
     grouped = _kv_groups(mods, plan, tp, module)  # grouped-query attention's layers
     for name, lp in plan.items():
-        if lp.style in ("replicate", "between"):  # "between": once the column layers' sizes are known
+        if lp.style in ("replicate", "between", "per_head"):  # once the column layers' sizes are known
             continue
         if lp.style == "on_heads":
             if not any(p.requires_grad for p in mods[name].parameters(recurse=False)):
@@ -561,6 +584,8 @@ def check_plan(module: nn.Module, plan: Mapping[str, LayerPlan], tp: int) -> dic
     _check_fused(mods, plan, out)
     for name in [n for n, lp in plan.items() if lp.style == "between"]:
         out[name] = _between(name, mods, out)
+    for name in [n for n, lp in plan.items() if lp.style == "per_head"]:
+        out[name] = _per_head(name, plan, module, mods, out)
     for prefix, seq in [(n, m) for n, m in module.named_modules() if isinstance(m, nn.Sequential)]:
         out.update(_check_sequential(seq, prefix, out))
     return out
@@ -658,6 +683,43 @@ def _between(name: str, mods: Mapping[str, nn.Module], splits: Mapping[str, Laye
     return LayerSplit("between", sizes)
 
 
+def _per_head(name: str, plan: Mapping[str, LayerPlan], root: nn.Module, mods: Mapping[str, nn.Module],
+              splits: Mapping[str, LayerSplit]) -> LayerSplit:
+    """A tensor with an entry per attention head along ``dim``, which the forward
+    applies to the heads the rank holds -- gpt-oss's attention sinks ``[H]``, ALiBi's slopes ``[H]``, T5's
+    relative position bias table ``[buckets, H]`` (``dim`` 1), Swin V2's ``logit_scale`` ``[H, 1, 1]``: cut as
+    the column layer of as many heads beside it (a child of the tensor's module or of that module's parent) splits
+    its heads. Whole, it would meet the rank's heads with every head's entries (a shape error, or where one head
+    is left, a broadcast over all of them)."""
+    owner_name, _, entry = name.rpartition(".")
+    owner = mods[owner_name] if owner_name else root
+    t = owner._parameters[entry] if entry in owner._parameters else owner._buffers[entry]
+    assert t is not None
+    dim = plan[name].dim or 0
+    if not -t.dim() <= dim < t.dim():
+        raise ValueError(f"'{name}' (per_head) has shape {list(t.shape)}: no dimension {dim}")
+    n = t.shape[dim]
+    near = [owner_name, owner_name.rpartition(".")[0]] if owner_name else [""]
+    found = []
+    for c, sp in splits.items():
+        parent = c.rpartition(".")[0]
+        if sp.role not in ("column", "kv_heads") or sp.blocks > 1 or parent not in near:
+            continue
+        head_dim = _head_dim(plan[c], mods[parent] if parent else root) or 1
+        features = sum(sp.sizes) if sp.role == "column" else mods[c].out_features  # type: ignore[union-attr]
+        found.append((c, features // head_dim, features))
+        if sp.role == "column" and n == features // head_dim:
+            return LayerSplit("per_head", tuple(f // head_dim for f in sp.sizes), dim=dim)
+        if sp.role == "kv_heads" and n == features // head_dim:
+            raise ValueError(f"'{name}' (per_head) has {n} entries along dim {dim}, one per kv head of '{c}', which "
+                             "several tp ranks compute alike (fewer kv heads than ranks): not split here. Use a tp "
+                             f"size of at most {n}, or leave the tensor out of the plan")
+    raise ValueError(f"'{name}' (per_head) has {n} entries along dim {dim} (shape {list(t.shape)}), but no column "
+                     f"layer beside it has {n} heads to split them as: "
+                     + (", ".join(f"'{c}' {h} heads ({f} features)" for c, h, f in found) or "none is planned")
+                     + ". Give the dim of heads, or plan the attention's q, k, v 'column' on whole heads")
+
+
 def _check_runs_split(q: str, m: nn.Module, column: str, sizes: Sequence[int]) -> None:
     """A norm or grouped convolution running on ``column``'s output split as ``sizes``: ValueError if it cannot --
     a behaviour of its own a split copy would drop, a GroupNorm's group or a grouped conv's group across two
@@ -731,16 +793,22 @@ def _check_sequential(seq: nn.Sequential, prefix: str, splits: Mapping[str, Laye
 
 
 def apply_plan(module: nn.Module, splits: Mapping[str, LayerSplit], group: Group,
-               pieces: Optional[dict[int, nn.Parameter]] = None) -> dict[str, nn.Module]:
+               pieces: Optional[dict[int, nn.Parameter]] = None,
+               cut: Optional[dict[str, Split]] = None) -> dict[str, nn.Module]:
     """Replace the split modules that ``module`` holds (a pipeline stage holds some) in place; returns
     the new modules by qualified name. Every new module lists ``split_dims`` and ``sizes``. ``pieces`` gets each
     split parameter's piece by the whole one's id: a tied tensor is cut once, and every layer holding it holds
-    the piece (and what kept the whole one -- a pipeline's tie across stages -- finds the piece there)."""
+    the piece (and what kept the whole one -- a pipeline's tie across stages -- finds the piece there). ``cut`` gets
+    the split of each "per_head" tensor held in the state dict, by its qualified name."""
     local = dict(module.named_modules())
     replaced: dict[str, nn.Module] = {}
     pieces = {} if pieces is None else pieces
+    cut = {} if cut is None else cut
     random = SplitRegionRandom(group.index)  # shared by the column and row layers: see its module
     for name, sp in splits.items():
+        if sp.role == "per_head":
+            _cut_per_head(name, sp, local, group, cut)
+            continue
         layer = local.get(name)
         if layer is None:
             continue
@@ -790,6 +858,26 @@ def apply_plan(module: nn.Module, splits: Mapping[str, LayerSplit], group: Group
             # the row layer's all-reduce; torch takes it only for a layer without forward hooks
             layer.register_forward_pre_hook(_no_fast_path)
     return replaced
+
+
+def _cut_per_head(name: str, sp: LayerSplit, local: Mapping[str, nn.Module], group: Group,
+                  cut: dict[str, Split]) -> None:
+    """Replace a "per_head" tensor by the rank's heads' entries (a parameter by a parameter of its own)."""
+    owner_name, _, entry = name.rpartition(".")
+    owner = local.get(owner_name)
+    full = None if owner is None else owner._parameters.get(entry, owner._buffers.get(entry))
+    if owner is None or full is None:  # another pipeline stage holds it
+        return
+    split = Split(group, sp.dim % full.dim(), sp.sizes)
+    if isinstance(full, nn.Parameter):
+        piece = nn.Parameter(split.cut(full.detach()), requires_grad=full.requires_grad)
+        carry_over(full, piece)
+        owner._parameters[entry] = piece
+        cut[name] = split
+    else:
+        owner._buffers[entry] = split.cut(full)
+        if entry not in owner._non_persistent_buffers_set:
+            cut[name] = split
 
 
 def _no_fast_path(module: nn.Module, args: Any) -> None:

@@ -24,14 +24,16 @@ class TensorParallelState:
     def __init__(self, module: nn.Module, group: Group, splits: Mapping[str, LayerSplit]) -> None:
         self.module, self.group = module, group
         self.pieces: dict[int, nn.Parameter] = {}  # id of a whole parameter -> the piece that replaced it
-        self.parallel = apply_plan(module, splits, group, self.pieces)
+        self.cut: dict[str, Split] = {}  # a "per_head" tensor (sinks, slopes) -> how the rank's heads were cut
+        self.parallel = apply_plan(module, splits, group, self.pieces, self.cut)
 
     def piece_of(self, p: nn.Parameter) -> nn.Parameter:
         """What holds ``p``'s values now: its piece if the plan split it, else ``p``."""
         return self.pieces.get(id(p), p)
 
     def placements(self) -> dict[str, Placement]:
-        """Split entries: their split; every other parameter: held whole by each of the tp ranks."""
+        """Split entries (a layer's, a per-head tensor's): their split; every other parameter: held whole by each of
+        the tp ranks."""
         out: dict[str, Placement] = {}
         for qname, mod in self.parallel.items():
             blocks = getattr(mod, "split_blocks", {})  # a fused q, k, v weight: the rank's rows of each
@@ -39,6 +41,7 @@ class TensorParallelState:
                 if getattr(mod, entry, None) is not None:
                     out[f"{qname}.{entry}"] = Placement((Split(self.group, dim, tuple(mod.sizes),
                                                                blocks.get(entry, 1)),))
+        out.update({name: Placement((split,)) for name, split in self.cut.items()})
         for name, _ in self.module.named_parameters():
             out.setdefault(name, Placement(copies=self.group.size))
         return out
