@@ -685,12 +685,12 @@ def _between(name: str, mods: Mapping[str, nn.Module], splits: Mapping[str, Laye
 
 def _per_head(name: str, plan: Mapping[str, LayerPlan], root: nn.Module, mods: Mapping[str, nn.Module],
               splits: Mapping[str, LayerSplit]) -> LayerSplit:
-    """A tensor with an entry per attention head along ``dim``, which the forward
-    applies to the heads the rank holds -- gpt-oss's attention sinks ``[H]``, ALiBi's slopes ``[H]``, T5's
-    relative position bias table ``[buckets, H]`` (``dim`` 1), Swin V2's ``logit_scale`` ``[H, 1, 1]``: cut as
-    the column layer of as many heads beside it (a child of the tensor's module or of that module's parent) splits
-    its heads. Whole, it would meet the rank's heads with every head's entries (a shape error, or where one head
-    is left, a broadcast over all of them)."""
+    """A tensor with an entry per attention head along ``dim``, which the forward applies to the heads the rank
+    holds -- gpt-oss's attention sinks ``[H]``, ALiBi's slopes ``[H]``, T5's relative position bias table
+    ``[buckets, H]`` (``dim`` 1), Swin V2's ``logit_scale`` ``[H, 1, 1]``: cut as the column layer of as many heads
+    beside it (a child of the tensor's module or of that module's parent) splits its heads. Whole, it would meet
+    the rank's heads with every head's entries (a shape error, or where one head is left, a broadcast over all of
+    them)."""
     owner_name, _, entry = name.rpartition(".")
     owner = mods[owner_name] if owner_name else root
     t = owner._parameters[entry] if entry in owner._parameters else owner._buffers[entry]
