@@ -473,6 +473,50 @@ def test_a_stored_kv_repeat_with_fewer_kv_heads_than_ranks_gets_a_note_on_the_he
             in notes) != own, notes
 
 
+class _SinksAttention(nn.Module):
+    """4 heads of 4 with gpt-oss's attention sinks (a logit per head, joined to the scores) or ALiBi's slopes."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.head_dim, self.kind = 4, kind
+        self.q, self.k, self.v, self.o = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 16)
+        self.register_buffer("per_head", torch.linspace(0.1, 1.0, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = (p(x).view(B, T, -1, 4).transpose(1, 2) for p in (self.q, self.k, self.v))
+        s = q @ k.transpose(-1, -2)
+        if self.kind == "sinks":
+            s = torch.cat([s, self.per_head.reshape(1, -1, 1, 1).expand(B, -1, T, -1)], -1)[..., :-1]
+        else:
+            s = s - self.per_head[:, None, None]
+        return self.o((s.softmax(-1) @ v).transpose(1, 2).reshape(B, T, -1))
+
+
+class _SinksClassifier(MNISTClassifier):
+    tp_plan = {"net.2.[qkv]": "column", "net.2.o": "row"}
+
+    def __init__(self, kind: str, **kw):
+        super().__init__(**kw)
+        self.net = nn.Sequential(nn.Flatten(1, 2), nn.Linear(28, 16), _SinksAttention(kind), _LastRow(),
+                                 nn.Linear(16, 10))
+
+
+@pytest.mark.parametrize("kind, match", [("sinks", "Sizes of tensors must match except in dimension 3"),
+                                         ("alibi", r"The size of tensor a \(2\) must match the size of tensor b "
+                                                   r"\(4\)")])
+def test_a_tensor_with_an_entry_per_head_left_out_of_the_plan_gets_a_note_naming_it_and_per_head(kind, match):
+    """Left whole, the sinks (or slopes) meet the rank's 2 heads with all 4 entries; torch says only that sizes
+    differ. The note names the tensor and the style that cuts it."""
+    with pytest.raises(RuntimeError, match=match) as info:
+        trainer(strategy=tp(2), devices=2, max_steps=1).fit(_SinksClassifier(kind), loader(mnist_like(8), 4))
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    assert ("'net.2' (_SinksAttention) holds column layers split by tensor parallelism (features on this rank: q 8 of "
+            "16, k 8 of 16, v 8 of 16), and holds 'net.2.per_head' (shape [4]) with as many entries as a column "
+            "layer's heads, whole on every rank") in notes, notes
+    assert "Plan it 'per_head'" in notes, notes
+
+
 class _PortedFromModelParallel(MNISTClassifier):
     """Lightning's ModelParallelStrategy recipe: the module parallelizes itself with the mesh it is given."""
 
