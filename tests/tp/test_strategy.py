@@ -440,13 +440,17 @@ class _StoredRepeatAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
 
-class _StoredRepeatClassifier(MNISTClassifier):
-    tp_plan = {"net.2.[qkv]_proj": "column", "net.2.o_proj": "row"}
-
-    def __init__(self, kv: int, **kw):
+class _OneAttention(MNISTClassifier):
+    def __init__(self, **kw):
         super().__init__(**kw)
-        self.net = nn.Sequential(nn.Flatten(1, 2), nn.Linear(28, 16), _StoredRepeatAttention(kv), _LastRow(),
-                                 nn.Linear(16, 10))
+        self.net = nn.Sequential(nn.Flatten(1, 2), nn.Linear(28, 16), nn.Identity(), _LastRow(), nn.Linear(16, 10))
+
+
+def _one_attention(attention: nn.Module, tp_plan: dict) -> MNISTClassifier:
+    """The image's rows as tokens through ``attention`` (16 features), planned ``tp_plan``."""
+    model = _OneAttention()
+    model.net[2], model.tp_plan = attention, tp_plan
+    return model
 
 
 @pytest.mark.parametrize("strategy, kv", [("tp2", 1), ("tp2", 2), ("shm_ddp", 1)])
@@ -456,7 +460,7 @@ def test_a_stored_kv_repeat_with_fewer_kv_heads_than_ranks_gets_a_note_on_the_he
     must match. The note names the module, the rank's heads and the fix. A model repeating by a wrong count (the
     user's own error: 8 kv heads against 4 q heads under shm_ddp, 4 against 2 under tp2 with 2 kv heads, one on each
     rank) gets none."""
-    model = _StoredRepeatClassifier(kv)
+    model = _one_attention(_StoredRepeatAttention(kv), {"net.2.[qkv]_proj": "column", "net.2.o_proj": "row"})
     own = strategy == "shm_ddp" or kv == 2
     if own:
         model.net[2].num_key_value_groups *= 2
@@ -493,15 +497,6 @@ class _SinksAttention(nn.Module):
         return self.o((s.softmax(-1) @ v).transpose(1, 2).reshape(B, T, -1))
 
 
-class _SinksClassifier(MNISTClassifier):
-    tp_plan = {"net.2.[qkv]": "column", "net.2.o": "row"}
-
-    def __init__(self, kind: str, **kw):
-        super().__init__(**kw)
-        self.net = nn.Sequential(nn.Flatten(1, 2), nn.Linear(28, 16), _SinksAttention(kind), _LastRow(),
-                                 nn.Linear(16, 10))
-
-
 @pytest.mark.parametrize("kind, match", [("sinks", "Sizes of tensors must match except in dimension 3"),
                                          ("alibi", r"The size of tensor a \(2\) must match the size of tensor b "
                                                    r"\(4\)")])
@@ -509,7 +504,8 @@ def test_a_tensor_with_an_entry_per_head_left_out_of_the_plan_gets_a_note_naming
     """Left whole, the sinks (or slopes) meet the rank's 2 heads with all 4 entries; torch says only that sizes
     differ. The note names the tensor and the style that cuts it."""
     with pytest.raises(RuntimeError, match=match) as info:
-        trainer(strategy=tp(2), devices=2, max_steps=1).fit(_SinksClassifier(kind), loader(mnist_like(8), 4))
+        model = _one_attention(_SinksAttention(kind), {"net.2.[qkv]": "column", "net.2.o": "row"})
+        trainer(strategy=tp(2), devices=2, max_steps=1).fit(model, loader(mnist_like(8), 4))
     notes = "\n".join(getattr(info.value, "__notes__", []))
     assert ("'net.2' (_SinksAttention) holds column layers split by tensor parallelism (features on this rank: q 8 of "
             "16, k 8 of 16, v 8 of 16), and holds 'net.2.per_head' (shape [4]) with as many entries as a column "
