@@ -456,13 +456,16 @@ def _kv_groups(mods: Mapping[str, nn.Module], plan: Mapping[str, LayerPlan], tp:
         kv = min(heads.values())
         if kv == max(heads.values()) or any(h % kv or (h == kv and plan[n].style == "row") for n, h in heads.items()):
             continue  # not grouped-query attention: q, k, v and o of one count (beside a wider MLP) take o's
-        ranks = even_split_sizes(tp, kv) if kv < tp else [0] * kv  # ranks sharing each kv head (none: G >= tp)
+        if kv >= tp:  # whole groups per rank
+            for name, h in heads.items():
+                sizes = tuple(h // kv * g * head_dim for g in even_split_sizes(kv, tp))
+                out[name] = LayerSplit(plan[name].style, sizes)
+            continue
+        ranks = even_split_sizes(tp, kv)  # ranks sharing each kv head
         group_of = [g for g, r in enumerate(ranks) for _ in range(r)]  # each rank's kv head
         for name, h in heads.items():
             per, style = h // kv, plan[name].style  # this layer's heads per kv group
-            if kv >= tp:
-                out[name] = LayerSplit(style, tuple(per * g * head_dim for g in even_split_sizes(kv, tp)))
-            elif per == 1 and style == "column":
+            if per == 1 and style == "column":
                 out[name] = LayerSplit("kv_heads", (head_dim,) * tp, starts=tuple(g * head_dim for g in group_of))
             elif per < max(ranks):
                 what = ("its kv heads, whose layer must be 'column'" if per == 1 else
@@ -692,9 +695,8 @@ def _per_head(name: str, plan: Mapping[str, LayerPlan], root: nn.Module, mods: M
     the rank's heads with every head's entries (a shape error, or where one head is left, a broadcast over all of
     them)."""
     owner_name, _, entry = name.rpartition(".")
-    owner = mods[owner_name] if owner_name else root
-    t = owner._parameters[entry] if entry in owner._parameters else owner._buffers[entry]
-    assert t is not None
+    t = _own_tensor(mods[owner_name] if owner_name else root, entry)
+    assert t is not None  # resolve_plan found it
     dim = plan[name].dim or 0
     if not -t.dim() <= dim < t.dim():
         raise ValueError(f"'{name}' (per_head) has shape {list(t.shape)}: no dimension {dim}")
@@ -865,7 +867,7 @@ def _cut_per_head(name: str, sp: LayerSplit, local: Mapping[str, nn.Module], gro
     """Replace a "per_head" tensor by the rank's heads' entries (a parameter by a parameter of its own)."""
     owner_name, _, entry = name.rpartition(".")
     owner = local.get(owner_name)
-    full = None if owner is None else owner._parameters.get(entry, owner._buffers.get(entry))
+    full = None if owner is None else _own_tensor(owner, entry)
     if owner is None or full is None:  # another pipeline stage holds it
         return
     split = Split(group, sp.dim % full.dim(), sp.sizes)
@@ -878,6 +880,11 @@ def _cut_per_head(name: str, sp: LayerSplit, local: Mapping[str, nn.Module], gro
         owner._buffers[entry] = split.cut(full)
         if entry not in owner._non_persistent_buffers_set:
             cut[name] = split
+
+
+def _own_tensor(owner: nn.Module, entry: str) -> Optional[torch.Tensor]:
+    """``owner``'s own parameter or buffer ``entry`` (None: it holds none by that name)."""
+    return owner._parameters.get(entry, owner._buffers.get(entry))
 
 
 def _no_fast_path(module: nn.Module, args: Any) -> None:
