@@ -1400,6 +1400,95 @@ def test_grouped_query_attention_splits_by_kv_groups_equal_one_process(name, hea
     assert logged and logged == {i: heads[i - 2] for i in logged}
 
 
+# ---------------------------------------------------------------------- Phi-3: fused projections gathered
+class _Phi3Attention(torch.nn.Module):
+    """Phi-3's attention as Hugging Face writes it: q, k and v from one Linear of unequal parts -- 8 q heads, 2 kv
+    heads of 4 -- cut apart at the widths it stored, k and v repeated by the stored group size."""
+
+    def __init__(self, dim: int = 32, heads: int = 8, kv_heads: int = 2, head_dim: int = 4) -> None:
+        super().__init__()
+        self.head_dim, self.num_heads, self.num_key_value_heads = head_dim, heads, kv_heads
+        self.qkv_proj = torch.nn.Linear(dim, (heads + 2 * kv_heads) * head_dim, bias=False)
+        self.o_proj = torch.nn.Linear(heads * head_dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        qkv = self.qkv_proj(x)
+        q_end, kv = self.num_heads * self.head_dim, self.num_key_value_heads * self.head_dim
+        q, k, v = qkv[..., :q_end], qkv[..., q_end:q_end + kv], qkv[..., q_end + kv:]
+        q = q.view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
+        k, v = (t.view(B, T, self.num_key_value_heads, self.head_dim).transpose(1, 2)
+                .repeat_interleave(self.num_heads // self.num_key_value_heads, dim=1) for t in (k, v))
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+
+
+class _Phi3MLP(torch.nn.Module):
+    def __init__(self, dim: int = 32, hidden: int = 48) -> None:
+        super().__init__()
+        self.gate_up_proj = torch.nn.Linear(dim, 2 * hidden, bias=False)
+        self.down_proj = torch.nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(up * torch.nn.functional.silu(gate))
+
+
+class _Phi3Layer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        nn = torch.nn
+        self.input_layernorm, self.self_attn = nn.RMSNorm(32), _Phi3Attention()
+        self.post_attention_layernorm, self.mlp = nn.RMSNorm(32), _Phi3MLP()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+# Hugging Face's Phi3Config.base_model_tp_plan (Transformers 5), its "layers" our "net"
+PHI3_TP_PLAN = {"net.*.self_attn.qkv_proj": "colwise_gather_output", "net.*.self_attn.o_proj": "rowwise_split_input",
+                "net.*.mlp.gate_up_proj": "colwise_gather_output", "net.*.mlp.down_proj": "rowwise_split_input"}
+
+
+class Phi3Shaped(MNISTClassifier):
+    """Two Phi-3 decoder layers planned with Hugging Face's plan for Phi-3, word for word. A forward hook on the
+    first ``down_proj`` scales its output by its input's energy: it sees both whole, as in one process."""
+
+    tp_plan = PHI3_TP_PLAN
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        nn = torch.nn
+        self.net = nn.Sequential(_Tokens28(True), nn.Linear(28, 32), _Phi3Layer(), _Phi3Layer(), _MeanOverRows(True),
+                                 nn.Linear(32, 10))
+        self.net[2].mlp.down_proj.register_forward_hook(self._scaled)
+
+    @staticmethod
+    def _scaled(module, args, out):
+        return out * (1 + 0.01 * args[0].pow(2).sum(-1, keepdim=True))
+
+    def on_train_start(self) -> None:  # rank 0's pieces (a pipeline's later stage holds a placeholder)
+        if isinstance(self.net[2], _Phi3Layer):
+            layer = self.net[2]
+            self.log("pieces", float(layer.self_attn.qkv_proj.out_features * 10_000
+                                     + layer.self_attn.o_proj.in_features * 100 + layer.mlp.down_proj.in_features))
+
+
+@pytest.mark.parametrize("name, pieces", [("tp2", (24, 16, 24)), ("tp3-uneven", (16, 12, 16)),
+                                          ("dp2xtp2-shard", (24, 16, 24)), ("tp2xpp2", (24, 16, 24))])
+def test_phi3_planned_with_hugging_faces_plan_equals_one_process(name, pieces):
+    """Phi-3's fused ``qkv_proj`` holds q, k and v of unequal widths (8 q and 2 kv heads: 32 + 8 + 8), which no split
+    into equal blocks fits; Hugging Face's plan gathers its output (``"colwise_gather_output"``) and has ``o_proj``
+    split its whole input itself (``"rowwise_split_input"``), the fused gate and up projection and ``down_proj``
+    alike. Each rank computes its share of each Linear (rank 0's: qkv's output, o's and down's input features).
+    Until 2026-12-07 the plan was refused: "a plan style must be one of ..." (and torch's ``RowwiseParallel(
+    input_layouts=Replicate())`` on a Linear: "a row layer here takes the split output of a column layer")."""
+    strategy, devices, dp = TP_RUNS[name]
+    metrics = _trained_and_validated_as_one_process(Phi3Shaped, strategy(), devices, dp, GLOBAL_BATCH * 2)
+    assert int(metrics["pieces"]) == pieces[0] * 10_000 + pieces[1] * 100 + pieces[2]
+
+
 # ---------------------------------------------------------------------- tensors with an entry per head
 class _PerHeadAttention(torch.nn.Module):
     """5 heads of 4 with a tensor holding an entry per head: gpt-oss's attention sinks (a learned logit per head the

@@ -113,8 +113,8 @@ class SHMModelParallel(SHMStrategyBase):
         tensor_parallel_size: ranks splitting each planned layer (see ``plan``).
         pipeline_parallel_size: stages the model's ``nn.Sequential`` is cut into.
         data_parallel: "replicate" (gradients averaged, shm_ddp) or "shard" (FSDP units, ZeRO-3).
-        plan: tensor-parallel plan ``{module path pattern: "column" | "row" | "column_gathered" | "replicate" |
-            {"style", "head_dim"}}``; default: the module's ``tp_plan`` attribute, else derived for its Sequential.
+        plan: tensor-parallel plan (the styles of :class:`~lightning_shm.strategies.tp.SHMTensorParallel`'s);
+            default: the module's ``tp_plan`` attribute, else derived for its Sequential.
         sequential: attribute path of the ``nn.Sequential`` to pipeline / derive a plan from.
         microbatches, schedule, virtual_stages, split_points, balance, split_linear, sample_input: the pipeline
             (see :class:`~lightning_shm.strategies.pipeline.SHMPipeline`).

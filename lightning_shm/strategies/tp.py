@@ -20,8 +20,9 @@ class SHMTensorParallel(SHMModelParallel):
 
     Args:
         tensor_parallel_size: ranks that split each planned layer; must divide ``devices``.
-        plan: ``{module path pattern: "column" | "row" | "column_gathered" | "replicate" | "between" | "heads" |
-            "on_heads" | {"style": ..., "head_dim": ..., "blocks": ...}}``, and ``{parameter or buffer path pattern:
+        plan: ``{module path pattern: "column" | "row" | "column_gathered" | "row_split_input" | "replicate" |
+            "between" | "heads" | "on_heads" | {"style": ..., "head_dim": ..., "blocks": ...}}`` (or Hugging Face's
+            and torch's words for them), and ``{parameter or buffer path pattern:
             "per_head" | {"style": "per_head", "dim": ...}}`` (each path component matched shell-style:
             ``*``, ``layer*``; the styles: :mod:`lightning_shm.parallel.tp.plan`); default: the
             module's ``tp_plan`` attribute, else derived for its Sequential (Linear / Conv1d-3d layers paired

@@ -298,8 +298,8 @@ def test_a_plan_of_torchs_parallel_styles_trains_as_the_same_plan_in_words():
 def test_torchs_tutorial_plan_for_an_embedding_and_its_tied_output_layer_trains_as_the_plan_in_words():
     """torch's tensor-parallel tutorial plans the token embedding ``RowwiseParallel(input_layouts=Replicate())`` (its
     input is the ids, whole on every rank) and the output layer ``ColwiseParallel(output_layouts=Replicate())``;
-    until 2026-12-07 the first was refused ("has no counterpart here"). On a Linear it is refused by name: a row
-    Linear takes its column layer's split output."""
+    until 2026-12-07 the first was refused ("has no counterpart here"). On a Linear it is "row_split_input", which
+    takes a whole input: between a column layer and its row layer it is refused by name."""
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
@@ -311,16 +311,90 @@ def test_torchs_tutorial_plan_for_an_embedding_and_its_tied_output_layer_trains_
          {"net.1": "row", "net.3": "column", "net.5": "row"}),
         (TiedTokenClassifier, {"net.1": embedding, "net.3": ColwiseParallel(output_layouts=Replicate())},
          {"net.1": "row", "net.3": "column_gathered"})]:
-        assert _styles(parse_plan(pickle.loads(pickle.dumps(torch_plan)))) == words
+        assert _styles(resolve_plan(model_cls(), pickle.loads(pickle.dumps(torch_plan)))) == words
         both = {"net.1": "row", "net.[1]": embedding}  # the words and torch's style, matching one embedding: agreed
         assert _styles(resolve_plan(model_cls(), both)) == {"net.1": "row"}
         got = train_mnist(tp(2, plan=torch_plan), 2, "adam", batch=GLOBAL_BATCH, model_cls=model_cls)
         want = train_mnist(tp(2, plan=words), 2, "adam", batch=GLOBAL_BATCH, model_cls=model_cls)
         torch.testing.assert_close(got, want, rtol=0, atol=0)
-    with pytest.raises(ValueError, match=r"'net.4' \(Linear\) is planned RowwiseParallel\("
-                                         r"input_layouts=Replicate\(\)\): a row layer here takes the split output"):
+    with pytest.raises(ValueError, match=r"'row_split_input' layer 'net.4' sits between column layer 'net.1' and its "
+                                         r"row layer: it needs the whole input features"):
         trainer(strategy=tp(2, plan={"net.1": ColwiseParallel(), "net.4": embedding}), devices=2,
                 max_epochs=1).fit(MNISTClassifier(), loader(mnist_like(8), 4))
+
+
+@pytest.mark.parametrize("size, pieces", [(2, [128, 128]), (3, [86, 85, 85])])
+def test_a_row_layer_splitting_its_whole_input_after_a_gathered_one_equals_one_process(size, pieces):
+    """``"row_split_input"`` (Megatron's ``input_is_parallel=False``): the layer after a gathered column layer takes
+    a whole input and keeps the rank's features of it, its input's gradient all-gathered back. The reference MLP's
+    first Linear gathered, the LayerNorm and ReLU whole, the second splitting their 256 features itself. Hugging
+    Face's words for the pair -- Transformers 5's, which its Phi-3 plan uses, and 4's -- and torch's styles are the
+    same plan. Until 2026-12-07 "rowwise_split_input" got "a plan style must be one of ...", and the torch style
+    on a Linear "a row layer here takes the split output of a column layer"."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    words = {"net.1": "column_gathered", "net.4": "row_split_input"}
+    for same in ({"net.1": "colwise_gather_output", "net.4": "rowwise_split_input"},
+                 {"net.1": "colwise_rep", "net.4": "rowwise_rep"},
+                 {"net.1": ColwiseParallel(output_layouts=Replicate()), "net.4": RowwiseParallel(
+                     input_layouts=Replicate())}):
+        assert _styles(resolve_plan(MNISTClassifier(), same)) == words
+    splits = check_plan(MNISTClassifier(), resolve_plan(MNISTClassifier(), words), size)
+    assert splits["net.4"] == LayerSplit("row_split_input", tuple(pieces))
+    ref = train_mnist("auto", 1, "sgd", batch=GLOBAL_BATCH, ref=True)
+    got = train_mnist(tp(size, plan=words), size, "sgd", batch=GLOBAL_BATCH)
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
+
+
+def test_hugging_faces_words_for_the_styles_are_taken():
+    """Transformers 5's tp_plan words (its Qwen3, Gemma 3, Phi-3 plans) and 4's, each for the style it names."""
+    hf = {"colwise": "column", "local_colwise": "column", "rowwise": "row", "local_rowwise": "row",
+          "colwise_rep": "column_gathered", "colwise_gather_output": "column_gathered",
+          "rowwise_rep": "row_split_input", "rowwise_split_input": "row_split_input", "embedding_rowwise": "row",
+          "replicated_with_grad_allreduce": "on_heads"}
+    assert {k: v.style for k, v in parse_plan(hf).items()} == hf
+
+
+class _LowRankQueries(nn.Module):
+    """DeepSeek's MLA query path: a down projection and its norm on the whole features, then an up projection to 4
+    heads of 4 (column) and the output projection (row)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head_dim = 4
+        self.q_a_proj, self.q_a_layernorm = nn.Linear(16, 6), nn.LayerNorm(6)
+        self.q_b_proj, self.o = nn.Linear(6, 16), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.o(torch.tanh(self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))))
+
+
+def test_on_heads_for_a_module_on_whole_features_is_stopped_naming_it():
+    """"on_heads" (Hugging Face's "replicated_with_grad_allreduce") sums a module's gradient over the tp ranks: right
+    for qk-norm, which runs on the rank's heads. Hugging Face also plans MLA's down projection and its norm so; here
+    they run on whole features before the column layer, whose input's gradient is summed already, so each rank holds
+    one process's gradient and the sum would count it twice, silently. At its first forward the ranks find its input
+    the same on each, and stop."""
+    plan = {"net.2.q_a_proj": "replicated_with_grad_allreduce", "net.2.q_a_layernorm": "replicated_with_grad_allreduce",
+            "net.2.q_b_proj": "colwise", "net.2.o": "rowwise"}
+    with pytest.raises(ValueError, match=r"'net.2.q_a_proj' \(Linear\) is planned 'on_heads' \(Hugging Face: "
+                                         r"'replicated_with_grad_allreduce'\), which sums its gradient over the tp "
+                                         r"ranks, but its input \(\[4, 28, 16\]\) is the same on every tp rank: it "
+                                         r"runs on whole features.*count it 2 times. Leave it out of the plan"):
+        trainer(strategy=tp(2), devices=2, max_steps=1).fit(_one_attention(_LowRankQueries(), plan),
+                                                            loader(mnist_like(8), 4))
+
+
+def test_a_row_layer_splitting_its_input_given_a_split_one_says_to_plan_it_row():
+    """After a column layer whose output stays split, "row_split_input" would cut the rank's 8 features again (rank
+    0 the first 8 of them, rank 1 past their end); it says what to plan instead."""
+    plan = {"net.2.q_b_proj": "colwise", "net.2.o": "rowwise_split_input"}
+    with pytest.raises(ValueError, match=r"a 'row_split_input' Linear takes the whole input of 16 features and splits "
+                                         r"it itself, but got 8: after a column layer whose output stays split \(this "
+                                         r"rank's features\), plan it 'row'"):
+        trainer(strategy=tp(2), devices=2, max_steps=1).fit(_one_attention(_LowRankQueries(), plan),
+                                                            loader(mnist_like(8), 4))
 
 
 class _StoredHeads(nn.Module):
@@ -667,6 +741,11 @@ class _GroupNormBlock(nn.Module):
         ((nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 2)),
          {"net.0": "column", "net.1": "column_gathered", "net.2": "row"},
          "'column_gathered' layer 'net.1' sits between column layer 'net.0' and its row layer"),
+        ((nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 2)),
+         {"net.0": "column", "net.1": "row_split_input", "net.2": "row"},
+         "'row_split_input' layer 'net.1' sits between column layer 'net.0' and its row layer"),
+        ((nn.Conv2d(1, 8, 1), nn.Flatten()), {"net.0": "row_split_input"},
+         r"'net.0' is a Conv2d; only nn.Linear \(and an nn.Embedding, as 'row'\) can be 'row_split_input'"),
         ((nn.Embedding(10, 8), nn.Linear(8, 2)), {"net.0": "column"},
          r"'net.0' is an nn.Embedding planned 'column': an embedding splits its vocabulary.*plan it 'row'"),
         ((nn.Embedding(10, 8, max_norm=1.0, scale_grad_by_freq=True), nn.Linear(8, 2)), {"net.0": "row"},

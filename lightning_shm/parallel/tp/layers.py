@@ -43,7 +43,7 @@ from torch import nn
 from lightning_shm.parallel.placement import Split
 from lightning_shm.parallel.replaced import carry_over
 from lightning_shm.parallel.tp.layernorm import distributed_layer_norm
-from lightning_shm.parallel.tp.mappings import copy_to_tp, gather_from_tp, reduce_from_tp
+from lightning_shm.parallel.tp.mappings import copy_to_tp, gather_from_tp, reduce_from_tp, split_to_tp
 from lightning_shm.parallel.tp.rng import SplitRegionRandom
 from lightning_shm.runtime import Group, even_split
 
@@ -156,14 +156,22 @@ class KVHeadsLinear(nn.Linear):
 
 
 class RowParallelLinear(nn.Linear):
-    """Input features split across the group; partial outputs summed by an all-reduce; bias replicated."""
+    """Input features split across the group; partial outputs summed by an all-reduce; bias replicated.
+
+    ``split_input`` (plan style ``"row_split_input"``): the input comes whole on every rank -- after a gathered
+    column layer, as Phi-3 plans its fused projections -- and the layer takes the rank's features of it itself;
+    their gradient is all-gathered back into the whole input's (tp=2, ``Linear(256, 64)``)::
+
+        x [B, 256] on both --rank 0 keeps 0..127, rank 1 128..255--> partial [B, 64] --all-reduce--> [B, 64]
+        backward: dx_r [B, 128] --all-gather--> dx [B, 256] on both
+    """
 
     split_dims = {"weight": 1}
 
     def __init__(self, full: nn.Linear, group: Group, sizes: Optional[Sequence[int]] = None,
-                 random: Optional[SplitRegionRandom] = None) -> None:
+                 random: Optional[SplitRegionRandom] = None, split_input: bool = False) -> None:
         nn.Module.__init__(self)
-        self.group, self.random = group, random
+        self.group, self.random, self.split_input = group, random, split_input
         self.full_in_features, self.out_features = full.in_features, full.out_features
         self.sizes = list(sizes or even_split_sizes(full.in_features, group.size))
         self.in_features = self.sizes[group.index]
@@ -173,12 +181,20 @@ class RowParallelLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_nested:
             return on_rows(x, self.forward)
-        _leave(self.random)
+        if self.split_input:
+            if x.shape[-1] != self.full_in_features:
+                raise ValueError(f"a 'row_split_input' Linear takes the whole input of {self.full_in_features} "
+                                 f"features and splits it itself, but got {x.shape[-1]}: after a column layer whose "
+                                 "output stays split (this rank's features), plan it 'row'")
+            x = split_to_tp(x, self.group, tuple(self.sizes))
+        else:
+            _leave(self.random)
         y = reduce_from_tp(F.linear(x, self.weight), self.group)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features} of {self.full_in_features}, out={self.out_features}, tp={self.group.size}"
+        return (f"in={self.in_features} of {self.full_in_features}, out={self.out_features}, tp={self.group.size}"
+                + (", input split here" if self.split_input else ""))
 
 
 class RowParallelEmbedding(nn.Embedding):

@@ -15,6 +15,11 @@ a whole one (as Hugging Face models declare their ``tp_plan``), ``layer*`` or ``
 * ``"row"``: input features (channels) split; partial outputs all-reduced; bias added once. On an
   ``nn.Embedding``: its vocabulary split (the table's rows; Megatron's vocab-parallel embedding), ids in, whole
   rows out -- no column layer before it.
+* ``"row_split_input"``: a ``Linear`` split like ``"row"`` whose input every rank holds whole -- after a
+  ``"column_gathered"`` layer, or replicated code: it takes the rank's features of it itself (Megatron's
+  ``input_is_parallel=False``; Hugging Face's ``"rowwise_split_input"`` / ``"rowwise_rep"``, torch's
+  ``RowwiseParallel(input_layouts=Replicate())``). Phi-3 plans its fused projections so: ``qkv_proj`` (q, k and
+  v of unequal widths) and ``gate_up_proj`` gathered, ``o_proj`` and ``down_proj`` splitting their whole input.
 * ``"replicate"``: every rank holds the whole layer (the default for anything not planned).
 * ``"heads"``: torch's ``nn.MultiheadAttention`` split by its heads, input and output whole
   (:mod:`~lightning_shm.parallel.tp.attention`).
@@ -29,7 +34,8 @@ a whole one (as Hugging Face models declare their ``tp_plan``), ``layer*`` or ``
 * ``"on_heads"``: a module with whole parameters that the forward runs on the rank's heads (split features):
   qk-norm's ``LayerNorm(head_dim)`` / ``RMSNorm(head_dim)`` on q and k after the column layers (Qwen3, OLMo 2,
   timm's ``qk_norm``). Each rank's gradient then comes from its heads only; it is summed over the tp group
-  (the gradient's hook), so every rank steps the whole one, as one process.
+  (the gradient's hook), so every rank steps the whole one, as one process. One whose input is the same on every
+  rank (it runs on whole features) is stopped at its first forward (:func:`_check_runs_on_heads`).
 * ``"per_head"`` on a parameter or buffer path (``{"style": "per_head", "dim": 1}`` for another dim than 0): a tensor
   with an entry per attention head that the forward applies to the rank's heads -- gpt-oss's attention sinks
   ``[H]``, ALiBi's slopes ``[H]``, T5's relative position bias ``nn.Embedding(buckets, H).weight`` (dim 1): cut as
@@ -101,8 +107,13 @@ from lightning_shm.parallel.tp.layers import (
 from lightning_shm.parallel.tp.rng import SplitRegionRandom
 from lightning_shm.runtime import Group
 
-STYLES = ("column", "row", "replicate", "column_gathered", "between", "heads", "on_heads", "per_head")
-HF_STYLES = {"colwise": "column", "rowwise": "row", "colwise_rep": "column_gathered"}  # Hugging Face's tp_plan words
+STYLES = ("column", "row", "replicate", "column_gathered", "row_split_input", "between", "heads", "on_heads",
+          "per_head")
+# Hugging Face's tp_plan words, of Transformers 4 and 5 ("local_*": the same split, on plain tensors)
+HF_STYLES = {"colwise": "column", "rowwise": "row", "colwise_rep": "column_gathered",
+             "colwise_gather_output": "column_gathered", "rowwise_rep": "row_split_input",
+             "rowwise_split_input": "row_split_input", "embedding_rowwise": "row", "local_colwise": "column",
+             "local_rowwise": "row", "replicated_with_grad_allreduce": "on_heads"}
 ELEMENTWISE = (nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.LeakyReLU, nn.ELU, nn.Identity, nn.Softplus,
                nn.Mish, nn.Hardswish, nn.Hardtanh, nn.ReLU6, nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d)
 _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
@@ -123,27 +134,23 @@ _BETWEEN.update({t: _BETWEEN[c] for c, t in zip(_CONVS, _TCONVS)})  # the same n
 _NORMS = (nn.LayerNorm, nn.modules.batchnorm._NormBase, nn.GroupNorm)
 _SPLITTABLE = (nn.Linear, *_CONVS, *_TCONVS)
 _SPLIT_LAYERS = {("column", nn.Linear): ColumnParallelLinear, ("row", nn.Linear): RowParallelLinear,
+                 ("row_split_input", nn.Linear): RowParallelLinear,
                  ("row", nn.Embedding): RowParallelEmbedding,
                  **{("column", k): c for k, c in COLUMN_CONV.items()}, **{("row", k): c for k, c in ROW_CONV.items()}}
 
 
 @dataclass(frozen=True)
 class LayerPlan:
-    """``whole_input``: a "row" layer whose input every rank holds whole -- torch's ``RowwiseParallel(input_layouts=
-    Replicate())``, which torch's tutorials give an embedding (its ids); a row Linear takes a column layer's split
-    output instead, so there it is refused."""
+    """One module's (a "per_head" tensor's) entry of a resolved plan: its style and what qualifies it."""
 
     style: str
     head_dim: Optional[int] = None
-    whole_input: bool = False
     blocks: Optional[int] = None  # a fused column layer's parts (None: not said, 1)
     dim: Optional[int] = None  # a "per_head" tensor's dimension of heads (None: 0)
 
     def __post_init__(self) -> None:
         if self.style not in STYLES:
             raise ValueError(f"a plan style must be one of {STYLES}, got {self.style!r}")
-        if self.whole_input and self.style != "row":
-            raise ValueError(f"whole_input applies to a 'row' layer, got style {self.style!r}")
         if self.head_dim is not None and (not isinstance(self.head_dim, int) or self.head_dim < 1):
             raise ValueError(f"head_dim must be a positive int, got {self.head_dim!r}")
         if self.blocks is not None and (not isinstance(self.blocks, int) or self.blocks < 1):
@@ -202,12 +209,12 @@ def _torch_style(value: Any) -> Optional[LayerPlan]:
     if type(value) is style_mod.RowwiseParallel and local and layouts == ((Shard(-1),), (Replicate(),)):
         return LayerPlan("row")
     if type(value) is style_mod.RowwiseParallel and local and layouts == ((Replicate(),), (Replicate(),)):
-        return LayerPlan("row", whole_input=True)
+        return LayerPlan("row_split_input")  # an embedding's ids are whole either way: "row" (resolve_plan)
     raise ValueError(f"{value!r} has no counterpart here: ColwiseParallel() is 'column', ColwiseParallel("
-                     "output_layouts=Replicate()) 'column_gathered', RowwiseParallel() 'row' (their default "
-                     "layouts, use_local_output=True; an embedding's RowwiseParallel(input_layouts=Replicate()) "
-                     "'row' too); sequence parallelism (Shard(1) layouts), SequenceParallel and PrepareModuleInput "
-                     "/ Output have none")
+                     "output_layouts=Replicate()) 'column_gathered', RowwiseParallel() 'row', RowwiseParallel("
+                     "input_layouts=Replicate()) 'row_split_input' (an embedding's: 'row') (their default layouts, "
+                     "use_local_output=True); sequence parallelism (Shard(1) layouts), SequenceParallel and "
+                     "PrepareModuleInput / Output have none")
 
 
 def _matches(pattern: list[str], name: str) -> bool:
@@ -236,8 +243,8 @@ def resolve_plan(module: nn.Module, plan: Mapping[str, Any]) -> dict[str, LayerP
                    "takes" if held else "")
             raise ValueError(f"plan pattern '{pattern}' matches no {what} of {type(module).__name__} "
                              f"({what}s at that depth: {near}){why}")
-        for n in hits:  # an embedding's input is whole either way: RowwiseParallel() and its Replicate() form agree
-            lp = LayerPlan("row") if given.whole_input and isinstance(mods[n], nn.Embedding) else given
+        for n in hits:  # an embedding's input (its ids) is whole either way: "row" and "row_split_input" agree there
+            lp = LayerPlan("row") if given.style == "row_split_input" and isinstance(mods[n], nn.Embedding) else given
             if n in out and out[n][1] != lp:
                 raise ValueError(f"module '{n}' is matched by plan patterns '{out[n][0]}' ({out[n][1].style}) and "
                                  f"'{pattern}' ({lp.style})")
@@ -376,11 +383,9 @@ def split_sizes(name: str, layer: nn.Module, lp: LayerPlan, tp: int, parent: Opt
         return _vocabulary_sizes(name, layer, lp, tp)
     if isinstance(layer, nn.MultiheadAttention) or lp.style == "heads":
         return _head_sizes(name, layer, lp, tp)
-    if lp.whole_input:
-        raise ValueError(f"'{name}' ({type(layer).__name__}) is planned RowwiseParallel(input_layouts=Replicate()): "
-                         "a row layer here takes the split output of a column layer before it, not a whole input "
-                         "(only an nn.Embedding, whose input is its ids, takes one). Plan the pair ColwiseParallel() "
-                         "-> RowwiseParallel(), or leave the layer replicated")
+    if lp.style == "row_split_input" and not isinstance(layer, nn.Linear):
+        raise ValueError(f"'{name}' is a {type(layer).__name__}; only nn.Linear (and an nn.Embedding, as 'row') can be "
+                         "'row_split_input'")
     if not isinstance(layer, _SPLITTABLE):
         raise ValueError(f"'{name}' is a {type(layer).__name__}; only nn.Linear, nn.Conv1d / Conv2d / Conv3d and "
                          f"nn.ConvTranspose1d / 2d / 3d can "
@@ -441,7 +446,7 @@ def _kv_groups(mods: Mapping[str, nn.Module], plan: Mapping[str, LayerPlan], tp:
     modules are not here."""
     groups: dict[tuple[str, int], dict[str, int]] = {}  # (module, head_dim) -> {layer: heads}
     for name, lp in plan.items():
-        if lp.style not in ("column", "column_gathered", "row") or (lp.blocks or 1) > 1 or lp.whole_input:
+        if lp.style not in ("column", "column_gathered", "row") or (lp.blocks or 1) > 1:
             continue
         m, parent_name = mods[name], name.rpartition(".")[0]
         parent = mods[parent_name] if parent_name else root
@@ -517,7 +522,7 @@ def _vocabulary_sizes(name: str, layer: nn.Embedding, lp: LayerPlan, tp: int) ->
 
 @dataclass(frozen=True)
 class LayerSplit:
-    """How one module is split: ``role`` "column" / "row" / "column_gathered" (a planned layer) or
+    """How one module is split: ``role`` "column" / "row" / "column_gathered" / "row_split_input" (a planned layer) or
     "between" (a norm, or a grouped convolution, running on split features between a column and a row layer);
     features per rank."""
 
@@ -770,8 +775,8 @@ def _check_sequential(seq: nn.Sequential, prefix: str, splits: Mapping[str, Laye
                 raise ValueError(f"row layer '{q}' splits its inputs as {list(splits[q].sizes)} but column layer "
                                  f"'{region[0]}' produces {list(splits[region[0]].sizes)}")
             region = None
-        elif role == "column_gathered" and region is not None:
-            raise ValueError(f"'column_gathered' layer '{q}' sits between column layer '{region[0]}' and its row "
+        elif role in ("column_gathered", "row_split_input") and region is not None:
+            raise ValueError(f"'{role}' layer '{q}' sits between column layer '{region[0]}' and its row "
                              "layer: it needs the whole input features")
         elif region is not None:
             sizes = splits[region[0]].sizes
@@ -818,9 +823,11 @@ def apply_plan(module: nn.Module, splits: Mapping[str, LayerSplit], group: Group
             for p in layer.parameters(recurse=False):
                 p.register_hook(functools.partial(_summed_over_tp, group))
             if sp.role == "on_heads":
+                _check_runs_on_heads(name, layer, group)
                 continue
         # the user's forward hooks see whole tensors, as in one process (an embedding's ids and rows are whole)
-        if sp.role not in ("column_gathered", "heads", "kv_heads") and not isinstance(layer, nn.Embedding):
+        if sp.role not in ("column_gathered", "row_split_input", "heads", "kv_heads") and not isinstance(layer,
+                                                                                                    nn.Embedding):
             dim = 1 if isinstance(layer, (*_ANY_CONV, nn.modules.batchnorm._NormBase, nn.GroupNorm)) else -1
             whole_tensors_for_hooks(layer, group, sp.sizes, dim, inputs_split=sp.role != "column",
                                     output_split=sp.role != "row", blocks=sp.blocks)  # (before a copy takes them)
@@ -836,6 +843,8 @@ def apply_plan(module: nn.Module, splits: Mapping[str, LayerSplit], group: Group
         else:
             if sp.role == "column_gathered":
                 new = ColumnParallelLinear(layer, group, sp.sizes, gather_output=True)
+            elif sp.role == "row_split_input":
+                new = RowParallelLinear(layer, group, sp.sizes, split_input=True)
             elif sp.blocks > 1:
                 new = ColumnParallelLinear(layer, group, sp.sizes, random=random, blocks=sp.blocks)
             else:
@@ -895,6 +904,34 @@ def _summed_over_tp(group: Group, grad: torch.Tensor) -> torch.Tensor:
     """An "on_heads" or "kv_heads" parameter's gradient from this rank's heads, summed with the other tp ranks' (a
     hook on the parameter: it runs wherever its gradient is taken, a pipeline's and FSDP's included)."""
     return group.all_reduce(grad.contiguous().clone(), "sum")
+
+
+def _check_runs_on_heads(name: str, module: nn.Module, group: Group) -> None:
+    """Summing an "on_heads" module's gradient over the tp ranks is right when each rank's gradient comes from its
+    heads alone -- the module runs on them (qk-norm after the column layers). Run on the whole features, before a
+    column layer (Hugging Face plans an MLA down projection and its norm ``"replicated_with_grad_allreduce"``), every
+    rank already holds one process's gradient, and the sum would count it tp times, silently. So at its first
+    forward the ranks compare a fingerprint of its input (shape and three sums, all-gathered once): the same on
+    every rank, the module runs on whole features, and ValueError says so."""
+
+    def check(m: nn.Module, args: Any) -> None:
+        handle.remove()
+        x = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        if x is None or group.size == 1:
+            return
+        flat, dims = x.detach().reshape(-1).double(), [*x.shape[:8], *[-1] * (8 - x.dim())]
+        mark = torch.tensor([*dims, x.numel(), flat.sum(), flat.abs().sum(),
+                             (flat * torch.linspace(1, 2, flat.numel(), dtype=torch.float64)).sum()],
+                            dtype=torch.float64)
+        marks = group.all_gather(mark)
+        if bool((marks == marks[0]).all()):
+            raise ValueError(f"'{name}' ({type(m).__name__}) is planned 'on_heads' (Hugging Face: "
+                             f"'replicated_with_grad_allreduce'), which sums its gradient over the tp ranks, but its "
+                             f"input ({list(x.shape)}) is the same on every tp rank: it runs on whole features, each "
+                             "rank's gradient is one process's already, and the sum would count it "
+                             f"{group.size} times. Leave it out of the plan (it is replicated)")
+
+    handle = module.register_forward_pre_hook(check)
 
 
 def _say_when_split_features_reach(local: Mapping[str, nn.Module], splits: Mapping[str, LayerSplit]) -> None:
