@@ -1475,17 +1475,100 @@ class Phi3Shaped(MNISTClassifier):
                                      + layer.self_attn.o_proj.in_features * 100 + layer.mlp.down_proj.in_features))
 
 
-@pytest.mark.parametrize("name, pieces", [("tp2", (24, 16, 24)), ("tp3-uneven", (16, 12, 16)),
+@pytest.mark.parametrize("name, pieces", [("tp2", (24, 16, 24)), ("tp3-uneven", (16, 11, 16)),
                                           ("dp2xtp2-shard", (24, 16, 24)), ("tp2xpp2", (24, 16, 24))])
 def test_phi3_planned_with_hugging_faces_plan_equals_one_process(name, pieces):
     """Phi-3's fused ``qkv_proj`` holds q, k and v of unequal widths (8 q and 2 kv heads: 32 + 8 + 8), which no split
     into equal blocks fits; Hugging Face's plan gathers its output (``"colwise_gather_output"``) and has ``o_proj``
     split its whole input itself (``"rowwise_split_input"``), the fused gate and up projection and ``down_proj``
-    alike. Each rank computes its share of each Linear (rank 0's: qkv's output, o's and down's input features).
+    alike. Each rank computes its share of each Linear (rank 0's: qkv's output, o's and down's input features, split
+    evenly: whole heads matter only where split features meet the attention's code).
     Until 2026-12-07 the plan was refused: "a plan style must be one of ..." (and torch's ``RowwiseParallel(
     input_layouts=Replicate())`` on a Linear: "a row layer here takes the split output of a column layer")."""
     strategy, devices, dp = TP_RUNS[name]
     metrics = _trained_and_validated_as_one_process(Phi3Shaped, strategy(), devices, dp, GLOBAL_BATCH * 2)
+    assert int(metrics["pieces"]) == pieces[0] * 10_000 + pieces[1] * 100 + pieces[2]
+
+
+class _Olmo2Attention(torch.nn.Module):
+    """OLMo 2's attention as Hugging Face writes it: q and k RMS-normed across all their heads right after their
+    projections, before the heads are viewed (``RMSNorm(H * head_dim)``); 8 q heads, 2 kv heads of 4."""
+
+    def __init__(self, dim: int = 32, heads: int = 8, kv_heads: int = 2, head_dim: int = 4) -> None:
+        super().__init__()
+        nn = torch.nn
+        self.head_dim, self.num_key_value_groups = head_dim, heads // kv_heads
+        self.q_proj, self.o_proj = nn.Linear(dim, heads * head_dim, bias=False), nn.Linear(heads * head_dim, dim)
+        self.k_proj, self.v_proj = (nn.Linear(dim, kv_heads * head_dim, bias=False) for _ in range(2))
+        self.q_norm, self.k_norm = nn.RMSNorm(heads * head_dim), nn.RMSNorm(kv_heads * head_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = self.q_norm(self.q_proj(x)), self.k_norm(self.k_proj(x)), self.v_proj(x)
+        q, k, v = (t.view(B, T, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        k, v = (t.repeat_interleave(self.num_key_value_groups, dim=1) for t in (k, v))
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+
+
+class _SwiGLU(torch.nn.Module):
+    def __init__(self, dim: int = 32, hidden: int = 48) -> None:
+        super().__init__()
+        nn = torch.nn
+        self.gate_proj, self.up_proj = nn.Linear(dim, hidden, bias=False), nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(torch.nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class _Olmo2Layer(torch.nn.Module):
+    """OLMo 2's post-norm block: the norms on the sublayers' outputs, before the residual sum."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        nn = torch.nn
+        self.self_attn, self.post_attention_layernorm = _Olmo2Attention(), nn.RMSNorm(32)
+        self.mlp, self.post_feedforward_layernorm = _SwiGLU(), nn.RMSNorm(32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.post_attention_layernorm(self.self_attn(x))
+        return x + self.post_feedforward_layernorm(self.mlp(x))
+
+
+# Hugging Face's Olmo2Config.base_model_tp_plan (Transformers 5), its "layers" our "net"
+OLMO2_TP_PLAN = {"net.*.self_attn.[qkv]_proj": "colwise_gather_output", "net.*.self_attn.o_proj": "rowwise_split_input",
+                 "net.*.mlp.gate_proj": "colwise", "net.*.mlp.up_proj": "colwise", "net.*.mlp.down_proj": "rowwise"}
+
+
+class Olmo2Shaped(MNISTClassifier):
+    """Two OLMo 2 decoder layers planned with Hugging Face's plan for OLMo 2, word for word."""
+
+    tp_plan = OLMO2_TP_PLAN
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        nn = torch.nn
+        self.net = nn.Sequential(_Tokens28(True), nn.Linear(28, 32), _Olmo2Layer(), _Olmo2Layer(),
+                                 _MeanOverRows(True), nn.Linear(32, 10))
+
+    def on_train_start(self) -> None:  # rank 0's pieces (a pipeline's later stage holds a placeholder)
+        if isinstance(self.net[2], _Olmo2Layer):
+            attn = self.net[2].self_attn
+            self.log("pieces", float(attn.q_proj.out_features * 10_000 + attn.k_proj.out_features * 100
+                                     + attn.o_proj.in_features))
+
+
+@pytest.mark.parametrize("name, pieces", [("tp2", (16, 4, 16)), ("tp3-uneven", (11, 3, 11)),
+                                          ("dp2xtp2-shard", (16, 4, 16)), ("tp2xpp2", (16, 4, 16))])
+def test_olmo2_planned_with_hugging_faces_plan_equals_one_process(name, pieces):
+    """OLMo 2 normalises q and k across all heads before viewing them, so Hugging Face's plan gathers q, k and v
+    and has ``o_proj`` split its whole input; the feed-forward is a plain column -> row pair. Gathered, q, k and v
+    need neither whole heads nor kv groups on a rank: k's 2 kv heads at tp3 are split 3 + 3 + 2 features. Until
+    2026-12-07 the plan was refused ("a plan style must be one of ..."), and a gathered k with fewer kv heads than
+    ranks was refused as grouped-query attention ("its kv heads, whose layer must be 'column'")."""
+    strategy, devices, dp = TP_RUNS[name]
+    metrics = _trained_and_validated_as_one_process(Olmo2Shaped, strategy(), devices, dp, GLOBAL_BATCH * 2)
     assert int(metrics["pieces"]) == pieces[0] * 10_000 + pieces[1] * 100 + pieces[2]
 
 

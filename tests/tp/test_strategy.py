@@ -899,9 +899,13 @@ def test_fewer_kv_heads_than_ranks_needs_a_q_head_on_each_rank_a_column_layer_an
                        r"fewer than the 4 ranks sharing one. Use a tp size of at most 4"):
         check_plan(m, resolve_plan(m, {"net.0.[qkv]": "column", "net.0.o": "row"}), 8)
     plan = {"net.0.[qv]": "column", "net.0.k": "column_gathered", "net.0.o": "row"}
-    with pytest.raises(ValueError, match=r"column_gathered layer 'net.0.k' .* has its kv heads, whose layer must be "
-                       r"'column'. Use a tp size of at most 2"):
+    with pytest.raises(ValueError, match=r"\['net.0.k'\] is 'column_gathered' beside 'column' layer\(s\) \['net.0.q', "
+                       r"'net.0.v'\] of grouped-query attention \(4 q heads, 2 kv heads\): a rank's q heads would meet "
+                       r"every kv head.*all 'column_gathered' \(o 'row_split_input'\)"):
         check_plan(m, resolve_plan(m, plan), 4)
+    gathered = {"net.0.[qkv]": "column_gathered", "net.0.o": "row_split_input"}  # OLMo 2's: whole outputs, even
+    assert {n: sp.sizes for n, sp in check_plan(m, resolve_plan(m, gathered), 4).items()} == {
+        "net.0.q": (2, 2, 2, 2), "net.0.k": (1, 1, 1, 1), "net.0.v": (1, 1, 1, 1), "net.0.o": (2, 2, 2, 2)}
     m.net[0].k.register_forward_hook(lambda *a: None)
     with pytest.raises(ValueError, match=r"'net.0.k' computes a kv head that several tp ranks compute alike .* "
                        r"and it has forward hooks: they would see this rank's kv head"):

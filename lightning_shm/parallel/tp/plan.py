@@ -406,7 +406,8 @@ def split_sizes(name: str, layer: nn.Module, lp: LayerPlan, tp: int, parent: Opt
     else:
         n = layer.in_features if isinstance(layer, nn.Linear) else layer.in_channels
         what = "input features" if isinstance(layer, nn.Linear) else "input channels"
-    head_dim = _head_dim(lp, parent)
+    # whole heads where the split features meet the attention's code; a gathered output or a whole input never does
+    head_dim = _head_dim(lp, parent) if lp.style in ("column", "row") else None
     if head_dim:
         if n % head_dim:
             raise ValueError(f"{lp.style} layer '{name}' has {n} {what}, not a multiple of head_dim={head_dim}")
@@ -442,6 +443,9 @@ def _kv_groups(mods: Mapping[str, nn.Module], plan: Mapping[str, LayerPlan], tp:
                   q heads among its ranks; each rank computes its      kv head 1 on ranks 2, 3; q 4 + 3 + 4 + 3
                   group's kv head (:class:`KVHeadsLinear`)
 
+    Gathered q, k and v (OLMo 2's plan) give whole outputs: no groups to keep, an even split. q split with k or v
+    gathered would meet the rank's q heads with every kv head: refused.
+
     Returns how each such layer is split (the same pieces as the even split where tp divides G); layers of other
     modules are not here."""
     groups: dict[tuple[str, int], dict[str, int]] = {}  # (module, head_dim) -> {layer: heads}
@@ -461,6 +465,16 @@ def _kv_groups(mods: Mapping[str, nn.Module], plan: Mapping[str, LayerPlan], tp:
         kv = min(heads.values())
         if kv == max(heads.values()) or any(h % kv or (h == kv and plan[n].style == "row") for n, h in heads.items()):
             continue  # not grouped-query attention: q, k, v and o of one count (beside a wider MLP) take o's
+        gathered = [n for n in heads if plan[n].style == "column_gathered"]
+        split = [n for n in heads if plan[n].style == "column"]
+        if gathered and split:
+            raise ValueError(f"{gathered} {'is' if len(gathered) == 1 else 'are'} 'column_gathered' beside 'column' "
+                             f"layer(s) {split} of grouped-query attention ({max(heads.values())} q heads, {kv} kv "
+                             "heads): a rank's q heads would meet every kv head, not those they attend with. Plan q, "
+                             "k and v alike: all 'column' (split by kv groups, o 'row') or all 'column_gathered' (o "
+                             "'row_split_input')")
+        if gathered:
+            continue  # whole outputs: an even split
         if kv >= tp:  # whole groups per rank
             for name, h in heads.items():
                 sizes = tuple(h // kv * g * head_dim for g in even_split_sizes(kv, tp))
