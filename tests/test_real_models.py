@@ -1572,6 +1572,76 @@ def test_olmo2_planned_with_hugging_faces_plan_equals_one_process(name, pieces):
     assert int(metrics["pieces"]) == pieces[0] * 10_000 + pieces[1] * 100 + pieces[2]
 
 
+class _NeoXAttention(torch.nn.Module):
+    """GPT-NeoX's (Pythia's) attention as Hugging Face writes it: one Linear for q, k and v laid out per head -- each
+    head's q, k and v side by side -- viewed into heads first (``view(B, T, -1, 3 * head_size)``), then cut
+    ``.chunk(3, -1)``; 8 heads of 4."""
+
+    def __init__(self, dim: int = 32, heads: int = 8) -> None:
+        super().__init__()
+        self.head_size = dim // heads
+        self.query_key_value, self.dense = torch.nn.Linear(dim, 3 * dim), torch.nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        qkv = self.query_key_value(x).view(B, T, -1, 3 * self.head_size).transpose(1, 2)
+        q, k, v = qkv.chunk(3, dim=-1)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.dense(out.transpose(1, 2).reshape(B, T, -1))
+
+
+class _NeoXMLP(torch.nn.Module):
+    def __init__(self, dim: int = 32) -> None:
+        super().__init__()
+        self.dense_h_to_4h, self.dense_4h_to_h = torch.nn.Linear(dim, 4 * dim), torch.nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dense_4h_to_h(torch.nn.functional.gelu(self.dense_h_to_4h(x)))
+
+
+class _NeoXLayer(torch.nn.Module):
+    """GPT-NeoX's parallel residual: attention and MLP both read the layer's input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        nn = torch.nn
+        self.input_layernorm, self.post_attention_layernorm = nn.LayerNorm(32), nn.LayerNorm(32)
+        self.attention, self.mlp = _NeoXAttention(), _NeoXMLP()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.attention(self.input_layernorm(x)) + self.mlp(self.post_attention_layernorm(x))
+
+
+class NeoXShaped(MNISTClassifier):
+    """Two GPT-NeoX layers planned with Hugging Face's words, the fused projection one part on whole heads of its
+    layout (12 features: a head's q, k and v) and the output projection on whole heads of 4."""
+
+    tp_plan = {"net.*.attention.query_key_value": {"style": "colwise", "blocks": 1, "head_dim": 12},
+               "net.*.attention.dense": {"style": "rowwise", "head_dim": 4},
+               "net.*.mlp.dense_h_to_4h": "colwise", "net.*.mlp.dense_4h_to_h": "rowwise"}
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        nn = torch.nn
+        self.net = nn.Sequential(_Tokens28(True), nn.Linear(28, 32), _NeoXLayer(), _NeoXLayer(), _MeanOverRows(True),
+                                 nn.Linear(32, 10))
+
+    def on_train_start(self) -> None:  # rank 0's heads (a pipeline's later stage holds a placeholder)
+        if isinstance(self.net[2], _NeoXLayer):
+            self.log("qkv_features", float(self.net[2].attention.query_key_value.out_features))
+
+
+@pytest.mark.parametrize("name, qkv", [("tp2", 48), ("tp3-uneven", 36), ("dp2xtp2-shard", 48), ("tp2xpp2", 48)])
+def test_gpt_neox_fused_projection_laid_out_per_head_equals_one_process(name, qkv):
+    """GPT-NeoX lays its fused projection out per head, so a rank's whole heads are one contiguous run of it: one
+    part (``blocks: 1``) on whole heads of 12 features (3 + 3 + 2 heads at tp3: rank 0's 36). The check asking a
+    fused projection for its blocks names this layout beside q | k | v side by side (``blocks: 3``): planned with
+    blocks 3, each rank's slice of each third mixes heads' q, k and v, and the shapes still fit."""
+    strategy, devices, dp = TP_RUNS[name]
+    metrics = _trained_and_validated_as_one_process(NeoXShaped, strategy(), devices, dp, GLOBAL_BATCH * 2)
+    assert metrics["qkv_features"] == qkv
+
+
 # ---------------------------------------------------------------------- tensors with an entry per head
 class _PerHeadAttention(torch.nn.Module):
     """5 heads of 4 with a tensor holding an entry per head: gpt-oss's attention sinks (a learned logit per head the

@@ -774,8 +774,11 @@ class _GroupNormBlock(nn.Module):
          r"'net.0.embed' \(row\) holds 'net.0.embed.weight', which is also 'net.0.head.weight'.*or plan the other "
          r"holder to cut the tensor alike"),
         ((_FusedQKV(),), {"net.0.qkv": "column", "net.0.proj": "row"},
-         r"column layer 'net.0.qkv' gives 24 output features, 3 x the 8 that row layer 'net.0.proj' beside it takes: "
-         r"if its module's forward cuts the output into 3 parts.*plan it \{'style': 'column', 'blocks': 3\}"),
+         r"column layer 'net.0.qkv' gives 24 output features, 3 x the 8 that row layer 'net.0.proj' beside it takes. "
+         r"If its module's forward cuts the whole output into 3 parts side by side.*plan it \{'style': 'column', "
+         r"'blocks': 3\}.*If it views the heads first, each head's parts together \(view\(B, T, -1, 3 \* head_dim\), "
+         r"then cut -- GPT-NeoX / Pythia, BLOOM\).*plan it \{'style': 'column', 'blocks': 1, 'head_dim': 3 \* "
+         r"head_dim\} \(blocks 3 would mix the heads' parts"),
         ((_FusedQKV(),), {"net.0.qkv": {"style": "column", "blocks": 5}, "net.0.proj": "row"},
          r"column layer 'net.0.qkv' has 24 output features, not 5 equal blocks"),
         ((_FusedQKV(),), {"net.0.qkv": {"style": "column", "blocks": 3, "head_dim": 4}, "net.0.proj": "row"},

@@ -637,7 +637,9 @@ def _check_fused(mods: Mapping[str, nn.Module], plan: Mapping[str, LayerPlan], s
     Linear beside it (a child of the same module) and equal to no such row layer's: its module's forward most
     likely cuts its output into k parts (a fused q, k, v projection beside its output projection: 3E against E).
     A contiguous slice would give rank 0 all of q and half of k, silently -- with ``reshape(B, T, 3, -1,
-    head_dim)`` the shapes still fit. So it must say its blocks."""
+    head_dim)`` the shapes still fit. So it must say its blocks -- and the layout decides them: q | k | v side by
+    side takes ``blocks: k``; laid out per head (GPT-NeoX), a rank's heads are one run, ``blocks: 1`` on whole
+    heads of k x head_dim features, where ``blocks: k`` would mix the heads' parts as silently."""
     for name, sp in splits.items():
         col = mods[name]
         if sp.role != "column" or plan[name].blocks is not None or not isinstance(col, nn.Linear):
@@ -650,12 +652,16 @@ def _check_fused(mods: Mapping[str, nn.Module], plan: Mapping[str, LayerPlan], s
         if fused and n not in rows.values():
             r, k = next(iter(fused.items()))
             raise ValueError(f"column layer '{name}' gives {n} output features, {k} x the {rows[r]} that row layer "
-                             f"'{r}' beside it takes: if its module's forward cuts the output into {k} parts (a fused "
-                             f"q, k, v projection: .chunk({k}, -1), reshape(B, T, {k}, -1, head_dim); a fused gate "
-                             f"and up projection), plan it {{'style': 'column', 'blocks': {k}}} so that each rank "
-                             "holds its slice of each part -- a contiguous slice would give rank 0 the first part "
-                             f"and some of the second. If its output is one part, plan {{'style': 'column', "
-                             "'blocks': 1}")
+                             f"'{r}' beside it takes. If its module's forward cuts the whole output into {k} parts "
+                             f"side by side (q | k | v: .chunk({k}, -1) on the output itself, reshape(B, T, {k}, -1, "
+                             "head_dim) -- nanoGPT, timm; a fused gate and up projection), plan it {'style': "
+                             f"'column', 'blocks': {k}}} so that each rank holds its slice of each part -- a "
+                             "contiguous slice would give rank 0 the first part and some of the second. If it views "
+                             f"the heads first, each head's parts together (view(B, T, -1, {k} * head_dim), then cut "
+                             "-- GPT-NeoX / Pythia, BLOOM), a rank's whole heads are one contiguous run: plan it "
+                             f"{{'style': 'column', 'blocks': 1, 'head_dim': {k} * head_dim}} (blocks {k} would mix "
+                             "the heads' parts, and the shapes would still fit). Any other output of one part: "
+                             "{'style': 'column', 'blocks': 1}")
 
 
 def _split_dim(m: nn.Module, split: LayerSplit, entry: str) -> Optional[int]:
