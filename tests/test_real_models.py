@@ -1642,6 +1642,81 @@ def test_gpt_neox_fused_projection_laid_out_per_head_equals_one_process(name, qk
     assert metrics["qkv_features"] == qkv
 
 
+class _Qwen3Attention(torch.nn.Module):
+    """Qwen3's (Gemma 3's) attention as Hugging Face writes it: q and k normalised per head (``RMSNorm(head_dim)``
+    after the heads are viewed), 8 q heads of 4 and ``kv_heads`` k and v heads, paired by torch's SDPA."""
+
+    def __init__(self, kv_heads: int, dim: int = 32, heads: int = 8, head_dim: int = 4) -> None:
+        super().__init__()
+        nn = torch.nn
+        self.head_dim = head_dim
+        self.q_proj, self.o_proj = nn.Linear(dim, heads * head_dim, bias=False), nn.Linear(heads * head_dim, dim)
+        self.k_proj, self.v_proj = (nn.Linear(dim, kv_heads * head_dim, bias=False) for _ in range(2))
+        self.q_norm, self.k_norm = nn.RMSNorm(head_dim), nn.RMSNorm(head_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = (p(x).view(B, T, -1, self.head_dim) for p in (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = self.q_norm(q).transpose(1, 2), self.k_norm(k).transpose(1, 2), v.transpose(1, 2)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+
+
+class _Qwen3Layer(torch.nn.Module):
+    """``gated``: the attention's output scaled by a zero-initialised parameter (ReZero, DiT's adaLN-Zero), so
+    every gradient inside the attention is zero at the first step."""
+
+    def __init__(self, kv_heads: int, gated: bool = False) -> None:
+        super().__init__()
+        nn = torch.nn
+        self.input_layernorm, self.self_attn = nn.RMSNorm(32), _Qwen3Attention(kv_heads)
+        self.post_attention_layernorm, self.mlp = nn.RMSNorm(32), _SwiGLU()
+        self.gate = nn.Parameter(torch.zeros(())) if gated else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        attn = self.self_attn(self.input_layernorm(x))
+        x = x + (attn if self.gate is None else self.gate * attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+# Hugging Face's Qwen3Config.base_model_tp_plan (Transformers 5), its "layers" our "net"
+QWEN3_TP_PLAN = {"net.*.self_attn.[qkv]_proj": "colwise", "net.*.self_attn.[qk]_norm": "replicated_with_grad_allreduce",
+                 "net.*.self_attn.o_proj": "rowwise", "net.*.mlp.gate_proj": "colwise", "net.*.mlp.up_proj": "colwise",
+                 "net.*.mlp.down_proj": "rowwise"}
+
+
+class Qwen3Shaped(MNISTClassifier):
+    """A Qwen3 decoder layer of 2 kv heads and one of 1 (multi-query attention, as Gemma 3 1B), planned with Hugging
+    Face's plan for Qwen3 word for word; ``gated``: each attention behind a zero-initialised scale."""
+
+    tp_plan = QWEN3_TP_PLAN
+    gated = False
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        nn = torch.nn
+        self.net = nn.Sequential(_Tokens28(True), nn.Linear(28, 32), _Qwen3Layer(2, self.gated),
+                                 _Qwen3Layer(1, self.gated), _MeanOverRows(True), nn.Linear(32, 10))
+
+
+class Qwen3Gated(Qwen3Shaped):
+    gated = True
+
+
+@pytest.mark.parametrize("model_cls, name", [(Qwen3Shaped, "tp2"), (Qwen3Shaped, "tp3-uneven"),
+                                             (Qwen3Shaped, "dp2xtp2-shard"), (Qwen3Shaped, "tp2xpp2"),
+                                             (Qwen3Gated, "tp2")])
+def test_qwen3_planned_with_hugging_faces_plan_equals_one_process(model_cls, name):
+    """q_norm and k_norm run on the rank's heads: "replicated_with_grad_allreduce" (our "on_heads") sums their
+    gradients over the tp ranks. With fewer kv heads than ranks a rank's k_norm normalises a kv head other ranks
+    compute too -- with one kv head every rank computes the same one, from the same input -- and its gradient comes
+    from the rank's q heads only: summed, it is one process's. Until 2026-12-07 the words got "a plan style must
+    be one of ...". Behind a zero-initialised gate every rank's first gradients of them are zero -- alike, and
+    summed harmlessly: the check that stops a module on whole features waits for a nonzero one."""
+    strategy, devices, dp = TP_RUNS[name]
+    _trained_and_validated_as_one_process(model_cls, strategy(), devices, dp, GLOBAL_BATCH * 2)
+
+
 # ---------------------------------------------------------------------- tensors with an entry per head
 class _PerHeadAttention(torch.nn.Module):
     """5 heads of 4 with a tensor holding an entry per head: gpt-oss's attention sinks (a learned logit per head the

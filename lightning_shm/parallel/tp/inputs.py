@@ -35,7 +35,8 @@ from lightning_shm.runtime import Group
 MODES = ("auto", "split", "broadcast", "check", "off")
 
 
-def _fingerprint(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+def fingerprint(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Two float64 sums per tensor, the second over every 7th element: equal on two ranks for equal tensors."""
     parts = []
     for t in tensors:
         flat = t.detach().reshape(-1)
@@ -45,7 +46,7 @@ def _fingerprint(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 
 def check_same(tensors: Sequence[torch.Tensor], group: Group) -> None:
     """Raise ``ValueError`` on every member if the members' ``tensors`` differ (by fingerprint)."""
-    prints = group.all_gather(_fingerprint(tensors))  # [W, 2 * len(tensors)]
+    prints = group.all_gather(fingerprint(tensors))  # [W, 2 * len(tensors)]
     ref = prints[0]
     for member in range(1, prints.shape[0]):
         if not torch.allclose(prints[member], ref, rtol=1e-9, atol=1e-9):

@@ -34,8 +34,8 @@ a whole one (as Hugging Face models declare their ``tp_plan``), ``layer*`` or ``
 * ``"on_heads"``: a module with whole parameters that the forward runs on the rank's heads (split features):
   qk-norm's ``LayerNorm(head_dim)`` / ``RMSNorm(head_dim)`` on q and k after the column layers (Qwen3, OLMo 2,
   timm's ``qk_norm``). Each rank's gradient then comes from its heads only; it is summed over the tp group
-  (the gradient's hook), so every rank steps the whole one, as one process. One whose input is the same on every
-  rank (it runs on whole features) is stopped at its first forward (:func:`_check_runs_on_heads`).
+  (the gradient's hook), so every rank steps the whole one, as one process. One whose gradient is the same on
+  every rank (it runs on whole features) is stopped at its first backward (:func:`_summed_on_heads`).
 * ``"per_head"`` on a parameter or buffer path (``{"style": "per_head", "dim": 1}`` for another dim than 0): a tensor
   with an entry per attention head that the forward applies to the rank's heads -- gpt-oss's attention sinks
   ``[H]``, ALiBi's slopes ``[H]``, T5's relative position bias ``nn.Embedding(buckets, H).weight`` (dim 1): cut as
@@ -89,6 +89,7 @@ from lightning_shm.parallel.sequential import (
 )
 from lightning_shm.parallel.tp.attention import HeadParallelMultiheadAttention, heads_unsupported
 from lightning_shm.parallel.tp.hooks import whole_tensors_for_hooks
+from lightning_shm.parallel.tp.inputs import fingerprint
 from lightning_shm.parallel.tp.layers import (
     COLUMN_CONV,
     ROW_CONV,
@@ -841,9 +842,9 @@ def apply_plan(module: nn.Module, splits: Mapping[str, LayerSplit], group: Group
             continue
         if sp.role in ("on_heads", "kv_heads"):  # kept whole: each rank's gradient, from its heads, summed
             for p in layer.parameters(recurse=False):
-                p.register_hook(functools.partial(_summed_over_tp, group))
+                p.register_hook(functools.partial(_summed_on_heads, name, group, [True]) if sp.role == "on_heads"
+                                else functools.partial(_summed_over_tp, group))
             if sp.role == "on_heads":
-                _check_runs_on_heads(name, layer, group)
                 continue
         # the user's forward hooks see whole tensors, as in one process (an embedding's ids and rows are whole)
         if sp.role not in ("column_gathered", "row_split_input", "heads", "kv_heads") and not isinstance(layer,
@@ -926,32 +927,28 @@ def _summed_over_tp(group: Group, grad: torch.Tensor) -> torch.Tensor:
     return group.all_reduce(grad.contiguous().clone(), "sum")
 
 
-def _check_runs_on_heads(name: str, module: nn.Module, group: Group) -> None:
-    """Summing an "on_heads" module's gradient over the tp ranks is right when each rank's gradient comes from its
-    heads alone -- the module runs on them (qk-norm after the column layers). Run on the whole features, before a
-    column layer (Hugging Face plans an MLA down projection and its norm ``"replicated_with_grad_allreduce"``), every
-    rank already holds one process's gradient, and the sum would count it tp times, silently. So at its first
-    forward the ranks compare a fingerprint of its input (shape and three sums, all-gathered once): the same on
-    every rank, the module runs on whole features, and ValueError says so."""
-
-    def check(m: nn.Module, args: Any) -> None:
-        handle.remove()
-        x = next((a for a in args if isinstance(a, torch.Tensor)), None)
-        if x is None or group.size == 1:
-            return
-        flat, dims = x.detach().reshape(-1).double(), [*x.shape[:8], *[-1] * (8 - x.dim())]
-        mark = torch.tensor([*dims, x.numel(), flat.sum(), flat.abs().sum(),
-                             (flat * torch.linspace(1, 2, flat.numel(), dtype=torch.float64)).sum()],
-                            dtype=torch.float64)
+def _summed_on_heads(name: str, group: Group, first: list[bool], grad: torch.Tensor) -> torch.Tensor:
+    """An "on_heads" parameter's gradient, summed over the tp ranks (:func:`_summed_over_tp`) -- right when each
+    rank's gradient comes from its heads alone: qk-norm after the column layers, or on a kv head several ranks
+    compute alike (each rank's part from its q heads). A module running on whole features before a column layer
+    (Hugging Face plans an MLA down projection and its norm ``"replicated_with_grad_allreduce"``) already holds one
+    process's gradient on every rank -- the column layer sums its input's --, and the sum would count it tp times,
+    silently. So the ranks compare a fingerprint of the gradient (:func:`~.inputs.fingerprint` and its absolute
+    sum, all-gathered) until one is nonzero -- inside a block gated by a zero-initialised scale (ReZero, DiT's
+    adaLN-Zero) the first are zero on every rank, which says nothing --: the same nonzero gradient on every rank
+    stops the fit, naming the module. Its input would not tell: a k-norm on the one kv head of multi-query attention
+    has the same input on every rank, and a gradient from the rank's q heads."""
+    if first[0] and group.size > 1:
+        mark = torch.cat([fingerprint([grad]), grad.detach().abs().sum(dtype=torch.float64).reshape(1)])
         marks = group.all_gather(mark)
-        if bool((marks == marks[0]).all()):
-            raise ValueError(f"'{name}' ({type(m).__name__}) is planned 'on_heads' (Hugging Face: "
-                             f"'replicated_with_grad_allreduce'), which sums its gradient over the tp ranks, but its "
-                             f"input ({list(x.shape)}) is the same on every tp rank: it runs on whole features, each "
-                             "rank's gradient is one process's already, and the sum would count it "
-                             f"{group.size} times. Leave it out of the plan (it is replicated)")
-
-    handle = module.register_forward_pre_hook(check)
+        first[0] = not float(marks[:, -1].max()) > 0  # decided alike on every rank: from what they all gathered
+        if not first[0] and bool((marks == marks[0]).all()):
+            raise ValueError(f"'{name}' is planned 'on_heads' (Hugging Face: 'replicated_with_grad_allreduce'), which "
+                             "sums its gradients over the tp ranks, but every tp rank got the same gradient: it runs "
+                             "on whole features (before a column layer), each rank holds one process's gradient "
+                             f"already, and the sum would count it {group.size} times. Leave it out of the plan (it "
+                             "is replicated)")
+    return _summed_over_tp(group, grad)
 
 
 def _say_when_split_features_reach(local: Mapping[str, nn.Module], splits: Mapping[str, LayerSplit]) -> None:
