@@ -1065,6 +1065,12 @@ class _MeanOverRows(torch.nn.Module):
         return x.mean(self.dim)
 
 
+def _token_model(*blocks: torch.nn.Module) -> torch.nn.Sequential:
+    """The image's rows as 28 tokens of 32 features through ``blocks``, their mean classified."""
+    return torch.nn.Sequential(_Tokens28(True), torch.nn.Linear(28, 32), *blocks, _MeanOverRows(True),
+                               torch.nn.Linear(32, 10))
+
+
 class HeadSplitEncoder(MNISTClassifier):
     """Two ``nn.TransformerEncoderLayer`` of 4 heads, each attention split by its heads, the feed-forward pair by
     features."""
@@ -1249,9 +1255,7 @@ class FusedProjections(MNISTClassifier):
 
     def __init__(self, **kw):
         super().__init__(**kw)
-        nn = torch.nn
-        self.net = nn.Sequential(_Tokens28(True), nn.Linear(28, 32), _FusedBlock(), _FusedBlock(),
-                                 _MeanOverRows(True), nn.Linear(32, 10))
+        self.net = _token_model(_FusedBlock(), _FusedBlock())
         if self.hooked:
             self.net[2].attn.qkv.register_forward_hook(self._v_part)
 
@@ -1295,9 +1299,7 @@ class QKNormed(KeepsWarnings, MNISTClassifier):
 
     def __init__(self, planned: bool = True, **kw):
         super().__init__(**kw)
-        nn = torch.nn
-        self.net = nn.Sequential(_Tokens28(True), nn.Linear(28, 32), _FusedAttention(qk_norm=True), nn.GELU(),
-                                 _FusedAttention(qk_norm=True), _MeanOverRows(True), nn.Linear(32, 10))
+        self.net = _token_model(_FusedAttention(qk_norm=True), torch.nn.GELU(), _FusedAttention(qk_norm=True))
         self.tp_plan = {"net.[24].qkv": {"style": "column", "blocks": 3}, "net.[24].proj": "row",
                         **({"net.[24].[qk]_norm": "on_heads"} if planned else {})}
 
@@ -1459,9 +1461,7 @@ class Phi3Shaped(MNISTClassifier):
 
     def __init__(self, **kw):
         super().__init__(**kw)
-        nn = torch.nn
-        self.net = nn.Sequential(_Tokens28(True), nn.Linear(28, 32), _Phi3Layer(), _Phi3Layer(), _MeanOverRows(True),
-                                 nn.Linear(32, 10))
+        self.net = _token_model(_Phi3Layer(), _Phi3Layer())
         self.net[2].mlp.down_proj.register_forward_hook(self._scaled)
 
     @staticmethod
@@ -1548,9 +1548,7 @@ class Olmo2Shaped(MNISTClassifier):
 
     def __init__(self, **kw):
         super().__init__(**kw)
-        nn = torch.nn
-        self.net = nn.Sequential(_Tokens28(True), nn.Linear(28, 32), _Olmo2Layer(), _Olmo2Layer(),
-                                 _MeanOverRows(True), nn.Linear(32, 10))
+        self.net = _token_model(_Olmo2Layer(), _Olmo2Layer())
 
     def on_train_start(self) -> None:  # rank 0's pieces (a pipeline's later stage holds a placeholder)
         if isinstance(self.net[2], _Olmo2Layer):
@@ -1622,9 +1620,7 @@ class NeoXShaped(MNISTClassifier):
 
     def __init__(self, **kw):
         super().__init__(**kw)
-        nn = torch.nn
-        self.net = nn.Sequential(_Tokens28(True), nn.Linear(28, 32), _NeoXLayer(), _NeoXLayer(), _MeanOverRows(True),
-                                 nn.Linear(32, 10))
+        self.net = _token_model(_NeoXLayer(), _NeoXLayer())
 
     def on_train_start(self) -> None:  # rank 0's heads (a pipeline's later stage holds a placeholder)
         if isinstance(self.net[2], _NeoXLayer):
@@ -1694,9 +1690,7 @@ class Qwen3Shaped(MNISTClassifier):
 
     def __init__(self, **kw):
         super().__init__(**kw)
-        nn = torch.nn
-        self.net = nn.Sequential(_Tokens28(True), nn.Linear(28, 32), _Qwen3Layer(2, self.gated),
-                                 _Qwen3Layer(1, self.gated), _MeanOverRows(True), nn.Linear(32, 10))
+        self.net = _token_model(_Qwen3Layer(2, self.gated), _Qwen3Layer(1, self.gated))
 
 
 class Qwen3Gated(Qwen3Shaped):
