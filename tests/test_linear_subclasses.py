@@ -19,7 +19,7 @@ from lightning_shm import SHMTensorParallel
 from lightning_shm.models import MNISTClassifier
 from lightning_shm.parallel.ddp.reducer import GradReducer
 from lightning_shm.parallel.pipeline.engine import PipelineEngine
-from lightning_shm.parallel.tp.plan import own_behaviour
+from lightning_shm.parallel.tp.kinds import own_behaviour
 from tests.helpers import GLOBAL_BATCH, LAYOUTS, train_mnist
 
 
@@ -95,7 +95,7 @@ def test_what_a_subclass_adds_is_named_and_a_plain_or_computed_weight_layer_adds
 
 
 def test_a_layernorm_subclass_with_its_own_forward_is_not_split_between_a_pair():
-    from lightning_shm.parallel.tp.plan import check_plan, resolve_plan
+    from lightning_shm.parallel.tp import check_plan, resolve_plan
 
     class RMSLike(nn.LayerNorm):
         def forward(self, x):

@@ -26,8 +26,7 @@ from lightning_shm.parallel.fsdp import UnitPolicy, find_units
 from lightning_shm.parallel.pipeline.row_cut import plan_row_cuts
 from lightning_shm.parallel.pipeline.stage import PipelineStage
 from lightning_shm.parallel.sequential import layers_of, shared_spans
-from lightning_shm.parallel.tp import derive_plan
-from lightning_shm.parallel.tp.plan import plan_for
+from lightning_shm.parallel.tp import derive_plan, plan_for
 from lightning_shm.runtime import Topology, launch
 from tests.helpers import (
     GLOBAL_BATCH,

@@ -54,7 +54,7 @@ from lightning_shm.parallel.sequential import (
 )
 from lightning_shm.parallel.state import ModelState
 from lightning_shm.parallel.tp import LayerPlan, TensorParallelState, check_plan, plan_for
-from lightning_shm.parallel.tp.plan import computed_weight
+from lightning_shm.parallel.tp.kinds import computed_weight
 from lightning_shm.parallel.tp.rng import share_stream
 from lightning_shm.runtime import ParallelGroups, ReduceOp, Topology, World
 from lightning_shm.runtime.ops import barrier_reason

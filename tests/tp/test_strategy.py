@@ -15,9 +15,9 @@ from torch.utils.data import DataLoader
 import lightning_shm  # noqa: F401
 from lightning_shm import SHMDDPStrategy, SHMModelParallel, SHMTensorParallel
 from lightning_shm.models import MNISTClassifier, build_mlp
-from lightning_shm.parallel.tp import TensorParallelState, check_plan, derive_plan, plan_for
+from lightning_shm.parallel.tp import LayerSplit, TensorParallelState, check_plan, derive_plan, plan_for, resolve_plan
 from lightning_shm.parallel.tp.loading import gather_rows, is_group_batch
-from lightning_shm.parallel.tp.plan import LayerSplit, parse_plan, resolve_plan
+from lightning_shm.parallel.tp.plan import parse_plan
 from lightning_shm.runtime import launch
 from tests.helpers import (
     GLOBAL_BATCH,

@@ -1,3 +1,6 @@
+from lightning_shm.parallel.tp.apply import apply_plan
+from lightning_shm.parallel.tp.check import check_plan
+from lightning_shm.parallel.tp.derive import derive_plan, plan_for
 from lightning_shm.parallel.tp.layernorm import distributed_layer_norm
 from lightning_shm.parallel.tp.layers import (
     ColumnParallelConv1d,
@@ -15,16 +18,8 @@ from lightning_shm.parallel.tp.layers import (
     sliced_groupnorm,
 )
 from lightning_shm.parallel.tp.mappings import copy_to_tp, reduce_from_tp
-from lightning_shm.parallel.tp.plan import (
-    STYLES,
-    LayerPlan,
-    LayerSplit,
-    apply_plan,
-    check_plan,
-    derive_plan,
-    plan_for,
-    resolve_plan,
-)
+from lightning_shm.parallel.tp.plan import STYLES, LayerPlan, resolve_plan
+from lightning_shm.parallel.tp.sizes import LayerSplit
 from lightning_shm.parallel.tp.state import TensorParallelState
 
 __all__ = [

@@ -13,12 +13,13 @@ from typing import Mapping
 from torch import nn
 
 from lightning_shm.parallel.placement import Placement, Split
-from lightning_shm.parallel.tp.plan import LayerSplit, apply_plan
+from lightning_shm.parallel.tp.apply import apply_plan
+from lightning_shm.parallel.tp.sizes import LayerSplit
 from lightning_shm.runtime import Group
 
 
 class TensorParallelState:
-    """Applies a checked plan (``splits``, from :func:`~lightning_shm.parallel.tp.plan.check_plan` on the
+    """Applies a checked plan (``splits``, from :func:`~lightning_shm.parallel.tp.check.check_plan` on the
     whole model) to the modules ``module`` holds, over ``group`` (the tp group)."""
 
     def __init__(self, module: nn.Module, group: Group, splits: Mapping[str, LayerSplit]) -> None:
