@@ -784,7 +784,10 @@ class _GroupNormBlock(nn.Module):
          r"If its module's forward cuts the whole output into 3 parts side by side.*plan it \{'style': 'column', "
          r"'blocks': 3\}.*If it views the heads first, each head's parts together \(view\(B, T, -1, 3 \* head_dim\), "
          r"then cut -- GPT-NeoX / Pythia, BLOOM\).*plan it \{'style': 'column', 'blocks': 1, 'head_dim': 3 \* "
-         r"head_dim\} \(blocks 3 would mix the heads' parts"),
+         r"head_dim\} \(blocks 3 would mix the heads' parts.*If it views kv groups first, each group's q heads then "
+         r"its k and v \(view\(B, T, -1, q heads per kv head \+ 2, head_dim\) -- Falcon\).*plan it \{'style': "
+         r"'column', 'blocks': 1, 'head_dim': \(q heads per kv head \+ 2\) \* head_dim\} and the row layer "
+         r"\{'style': 'row', 'head_dim': q heads per kv head \* head_dim\}"),
         ((_FusedQKV(),), {"net.0.qkv": {"style": "column", "blocks": 5}, "net.0.proj": "row"},
          r"column layer 'net.0.qkv' has 24 output features, not 5 equal blocks"),
         ((_FusedQKV(),), {"net.0.qkv": {"style": "column", "blocks": 3, "head_dim": 4}, "net.0.proj": "row"},

@@ -123,7 +123,9 @@ def _check_fused(mods: Mapping[str, nn.Module], plan: Mapping[str, LayerPlan], s
     A contiguous slice would give rank 0 all of q and half of k, silently -- with ``reshape(B, T, 3, -1,
     head_dim)`` the shapes still fit. So it must say its blocks -- and the layout decides them: q | k | v side by
     side takes ``blocks: k``; laid out per head (GPT-NeoX), a rank's heads are one run, ``blocks: 1`` on whole
-    heads of k x head_dim features, where ``blocks: k`` would mix the heads' parts as silently."""
+    heads of k x head_dim features, where ``blocks: k`` would mix the heads' parts as silently; laid out per kv group
+    (Falcon: a group's q heads, then its k and v; with 2 q heads per kv head the output is 2 x o's input), a rank's
+    groups are one run, ``blocks: 1`` on whole groups, its row layer on their q heads."""
     for name, sp in splits.items():
         col = mods[name]
         if sp.role != "column" or plan[name].blocks is not None or not isinstance(col, nn.Linear):
@@ -144,7 +146,11 @@ def _check_fused(mods: Mapping[str, nn.Module], plan: Mapping[str, LayerPlan], s
                              f"the heads first, each head's parts together (view(B, T, -1, {k} * head_dim), then cut "
                              "-- GPT-NeoX / Pythia, BLOOM), a rank's whole heads are one contiguous run: plan it "
                              f"{{'style': 'column', 'blocks': 1, 'head_dim': {k} * head_dim}} (blocks {k} would mix "
-                             "the heads' parts, and the shapes would still fit). Any other output of one part: "
+                             "the heads' parts, and the shapes would still fit). If it views kv groups first, each "
+                             "group's q heads then its k and v (view(B, T, -1, q heads per kv head + 2, head_dim) -- "
+                             "Falcon), a rank's whole groups are one run: plan it {'style': 'column', 'blocks': 1, "
+                             "'head_dim': (q heads per kv head + 2) * head_dim} and the row layer {'style': 'row', "
+                             "'head_dim': q heads per kv head * head_dim}. Any other output of one part: "
                              "{'style': 'column', 'blocks': 1}")
 
 
