@@ -29,7 +29,12 @@ from torch import Tensor, nn
 from lightning_shm.parallel.outside_reads import WHERE_GRADIENTS_WORK, differentiations
 from lightning_shm.parallel.pipeline import CapturedInput, PipelineStage, split_batch
 from lightning_shm.parallel.pipeline.microbatches import batch_size as batch_size_of
-from lightning_shm.parallel.pipeline.stage import LayerElsewhere, parameters_read_outside
+from lightning_shm.parallel.pipeline.stage import (
+    LayerElsewhere,
+    layer_ends,
+    layers_used_besides_output,
+    parameters_read_outside,
+)
 from lightning_shm.runtime import Group
 from lightning_shm.runtime.ops import barrier_reason
 from lightning_shm.strategies.loader_iter import OneMicrobatch
@@ -89,23 +94,29 @@ def _as_logged(value: Any) -> Any:
     return torch.as_tensor(value).to(dtype if dtype in (torch.float32, torch.float64) else torch.float32)
 
 
+_ENUMERATIONS = {"named_parameters": "parameters", "named_modules": "modules", "named_children": "modules"}
+
+
 @contextlib.contextmanager
-def _iterations(flag: list[bool], *modules: nn.Module) -> Iterator[None]:
+def _iterations(flags: dict[str, list[bool]], *modules: nn.Module) -> Iterator[None]:
     """Inside, iterating the parameters of ``modules`` (``self.parameters()``, ``self.net.named_parameters()``)
-    appends to ``flag``: the step enumerated them, and on a stage it sees only the stage's."""
-    def watched(module: nn.Module) -> Any:
-        def named_parameters(*args: Any, **kwargs: Any) -> Any:
-            flag.append(True)
-            return type(module).named_parameters(module, *args, **kwargs)
-        return named_parameters
+    appends to ``flags["parameters"]``, their submodules (``self.modules()``, ``self.net.children()``) to
+    ``flags["modules"]``: the step enumerated them, and on a stage it sees only the stage's."""
+    def watched(module: nn.Module, method: str) -> Any:
+        def enumerate_(*args: Any, **kwargs: Any) -> Any:
+            flags[_ENUMERATIONS[method]].append(True)
+            return getattr(type(module), method)(module, *args, **kwargs)
+        return enumerate_
 
     for m in modules:
-        m.named_parameters = watched(m)  # type: ignore[method-assign]
+        for method in _ENUMERATIONS:
+            m.__dict__[method] = watched(m, method)
     try:
         yield
     finally:
         for m in modules:
-            m.__dict__.pop("named_parameters", None)
+            for method in _ENUMERATIONS:
+                m.__dict__.pop(method, None)
 
 
 def _refuse_reads(names: list[str]) -> None:
@@ -120,6 +131,29 @@ def _refuse_reads(names: list[str]) -> None:
                          "so such a term (an L2 penalty over self.parameters(), say) would reach the last stage's "
                          "layers only. Use the optimizer's weight_decay, or keep such parameters outside the "
                          "Sequential.")
+
+
+def _refuse_layer_terms(module: nn.Module, stage: PipelineStage, start: int, end: int, used: list[str]) -> None:
+    """The step went through the model's layers (``for layer in self.net``, ``self.modules()``) and its loss uses
+    values some of the last chunk's layers computed besides the Sequential's output -- an auxiliary loss each
+    layer keeps (an MoE router's load-balancing loss), summed by the step. The step runs on the last chunk only:
+    the same terms of the layers of those classes that other chunks run would be left out, silently. Refused
+    where such layers exist (a term only the last chunk's layers make trains as in one process)."""
+    names = {stage.positions[i]: i for i in range(start, end)}
+    kinds = {stage.kinds[names[n]] for n in used if n in names}
+    elsewhere = [i for i in range(stage.total) if not start <= i < end and stage.kinds[i] in kinds]
+    if elsewhere:
+        path = next((f"{n}." for n, m in module.named_modules() if m is stage and n), "")
+        used = [f"{path}{n}" for n in used]
+        shown = sorted({k.__name__ for k in kinds})
+        raise ValueError(
+            f"training_step's loss uses values that layers {used[:4]}{' ...' if len(used) > 4 else ''} of the "
+            "pipelined nn.Sequential computed inside, besides the Sequential's output (an auxiliary loss each layer "
+            "keeps, as an MoE router's load-balancing loss), and the step went through the model's layers to "
+            f"gather them. Under shm_pipeline the step runs on the last stage with the layers of the last chunk: "
+            f"the same terms of the {', '.join(shown)} layers {elsewhere[:8]} other chunks run would be left out, "
+            "silently. Carry such terms through the Sequential instead (each layer takes and returns (x, aux), "
+            "the loss adds the aux that comes out), or use a strategy without pipeline_parallel_size.")
 
 
 def _refuse_gradients(names: list[str]) -> None:
@@ -285,9 +319,15 @@ class LightningStageIO:
             produced.append(chunk(activation))
             return produced[-1]
 
-        iterated: list[bool] = []
-        watch = _iterations(iterated, self.module, self.stage) if self.check_reads else contextlib.nullcontext()
-        with self.stage.running_chunk(run, x), watch:
+        enumerated: dict[str, list[bool]] = {"parameters": [], "modules": []}
+        looked: set[int] = set()
+        ends: dict[str, tuple[set[Any], set[Any]]] = {}
+        with contextlib.ExitStack() as watch:
+            if self.check_reads:  # what the step enumerates, which layers it looks up, what each layer computes
+                watch.enter_context(_iterations(enumerated, self.module, self.stage))
+                looked = watch.enter_context(self.stage.looking_up())
+                ends = watch.enter_context(layer_ends(dict(chunk.named_children())))
+            watch.enter_context(self.stage.running_chunk(run, x))
             out = self._call_step(mb, self.records, self.weights[mb])
         loss = out.get("loss") if isinstance(out, Mapping) else out
         if not isinstance(loss, Tensor):
@@ -297,10 +337,14 @@ class LightningStageIO:
         if isinstance(out, Mapping):
             self.extras[mb] = {k: v for k, v in out.items() if k != "loss"}
         if self.check_reads and produced and loss.grad_fn is not None:  # (nothing trainable: no graph to walk)
-            if iterated:
+            if enumerated["parameters"]:
                 held = {id(p) for p in self.stage.parameters()}
                 named = [(n, p) for n, p in self.module.named_parameters() if id(p) in held]
                 _refuse_reads(parameters_read_outside(loss, produced[0], named))
+            start, end = self.stage.layer_ranges[max(self.stage.layer_ranges)]  # the last chunk's, which runs here
+            if enumerated["modules"] or looked - set(range(start, end)):
+                _refuse_layer_terms(self.module, self.stage, start, end,
+                                    layers_used_besides_output(loss, produced[0], ends))
             self.check_reads = False
         return loss * (self.weights[mb] * self.loss_scale)
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import OrderedDict
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
@@ -63,6 +63,8 @@ class PipelineStage(nn.Module):
         object.__setattr__(self, "positions", {i: children[i][0] for c in chunk_ids
                                                for i in range(bounds[c], bounds[c + 1])})
         object.__setattr__(self, "total", len(children))
+        object.__setattr__(self, "kinds", [type(m) for _, m in children])  # every layer's class, held here or not
+        object.__setattr__(self, "_looked_up", None)  # inside :meth:`looking_up`: the indices the code asked for
         self.refresh_chunks()
         self._run: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
 
@@ -108,6 +110,17 @@ class PipelineStage(nn.Module):
         finally:
             self._run = None
 
+    @contextlib.contextmanager
+    def looking_up(self) -> Iterator[set[int]]:
+        """Inside, the indices of the layers the code asks for (``self.net[i]``, ``for layer in self.net``) are
+        collected into the yielded set."""
+        looked: set[int] = set()
+        object.__setattr__(self, "_looked_up", looked)
+        try:
+            yield looked
+        finally:
+            object.__setattr__(self, "_looked_up", None)
+
     # ------------------------------------------------------------------ the Sequential's indexing
     def __getitem__(self, index: int | slice) -> nn.Module:
         """``self.net[i]`` / ``self.net[a:b]`` in the module's code, as on the Sequential: a layer this stage
@@ -118,6 +131,8 @@ class PipelineStage(nn.Module):
         i = index + self.total if index < 0 else index
         if not 0 <= i < self.total:
             raise IndexError(f"index {index} is out of range for the pipelined nn.Sequential of {self.total} layers")
+        if self._looked_up is not None:
+            self._looked_up.add(i)
         return getattr(self, self.positions[i]) if i in self.positions else LayerElsewhere(i)
 
     def __len__(self) -> int:
@@ -157,6 +172,63 @@ def parameters_read_outside(loss: torch.Tensor, output: Any, named: Sequence[tup
     ``self.parameters()``, say (:func:`~lightning_shm.parallel.outside_reads.read_outside`)."""
     boundary = {t.grad_fn for t in act.tensors_in(output) if t.grad_fn is not None}
     return read_outside(loss, {id(p): n for n, p in named}, boundary)
+
+
+@contextlib.contextmanager
+def layer_ends(layers: Mapping[str, nn.Module]) -> Iterator[dict[str, tuple[set[Any], set[Any]]]]:
+    """Inside, each of ``layers``' calls adds the autograd nodes of its inputs and of its outputs to the yielded
+    ``{name: (input nodes, output nodes)}`` -- the ends of what its forward computed, for
+    :func:`layers_used_besides_output`."""
+    ends: dict[str, tuple[set[Any], set[Any]]] = {name: (set(), set()) for name in layers}
+
+    def nodes(into: set[Any], value: Any) -> None:
+        into.update(t.grad_fn for t in act.tensors_in(value) if t.grad_fn is not None)
+
+    handles = []
+    for name, layer in layers.items():
+        handles.append(layer.register_forward_pre_hook(lambda m, args, name=name: nodes(ends[name][0], args)))
+        handles.append(layer.register_forward_hook(lambda m, args, out, name=name: nodes(ends[name][1], out)))
+    try:
+        yield ends
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def layers_used_besides_output(loss: torch.Tensor, output: Any, ends: Mapping[str, tuple[set[Any], set[Any]]]
+                               ) -> list[str]:
+    r"""The layers (of ``ends``, from :func:`layer_ends`) whose forward computed something ``loss`` uses other than
+    through ``output`` (what the chunk returned to the step): an auxiliary loss a layer kept (an MoE router's
+    load-balancing loss), a feature it stored. A parameter the loss reads itself is not the layer's computation
+    (:func:`parameters_read_outside` looks at those)::
+
+        loss ---> ce ---> [output]                              stops there
+            \--> aux ---> relu (computed in layer 3) ---> ...   layer 3 used besides the output
+    """
+    reached = _computed(loss.grad_fn, {t.grad_fn for t in act.tensors_in(output) if t.grad_fn is not None})
+    used = []
+    for name, (inputs, outputs) in ends.items():
+        inside: set[Any] = set()
+        for fn in outputs:
+            inside |= _computed(fn, inputs)
+        if inside & reached:
+            used.append(name)
+    return used
+
+
+def _computed(start: Any, stop: set[Any]) -> set[Any]:
+    """The autograd nodes from ``start`` back to ``stop``, leaves' (a parameter's AccumulateGrad) and FSDP's gather
+    edges (a unit's full parameter) left out: what was computed, not what was read."""
+    seen: set[Any] = set()
+    todo = [start]
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen or fn in stop or hasattr(fn, "variable") \
+                or type(fn).__name__ == "_GatherUnitBackward":
+            continue
+        seen.add(fn)
+        todo.extend(edge[0] for edge in fn.next_functions)
+    return seen
 
 
 def _capture(x: torch.Tensor) -> torch.Tensor:
