@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import pickle
+import re
 from functools import partial
 
 import lightning.pytorch as pl
@@ -1102,3 +1103,83 @@ def test_a_model_run_on_rank_zero_alone_is_stopped_naming_the_line_that_ran_it()
         where = next(n for n in notes if n.startswith("rank 0 was here"))
         assert "frames of libraries ..." in where
         assert where.splitlines()[-1].endswith(own_line)
+
+
+class _ReducingMLP(nn.Module):
+    """fc1 (column) -> GELU -> ``op`` -> fc2 (row), in the block's own forward, on [B, 28, 16] tokens."""
+
+    def __init__(self, op) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.op = nn.Linear(16, 32), nn.Linear(32, 16), op
+
+    def forward(self, x):
+        return x + self.fc2(self.op(nn.functional.gelu(self.fc1(x))))
+
+
+class _ReducingConv(nn.Module):
+    """conv1 (column) -> ReLU -> ``op`` -> conv2 (row) on [B, 1, 28, 28] images."""
+
+    def __init__(self, op) -> None:
+        super().__init__()
+        self.conv1, self.conv2, self.op = nn.Conv2d(1, 8, 3, padding=1), nn.Conv2d(8, 1, 3, padding=1), op
+
+    def forward(self, x):
+        return self.conv2(self.op(torch.relu(self.conv1(x))))
+
+
+def _reducing(op, conv: bool = False):
+    class Reducing(MNISTClassifier):
+        tp_plan = {"net.0.conv1": "column", "net.0.conv2": "row"} if conv else {"net.2.fc1": "column",
+                                                                               "net.2.fc2": "row"}
+
+        def __init__(self, **kw):
+            super().__init__(**kw)
+            self.net = (nn.Sequential(_ReducingConv(op), nn.Flatten(), nn.Linear(784, 10)) if conv
+                        else _one_attention(_ReducingMLP(op), {}).net)
+    return Reducing
+
+
+_OVER_SPLIT_FEATURES = {  # op, what the refusal names
+    "normalize": (lambda h: nn.functional.normalize(h, dim=-1), "torch.nn.functional.normalize over dim 2"),
+    "layer_norm": (lambda h: nn.functional.layer_norm(h, h.shape[-1:]), "torch.nn.functional.layer_norm over dim 2"),
+    "softmax": (lambda h: h.softmax(-1), "Tensor.softmax over dim 2"),
+    "rms": (lambda h: h * h.pow(2).mean(-1, keepdim=True).rsqrt(), "Tensor.mean over dim 2"),
+    "all": (lambda h: h / h.abs().sum(), "Tensor.sum over dim 2"),
+}
+
+
+@pytest.mark.parametrize("op", list(_OVER_SPLIT_FEATURES))
+def test_a_reduction_over_split_features_in_a_blocks_forward_is_stopped_naming_it(op):
+    """Between fc1 (column) and fc2 (row) a rank holds 16 of the 32 features: a reduction over them -- a norm
+    written as a call, a softmax, an RMS scale -- would take each rank's own 16 only. Until 2026-12-08 the model
+    trained otherwise than one process without an error (F.normalize or F.layer_norm there: 4.0e-2 off after 2
+    float64 Adam steps at tp2, ``/tmp/pm/splitreduce.py``, a local probe)."""
+    fn, said = _OVER_SPLIT_FEATURES[op]
+    with pytest.raises(ValueError, match=re.escape(
+            f"'net.2''s forward runs {said} of the output of column layer 'net.2.fc1', which tensor parallelism "
+            "splits [16, 16] along that dim: each rank would reduce over its own features only")):
+        train_mnist(tp(2), 2, "sgd", batch=GLOBAL_BATCH, model_cls=_reducing(fn))
+
+
+def test_a_reduction_over_split_channels_is_stopped_and_pipelined_blocks_are_watched_too():
+    """A convolution's features are its channels (dim 1); under tp2 x pp2 the block runs in a stage's chunk."""
+    with pytest.raises(ValueError, match=re.escape(
+            "'net.0''s forward runs torch.nn.functional.normalize over dim 1 of the output of column layer "
+            "'net.0.conv1', which tensor parallelism splits [4, 4] along that dim")):
+        train_mnist(tp(2), 2, "sgd", batch=GLOBAL_BATCH,
+                    model_cls=_reducing(lambda h: nn.functional.normalize(h, dim=1), conv=True))
+    with pytest.raises(ValueError, match=re.escape("'net.2''s forward runs Tensor.softmax over dim 2")):
+        train_mnist(SHMModelParallel(start_method="fork", tensor_parallel_size=2, pipeline_parallel_size=2,
+                                     microbatches=2, split_points=[2]), 4, "sgd", batch=GLOBAL_BATCH,
+                    model_cls=_reducing(_OVER_SPLIT_FEATURES["softmax"][0]))
+
+
+@pytest.mark.parametrize("op", [
+    lambda h: h - h.mean(1, keepdim=True),  # over the tokens
+    lambda h: h * torch.sigmoid(h),  # elementwise
+    lambda h: h.view(*h.shape[:-1], -1, 4).softmax(-1).flatten(-2),  # within heads of 4, viewed apart
+], ids=["tokens", "gate", "heads"])
+def test_reductions_over_other_dims_or_within_viewed_heads_equal_one_process(op):
+    ref = train_mnist("auto", 1, "sgd", batch=GLOBAL_BATCH, ref=True, model_cls=_reducing(op))
+    got = train_mnist(tp(2), 2, "sgd", batch=GLOBAL_BATCH, model_cls=_reducing(op))
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)

@@ -25,6 +25,7 @@ from lightning_shm.parallel.tp.layers import (
     sliced_grouped_conv,
     sliced_groupnorm,
 )
+from lightning_shm.parallel.tp.reductions import watch_split_reductions
 from lightning_shm.parallel.tp.rng import SplitRegionRandom
 from lightning_shm.parallel.tp.sizes import LayerSplit
 from lightning_shm.runtime import Group
@@ -93,6 +94,8 @@ def apply_plan(module: nn.Module, splits: Mapping[str, LayerSplit], group: Group
     for name, new in replaced.items():
         parent, _, attr = name.rpartition(".")
         setattr(module.get_submodule(parent) if parent else module, attr, new)
+    watch_split_reductions(local, {n: sp.sizes for n, sp in splits.items() if sp.role == "column" and n in replaced},
+                           replaced)
     for name in {a for n in replaced for a in ancestors(n)}:
         layer = local.get(name)
         if isinstance(layer, nn.TransformerEncoderLayer):
