@@ -1145,6 +1145,8 @@ _OVER_SPLIT_FEATURES = {  # op, what the refusal names
     "softmax": (lambda h: h.softmax(-1), "Tensor.softmax over dim 2"),
     "rms": (lambda h: h * h.pow(2).mean(-1, keepdim=True).rsqrt(), "Tensor.mean over dim 2"),
     "all": (lambda h: h / h.abs().sum(), "Tensor.sum over dim 2"),
+    "gram": (lambda h: (h @ h.mT).softmax(-1) @ h, "Tensor.matmul over dim 2"),  # one head over all features
+    "einsum": (lambda h: torch.einsum("btf,bsf->bts", h, h).softmax(-1) @ h, "torch.einsum over dim 2"),
 }
 
 

@@ -14,6 +14,7 @@ under a :class:`~torch.overrides.TorchFunctionMode` that follows the column laye
     h = F.gelu(h)     elementwise: the result is split alike
     h = h.view(...)   any other op: no longer followed (heads viewed apart are reduced over legitimately)
     h.mean(-1)        a reduction over the split dim of a followed tensor: ValueError naming it
+    h @ h.mT          a product contracting it too (single-head attention on split q and k; einsum alike)
 
 Calls inside the tensor-parallel modules themselves (a distributed LayerNorm sums over its features and
 all-reduces) are not looked at. After that first forward the hooks are removed: nothing is watched later.
@@ -54,6 +55,8 @@ _DIM_AT: dict[Callable[..., Any], tuple[int, Any]] = {
     torch.topk: (2, -1), T.topk: (2, -1), torch.sort: (1, -1), T.sort: (1, -1), F.normalize: (2, 1),
 }
 _LAST_DIMS = (F.layer_norm, F.rms_norm)  # over the last len(normalized_shape) dims
+# products: the first operand's last dim against the second's (second to last; a vector's only)
+_PRODUCTS = {torch.matmul, torch.mm, torch.bmm, T.matmul, T.mm, T.bmm, T.__matmul__, T.__rmatmul__}
 
 
 def _reduced_dims(func: Callable[..., Any], args: tuple, kwargs: Mapping[str, Any], ndim: int) -> Optional[set[int]]:
@@ -75,6 +78,34 @@ def _reduced_dims(func: Callable[..., Any], args: tuple, kwargs: Mapping[str, An
     return {d % ndim for d in dims if isinstance(d, int)} if ndim else set()
 
 
+def _reductions(func: Callable[..., Any], args: tuple, kwargs: Mapping[str, Any]) -> list[tuple[Any, set[int]]]:
+    """Each tensor argument ``func`` reduces (or contracts) and the dims it reduces it over."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if func in _PRODUCTS and len(tensors) == 2:
+        a, b = (tensors[1], tensors[0]) if func is T.__rmatmul__ else tensors
+        return [(a, {a.dim() - 1}), (b, {max(b.dim() - 2, 0)})]
+    if func is torch.einsum and args and isinstance(args[0], str):
+        return _einsum(args[0], args[1:] if len(args) != 2 or isinstance(args[1], torch.Tensor) else args[1])
+    if func is F.cosine_similarity and len(tensors) == 2:
+        dim = kwargs.get("dim", args[2] if len(args) > 2 else 1)
+        return [(x, {dim % x.dim()}) for x in tensors]
+    if not args or not isinstance(args[0], torch.Tensor):
+        return []
+    dims = _reduced_dims(func, args, kwargs, args[0].dim())
+    return [] if dims is None else [(args[0], dims)]
+
+
+def _einsum(equation: str, operands: Any) -> list[tuple[Any, set[int]]]:
+    """The dims of each operand whose letter the output of ``equation`` drops (an ellipsis: not followed)."""
+    inputs, _, output = equation.replace(" ", "").partition("->")
+    terms = inputs.split(",")
+    if not output and "->" not in equation:  # implicit output: the letters seen once, in order
+        letters = "".join(terms)
+        output = "".join(sorted(c for c in set(letters) if letters.count(c) == 1))
+    return [(x, {i for i, c in enumerate(term) if c not in output}) for term, x in zip(terms, operands)
+            if isinstance(x, torch.Tensor) and "." not in term]
+
+
 class _Follow(TorchFunctionMode):
     """Follows the split tensors (id -> (the tensor, its split dim, the column layer)) through elementwise calls
     and raises on a reduction over a split dim."""
@@ -85,11 +116,11 @@ class _Follow(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
-        if self.inside == 0 and args and isinstance(args[0], torch.Tensor) and id(args[0]) in self.split:
-            x, dim, column, sizes = self.split[id(args[0])]
-            if x is args[0]:
-                reduced = _reduced_dims(func, args, kwargs, x.dim())
-                if reduced is not None and dim in reduced:
+        for x, reduced in _reductions(func, args, kwargs) if self.inside == 0 and self.split else ():
+            held = self.split.get(id(x))
+            if held is not None and held[0] is x:
+                _, dim, column, sizes = held
+                if dim in reduced:
                     raise ValueError(
                         f"'{self.owner}''s forward runs {_name(func)} over dim {dim} of the output of column layer "
                         f"'{column}', which tensor parallelism splits {list(sizes)} along that dim: each rank would "
@@ -112,7 +143,7 @@ def _name(func: Any) -> str:
     module = getattr(func, "__module__", None)
     if module is None:
         return f"Tensor.{name}"
-    return f"{'torch' if module.startswith('torch._C') or module == 'torch' else module}.{name}"
+    return f"{'torch' if module.startswith('torch._C') or module in ('torch', 'torch.functional') else module}.{name}"
 
 
 def watch_split_reductions(local: Mapping[str, nn.Module], columns: Mapping[str, tuple[int, ...]],
