@@ -18,7 +18,7 @@ Calls only rank 0 makes (a logger's, ``self.print``) are made there (:mod:`.rank
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ContextManager, Iterator, Mapping, Optional, Sequence
 
 import lightning.pytorch as pl
@@ -117,6 +117,25 @@ def _iterations(flags: dict[str, list[bool]], *modules: nn.Module) -> Iterator[N
         for m in modules:
             for method in _ENUMERATIONS:
                 m.__dict__.pop(method, None)
+
+
+@dataclass
+class _Seen:
+    """What the first training step's call did (:func:`_watching`)."""
+
+    enumerated: dict[str, list[bool]] = field(default_factory=lambda: {"parameters": [], "modules": []})
+    looked: set[int] = field(default_factory=set)  # the stage's layers it looked up, by index
+    ends: dict[str, tuple[set[Any], set[Any]]] = field(default_factory=dict)  # the chunk's layers' autograd ends
+
+
+@contextlib.contextmanager
+def _watching(seen: _Seen, module: nn.Module, stage: PipelineStage, chunk: nn.Module) -> Iterator[None]:
+    """Inside, into ``seen``: what the step enumerates, which layers it looks up, what each of ``chunk``'s layers
+    computes."""
+    with _iterations(seen.enumerated, module, stage), stage.looking_up() as looked, \
+            layer_ends(dict(chunk.named_children())) as ends:
+        seen.looked, seen.ends = looked, ends
+        yield
 
 
 def _refuse_reads(names: list[str]) -> None:
@@ -319,15 +338,9 @@ class LightningStageIO:
             produced.append(chunk(activation))
             return produced[-1]
 
-        enumerated: dict[str, list[bool]] = {"parameters": [], "modules": []}
-        looked: set[int] = set()
-        ends: dict[str, tuple[set[Any], set[Any]]] = {}
-        with contextlib.ExitStack() as watch:
-            if self.check_reads:  # what the step enumerates, which layers it looks up, what each layer computes
-                watch.enter_context(_iterations(enumerated, self.module, self.stage))
-                looked = watch.enter_context(self.stage.looking_up())
-                ends = watch.enter_context(layer_ends(dict(chunk.named_children())))
-            watch.enter_context(self.stage.running_chunk(run, x))
+        seen = _Seen()
+        watch = _watching(seen, self.module, self.stage, chunk) if self.check_reads else contextlib.nullcontext()
+        with self.stage.running_chunk(run, x), watch:
             out = self._call_step(mb, self.records, self.weights[mb])
         loss = out.get("loss") if isinstance(out, Mapping) else out
         if not isinstance(loss, Tensor):
@@ -337,14 +350,14 @@ class LightningStageIO:
         if isinstance(out, Mapping):
             self.extras[mb] = {k: v for k, v in out.items() if k != "loss"}
         if self.check_reads and produced and loss.grad_fn is not None:  # (nothing trainable: no graph to walk)
-            if enumerated["parameters"]:
+            if seen.enumerated["parameters"]:
                 held = {id(p) for p in self.stage.parameters()}
                 named = [(n, p) for n, p in self.module.named_parameters() if id(p) in held]
                 _refuse_reads(parameters_read_outside(loss, produced[0], named))
             start, end = self.stage.layer_ranges[max(self.stage.layer_ranges)]  # the last chunk's, which runs here
-            if enumerated["modules"] or looked - set(range(start, end)):
+            if seen.enumerated["modules"] or seen.looked - set(range(start, end)):
                 _refuse_layer_terms(self.module, self.stage, start, end,
-                                    layers_used_besides_output(loss, produced[0], ends))
+                                    layers_used_besides_output(loss, produced[0], seen.ends))
             self.check_reads = False
         return loss * (self.weights[mb] * self.loss_scale)
 
